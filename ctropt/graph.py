@@ -1,0 +1,314 @@
+"""Model I/O (validation, external data, versions the runtimes accept) and graph walking."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+
+# The highest versions onnxruntime 1.31 loads (checked by tests/test_graph.py against the installed
+# runtime): onnx 1.23 writes IR 14, which onnxruntime rejects, so saved models are clamped to these.
+MAX_IR_VERSION = 13
+MAX_ONNX_OPSET = 26
+PROTOBUF_LIMIT = 2**31 - 1
+# Above this many bytes of initializers a model is saved with its tensors in a side file.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+# Domains whose ops a runtime or ctropt itself implements; anything else must come as a model-local function.
+KNOWN_DOMAINS = {
+    "",
+    "ai.onnx",
+    "ai.onnx.ml",
+    "ai.onnx.preview.training",
+    "com.microsoft",
+    "com.microsoft.nchwc",
+    "ai.ctropt",
+}
+
+
+class CtroptError(Exception):
+    """An error the user can act on; the CLI prints it without a traceback."""
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
+    """Load and validate a model file, external data included. Raises CtroptError on bad input."""
+    path = Path(path)
+    if not path.exists():
+        raise CtroptError(f"{path}: no such file")
+    if path.is_dir():
+        raise CtroptError(f"{path}: is a directory, expected an .onnx file")
+    size = path.stat().st_size
+    if size > PROTOBUF_LIMIT:
+        raise CtroptError(
+            f"{path}: {size / 2**30:.1f} GiB in one file; a protobuf cannot exceed 2 GiB. "
+            "Save the model with external data: onnx.save_model(m, path, save_as_external_data=True)"
+        )
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise CtroptError(f"{path}: not an ONNX model, or the file is truncated ({e})") from None
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.output:
+        raise CtroptError(f"{path}: not an ONNX model, or the file is truncated (no graph outputs)")
+    if any(_uses_external_data(t) for t in _all_initializers(model.graph)):
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except (OSError, ValueError, onnx.checker.ValidationError) as e:
+            raise CtroptError(f"{path}: cannot read its external data: {e}") from None
+    if check:
+        check_model(model, str(path), path=path)
+    return model
+
+
+def check_model(model: onnx.ModelProto, where: str = "model", path: Path | None = None) -> None:
+    """Structure, versions and domains a runtime can handle; CtroptError with the reason otherwise."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    onnx_opset = opsets.get("", opsets.get("ai.onnx"))
+    if onnx_opset is None:
+        raise CtroptError(f"{where}: no ai.onnx opset import (not an ONNX model, or truncated)")
+    if onnx_opset > MAX_ONNX_OPSET:
+        raise CtroptError(
+            f"{where}: opset {onnx_opset} is newer than supported (onnxruntime runs up to opset "
+            f"{MAX_ONNX_OPSET}); re-export with opset {MAX_ONNX_OPSET} or lower"
+        )
+    functions = {(f.domain, f.name) for f in model.functions}
+    unknown_domains: dict[str, str] = {}
+    unknown_ops: set[str] = set()
+    for node in iter_proto_nodes(model.graph):
+        if (node.domain, node.op_type) in functions:
+            continue
+        if node.domain not in KNOWN_DOMAINS:
+            unknown_domains.setdefault(node.domain, node.op_type)
+        elif node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type):
+            unknown_ops.add(node.op_type)
+    if unknown_domains:
+        listed = ", ".join(f"{d!r} (e.g. {op})" for d, op in sorted(unknown_domains.items()))
+        raise CtroptError(
+            f"{where}: uses custom-op domain {listed} that neither onnxruntime nor ctropt implements, "
+            "and the model carries no function body for it"
+        )
+    if unknown_ops:
+        raise CtroptError(f"{where}: unknown ONNX op(s): {', '.join(sorted(unknown_ops))}")
+    saved_ir = model.ir_version
+    try:
+        model.ir_version = min(saved_ir, onnx.IR_VERSION)
+        if path is not None and not _small(model):
+            onnx.checker.check_model(str(path))  # over the protobuf limit: the checker reads the file itself
+        else:
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0]
+        raise CtroptError(f"{where}: invalid ONNX model: {first}") from None
+    finally:
+        model.ir_version = saved_ir
+
+
+# ----------------------------------------------------------------------------------------- saving
+
+
+def runtime_ir_version(model: onnx.ModelProto) -> int:
+    """The IR version to save with: the lowest the opsets need, never above what onnxruntime loads."""
+    needed = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    return max(min(model.ir_version, MAX_IR_VERSION), needed)
+
+
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
+    """Refuse an output path that would overwrite an input file."""
+    out = Path(out)
+    for inp in inputs:
+        inp = Path(inp)
+        if out.resolve() == inp.resolve() or (out.exists() and inp.exists() and out.samefile(inp)):
+            raise CtroptError(f"output path {out} is the input file; choose another path (-o)")
+    if out.is_dir():
+        raise CtroptError(f"output path {out} is a directory")
+    if not out.parent.exists():
+        raise CtroptError(f"output directory {out.parent} does not exist")
+    return out
+
+
+def save(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    protect: tuple[str | os.PathLike, ...] = (),
+) -> Path:
+    """Write atomically, with an IR version the runtimes accept; large models get a `.data` side file."""
+    path = check_output_path(path, *protect)
+    model = onnx.ModelProto.FromString(model.SerializeToString()) if _small(model) else _copy(model)
+    model.ir_version = runtime_ir_version(model)
+    if external_data is None:
+        external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    data_name = path.name + ".data"
+    for p in protect:
+        if (path.parent / data_name).resolve() == Path(p).resolve():
+            raise CtroptError(f"writing {data_name} would overwrite an input file")
+    tmp = Path(tempfile.mkdtemp(prefix=".ctropt-", dir=path.parent))
+    try:
+        target = tmp / path.name
+        if external_data:
+            onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+            os.replace(tmp / data_name, path.parent / data_name)
+        else:
+            onnx.save_model(model, str(target))
+        os.replace(target, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    return sum(_tensor_bytes(t) for t in _all_initializers(model.graph))
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    if t.HasField("raw_data"):
+        return len(t.raw_data)
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * 4
+
+
+def _small(model: onnx.ModelProto) -> bool:
+    return initializer_bytes(model) < PROTOBUF_LIMIT // 2
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _uses_external_data(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL
+
+
+# ----------------------------------------------------------------------------------------- walking
+
+
+def _all_initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    for g in iter_proto_graphs(graph):
+        yield from g.initializer
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+
+
+def iter_proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The graph and every Loop/Scan/If body inside it, depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_proto_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_proto_graphs(g)
+
+
+def iter_proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    for g in iter_proto_graphs(graph):
+        yield from g.node
+
+
+def op_histogram(model: onnx.ModelProto) -> collections.Counter:
+    """Op type counts over the graph and all subgraphs (custom domains prefixed)."""
+    return collections.Counter(
+        (f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type)
+        for n in iter_proto_nodes(model.graph)
+    )
+
+
+def node_count(model: onnx.ModelProto) -> int:
+    return sum(1 for _ in iter_proto_nodes(model.graph))
+
+
+def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
+    """A graphsurgeon graph and all its subgraphs, outermost first."""
+    yield graph
+    yield from graph.subgraphs(recursive=True)
+
+
+# ----------------------------------------------------------------------------------------- graphsurgeon bridge
+
+
+def to_graph(model: onnx.ModelProto) -> gs.Graph:
+    return gs.import_onnx(model)
+
+
+def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
+    """Export a graphsurgeon graph, keeping `like`'s model-level fields and opset imports."""
+    graph.toposort(recurse_subgraphs=True)
+    model = gs.export_onnx(graph, do_type_check=False)
+    opsets = {o.domain: o.version for o in like.opset_import}
+    for o in model.opset_import:
+        opsets.setdefault(o.domain, o.version)
+    del model.opset_import[:]
+    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in opsets.items())
+    model.ir_version = like.ir_version
+    for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(model, field, getattr(like, field))
+    del model.metadata_props[:]
+    model.metadata_props.extend(like.metadata_props)
+    return model
+
+
+def interface(model: onnx.ModelProto) -> list[tuple]:
+    """(kind, name, elem type, dims) of every graph input and output, in order."""
+
+    def dims(vi):
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            return None
+        return tuple(d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
+                     for d in t.shape.dim)
+
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in initializers]
+    return [("input", v.name, v.type.tensor_type.elem_type, dims(v)) for v in inputs] + [
+        ("output", v.name, v.type.tensor_type.elem_type, dims(v)) for v in model.graph.output
+    ]
+
+
+def annotate_shapes(graph: gs.Graph) -> tuple[int, str]:
+    """Fill in missing dtypes/shapes of node outputs (all scopes) by onnx shape inference.
+
+    Graph inputs and outputs are never touched. Returns (values annotated, reason if inference could not run).
+    """
+    model = gs.export_onnx(graph, do_type_check=False)
+    if model.ByteSize() > PROTOBUF_LIMIT - (1 << 20):
+        return 0, "model over 2 GiB: shape inference skipped"
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as e:  # inference is best effort: a model it cannot handle keeps its annotations
+        return 0, f"shape inference failed: {str(e).splitlines()[0][:200]}"
+    known = {vi.name: vi for g in iter_proto_graphs(inferred.graph) for vi in g.value_info}
+    annotated = 0
+    for g in iter_graphs(graph):
+        interface = {id(t) for t in list(g.inputs) + list(g.outputs)}
+        for node in g.nodes:
+            for t in node.outputs:
+                vi = known.get(t.name)
+                if vi is None or id(t) in interface or not vi.type.HasField("tensor_type"):
+                    continue
+                tt = vi.type.tensor_type
+                changed = False
+                if t.dtype is None and tt.elem_type:
+                    t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+                    changed = True
+                if t.shape is None and tt.HasField("shape"):
+                    t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+                    changed = True
+                annotated += changed
+    return annotated, ""

@@ -1,0 +1,110 @@
+"""What a model contains, for `ctropt inspect`: ops, interface, embedding tables, recurrent structures,
+and which passes would rewrite it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from .graph import iter_graphs, op_histogram, to_graph, to_model
+from .passes.registry import Pass, PassContext
+from .patterns import const_value, explain
+
+RECURRENT_OPS = {"GRU", "LSTM", "RNN"}
+FC_OPS = {"MatMul", "Gemm"}
+
+
+@dataclasses.dataclass
+class Table:
+    name: str
+    rows: int
+    width: int
+    lookups: int
+    ops: str
+
+
+@dataclasses.dataclass
+class Recurrent:
+    kind: str
+    where: str
+    detail: str
+
+
+def embedding_tables(graph: gs.Graph) -> list[Table]:
+    """Constant matrices read by Gather (lookup) or multiplied by a OneHot (indicator/one-hot lookup)."""
+    found: dict[str, list] = collections.defaultdict(list)
+    shapes = {}
+    for g in iter_graphs(graph):
+        for node in g.nodes:
+            if node.op in ("Gather", "GatherND") and node.inputs:
+                table = node.inputs[0]
+            elif node.op == "MatMul" and any(t.inputs and t.inputs[0].op == "OneHot" for t in node.inputs[:1]):
+                table = node.inputs[1]
+            else:
+                continue
+            value = const_value(table)
+            if value is not None and value.ndim == 2 and value.shape[0] > 1:
+                found[table.name].append(node.op)
+                shapes[table.name] = value.shape
+    return sorted((Table(name, shapes[name][0], shapes[name][1], len(ops), ",".join(sorted(set(ops))))
+                   for name, ops in found.items()), key=lambda t: (-t.lookups, t.name))
+
+
+def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
+    """ONNX RNN ops, Loop/Scan bodies that hold a gated cell, and weights shared by many MatMuls (unrolled steps)."""
+    out = []
+    for g in iter_graphs(graph):
+        for node in g.nodes:
+            if node.op in RECURRENT_OPS:
+                out.append(Recurrent(f"{node.op} op", node.name, f"hidden {node.attrs.get('hidden_size')}"))
+            elif node.op in ("Loop", "Scan") and "body" in node.attrs:
+                body = node.attrs["body"]
+                ops = collections.Counter(n.op for b in iter_graphs(body) for n in b.nodes)
+                gated = ops["Sigmoid"] >= 1 and ops["Tanh"] >= 1
+                kind = f"{node.op} with a gated cell (GRU-like)" if gated else node.op
+                out.append(Recurrent(kind, node.name, f"{sum(ops.values())} body nodes; "
+                                     f"Sigmoid {ops['Sigmoid']}, Tanh {ops['Tanh']}, MatMul {ops['MatMul']}"))
+        users = collections.Counter()
+        for node in g.nodes:
+            if node.op in FC_OPS and len(node.inputs) > 1 and const_value(node.inputs[1]) is not None:
+                users[node.inputs[1].name] += 1
+        for weight, count in users.items():
+            if count >= 3:
+                out.append(Recurrent("unrolled chain", weight, f"weight shared by {count} MatMul/Gemm (one per step)"))
+    return out
+
+
+@dataclasses.dataclass
+class PassPreview:
+    name: str
+    matches: int
+    rewrites: int
+    notes: list[str]
+    misses: list[str]
+
+
+def preview_passes(model: onnx.ModelProto, passes: list[Pass], target: str, explain_misses: bool) -> list[PassPreview]:
+    """Dry-run each pass on its own copy of the model (no verification) and report what it would do."""
+    previews = []
+    for p in passes:
+        graph = to_graph(model)
+        ctx = PassContext(graph, target)
+        try:
+            p(ctx)
+            to_model(ctx.graph, like=model)
+            notes = ctx.notes
+        except Exception as e:  # a preview must not stop the inspection
+            notes = [f"raised {type(e).__name__}: {e}"]
+        misses = []
+        if explain_misses and not ctx.rewrites:
+            fresh = to_graph(model)
+            misses = [f"{r.name}: {explain(r.pattern, fresh)}" for r in p.rules]
+        previews.append(PassPreview(p.name, ctx.matches, ctx.rewrites, notes, misses))
+    return previews
+
+
+def op_counts(model: onnx.ModelProto) -> list[tuple[str, int]]:
+    return op_histogram(model).most_common()

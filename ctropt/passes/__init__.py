@@ -1,0 +1,8 @@
+"""The pass registry, the PassManager and the built-in pass families (one module each)."""
+
+from . import cleanup  # noqa: F401  (registers the cleanup passes)
+from .manager import OptimizeResult, PassFailed, PassManager, PassRecord, optimize
+from .registry import GROUPS, REGISTRY, TARGETS, Pass, PassContext, load_plugin, register_pass, resolve, rewrite_pass
+
+__all__ = ["GROUPS", "REGISTRY", "TARGETS", "OptimizeResult", "Pass", "PassContext", "PassFailed", "PassManager",
+           "PassRecord", "load_plugin", "optimize", "register_pass", "resolve", "rewrite_pass"]

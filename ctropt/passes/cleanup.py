@@ -1,0 +1,316 @@
+"""Generic cleanup passes: dead nodes, shapes, training leftovers, no-op ops, constants, duplicates.
+
+Where onnx, onnx-graphsurgeon or onnxruntime already do the job (shape inference, constant folding,
+dead-node removal) these passes call them and only count what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
+
+from ..graph import annotate_shapes, iter_graphs
+from ..patterns import Const, P, Rewrite, Var, const_value
+from ..patterns.matcher import renameable, replace_outputs
+from .registry import PassContext, register_pass
+
+FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
+
+
+def _node_total(graph: gs.Graph) -> int:
+    return sum(len(g.nodes) for g in iter_graphs(graph))
+
+
+@register_pass("eliminate-dead-nodes", group="cleanup", order=1)
+def eliminate_dead_nodes(ctx: PassContext) -> None:
+    """Remove nodes and initializers no graph output depends on (Loop/Scan/If bodies included)."""
+    before = _node_total(ctx.graph)
+    ctx.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True)
+    removed = before - _node_total(ctx.graph)
+    ctx.matches += removed
+    ctx.rewrites += removed
+
+
+@register_pass("infer-shapes", group="cleanup", order=2)
+def infer_shapes(ctx: PassContext) -> None:
+    """Annotate intermediate values with dtypes and shapes (onnx shape inference with data propagation)."""
+    annotated, problem = annotate_shapes(ctx.graph)
+    ctx.matches += annotated
+    ctx.rewrites += annotated
+    if problem:
+        ctx.note(problem)
+
+
+@register_pass("prune-training-ops", group="cleanup", order=5)
+def prune_training_ops(ctx: PassContext) -> None:
+    """Drop training-only ops left in inference exports (Dropout in inference mode with its mask unused)."""
+
+    def inference_dropout(m):
+        node = m.root
+        if len(node.outputs) > 1 and node.outputs[1].outputs:
+            return False
+        if len(node.inputs) > 2 and node.inputs[2].name:
+            mode = const_value(node.inputs[2])
+            return mode is not None and not bool(np.asarray(mode).ravel()[0])
+        return True
+
+    ctx.apply(Rewrite("dropout", P.Dropout(Var("x"), ...), lambda m: [m["x"]], _keeps_interface(inference_dropout)))
+
+
+# ----------------------------------------------------------------------------------------- no-op ops
+
+
+def _keeps_interface(cond=None):
+    """Wrap a condition: also refuse when dropping the node would only move it (graph output fed by a non-renameable value)."""
+
+    def check(m):
+        if cond is not None and not cond(m):
+            return False
+        out = m.root.outputs[0]
+        x = m.values.get("x")
+        if x is not None and any(o is out for o in m.graph.outputs) and not renameable(m.graph, x):
+            return False
+        return True
+
+    return check
+
+
+def _shape(t: gs.Tensor):
+    shape = t.shape if not isinstance(t, gs.Constant) else t.values.shape
+    return None if shape is None else list(shape)
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape)
+
+
+def _dtype(t: gs.Tensor):
+    return t.dtype if not isinstance(t, gs.Constant) else t.values.dtype
+
+
+def _cast_to_same_type(m) -> bool:
+    dtype = _dtype(m["x"])
+    return dtype is not None and np.dtype(dtype) == onnx.helper.tensor_dtype_to_np_dtype(m.root.attrs["to"])
+
+
+def _reshape_to_same_shape(m) -> bool:
+    x, target = _shape(m["x"]), m.const("shape")
+    if target is None or target.ndim != 1 or x is None:
+        return False
+    if m.root.attrs.get("allowzero", 0) == 0:
+        target = np.array([x[i] if d == 0 and i < len(x) else d for i, d in enumerate(target)], dtype=object)
+    if len(target) != len(x):
+        return False
+    # Equal if every dim agrees; at most one -1 may stand for the one dim left unknown to the check.
+    unknown = [i for i, d in enumerate(target) if d == -1]
+    mismatched = [i for i, (d, s) in enumerate(zip(target, x))
+                  if d != -1 and not (s == d and (isinstance(s, (int, np.integer)) or isinstance(d, str)))]
+    if mismatched:
+        return False
+    if len(unknown) == 1:
+        others = [s for i, s in enumerate(x) if i != unknown[0]]
+        return all(isinstance(s, (int, np.integer)) for s in others) or _static(x)
+    return not unknown
+
+
+def _same_axes(m) -> bool:
+    def axes(node):
+        if "axes" in node.attrs:
+            return list(node.attrs["axes"])
+        if len(node.inputs) > 1:
+            v = const_value(node.inputs[1])
+            return None if v is None else v.ravel().tolist()
+        return None
+
+    outer, inner = axes(m.root), axes(m.node("inner"))
+    return outer is not None and outer == inner and len(set(np.sign(outer))) <= 1
+
+
+def _identity_perm(m) -> bool:
+    perm = m.root.attrs.get("perm")
+    return perm is not None and list(perm) == list(range(len(perm)))
+
+
+def _full_slice(m) -> bool:
+    starts, ends = m.const("starts"), m.const("ends")
+    steps = const_value(m.root.inputs[4]) if len(m.root.inputs) > 4 and m.root.inputs[4].name else None
+    return (np.all(starts == 0) and np.all(ends >= np.iinfo(np.int32).max)
+            and (steps is None or np.all(steps == 1)))
+
+
+def _zero_pads(m) -> bool:
+    return bool(np.all(m.const("pads") == 0))
+
+
+def _neutral(value: float):
+    """x op c == x when c is all `value` and c's broadcast cannot grow x's shape or change its dtype."""
+
+    def check(m) -> bool:
+        c, x = m.const("c"), _shape(m["x"])
+        dtype = _dtype(m["x"])
+        if x is None or dtype is None or np.dtype(dtype) != c.dtype or not np.all(c == value):
+            return False
+        if m.root.op in ("Sub", "Div") and m.root.inputs[0] is not m["x"]:
+            return False
+        return c.ndim <= len(x) and all(d == 1 or (isinstance(s, (int, np.integer)) and s == d)
+                                        for d, s in zip(c.shape[::-1], x[::-1]))
+
+    return check
+
+
+def _same(m):
+    return [m["x"]]
+
+
+x = Var("x")
+NO_OP_RULES = (
+    Rewrite("identity", P.Identity(x), _same),
+    Rewrite("cast-same-type", P.Cast(x), _same, _cast_to_same_type),
+    Rewrite("reshape-same-shape", P.Reshape(x, Const("shape")), _same, _reshape_to_same_shape),
+    Rewrite("reshape-of-own-shape", P.Reshape(x, P.Shape(x)), _same),
+    Rewrite("squeeze-unsqueeze", P.Squeeze(P.Unsqueeze(x, ..., _name="inner"), ...), _same, _same_axes),
+    Rewrite("unsqueeze-squeeze", P.Unsqueeze(P.Squeeze(x, ..., _name="inner"), ...), _same, _same_axes),
+    Rewrite("transpose-identity", P.Transpose(x), _same, _identity_perm),
+    Rewrite("concat-single", P.Concat(x), _same),
+    Rewrite("slice-whole", P.Slice(x, Const("starts"), Const("ends"), ...), _same, _full_slice),
+    Rewrite("pad-zero", P.Pad(x, Const("pads"), ...), _same, _zero_pads),
+    Rewrite("add-zero", P.Add(x, Const("c")), _same, _neutral(0)),
+    Rewrite("sub-zero", P.Sub(x, Const("c")), _same, _neutral(0)),
+    Rewrite("mul-one", P.Mul(x, Const("c")), _same, _neutral(1)),
+    Rewrite("div-one", P.Div(x, Const("c")), _same, _neutral(1)),
+)
+NO_OP_RULES = tuple(Rewrite(r.name, r.pattern, r.replace, _keeps_interface(r.condition)) for r in NO_OP_RULES)
+
+
+def _reshape_chain(m):
+    (out,) = m.op("Reshape", [m["x"], m["shape"]], {"allowzero": m.root.attrs.get("allowzero", 0)},
+                  dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
+    return [out]
+
+
+def _no_zero_dims(m) -> bool:
+    return bool(np.all(m.const("shape") != 0)) or m.root.attrs.get("allowzero", 0) == 1
+
+
+def _compose_transposes(m):
+    inner, outer = m.node("inner").attrs.get("perm"), m.root.attrs.get("perm")
+    if inner is None or outer is None:
+        return None
+    perm = [int(inner[i]) for i in outer]
+    if perm == list(range(len(perm))):
+        return [m["x"]]
+    (out,) = m.op("Transpose", [m["x"]], {"perm": perm}, dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
+    return [out]
+
+
+CHAIN_RULES = (
+    Rewrite("reshape-reshape", P.Reshape(P.Reshape(x, Var()), Const("shape")), _reshape_chain,
+            _no_zero_dims),
+    Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
+            _keeps_interface()),
+)
+
+
+@register_pass("eliminate-identity", group="cleanup", order=10, rules=NO_OP_RULES + CHAIN_RULES)
+def eliminate_identity(ctx: PassContext) -> None:
+    """Remove ops that do nothing (Identity, Cast/Reshape to the same type/shape, x*1, ...) and merge Reshape/Transpose chains."""
+    ctx.apply(*NO_OP_RULES, *CHAIN_RULES)
+
+
+# ----------------------------------------------------------------------------------------- constants
+
+
+@register_pass("fold-constants", group="cleanup", order=20)
+def fold_constants(ctx: PassContext) -> None:
+    """Evaluate subgraphs whose inputs are all constant (onnx-graphsurgeon + onnxruntime), up to a size cap."""
+    before = _node_total(ctx.graph)
+    cap = int(ctx.options.get("fold_size_cap", FOLD_SIZE_CAP))
+    saved = G_LOGGER.severity
+    G_LOGGER.severity = G_LOGGER.ERROR
+    try:
+        ctx.graph.toposort(recurse_subgraphs=True)
+        ctx.graph.fold_constants(size_threshold=cap, recurse_subgraphs=True, error_ok=True)
+        ctx.graph.cleanup(remove_unused_graph_inputs=False)
+    finally:
+        G_LOGGER.severity = saved
+    folded = before - _node_total(ctx.graph)
+    ctx.matches += max(folded, 0)
+    ctx.rewrites += max(folded, 0)
+
+
+def _constant_key(c: gs.Constant):
+    values = c.values
+    return (values.dtype.str, values.shape, hashlib.sha1(np.ascontiguousarray(values).tobytes()).hexdigest())
+
+
+@register_pass("dedup-initializers", group="cleanup", order=25)
+def dedup_initializers(ctx: PassContext) -> None:
+    """Make identical constants (same dtype, shape and bytes) one tensor, within each scope and from outer scopes."""
+
+    def visit(graph: gs.Graph, visible: dict):
+        pool = dict(visible)
+        interface = {id(t) for t in list(graph.inputs) + list(graph.outputs)}
+        for node in graph.nodes:
+            for i, t in enumerate(node.inputs):
+                if not isinstance(t, gs.Constant) or id(t) in interface:
+                    continue
+                key = _constant_key(t)
+                keep = pool.setdefault(key, t)
+                if keep is not t:
+                    node.inputs[i] = keep
+                    ctx.rewrites += 1
+        for node in graph.nodes:
+            for attr in node.attrs.values():
+                for sub in (attr if isinstance(attr, list) else [attr]):
+                    if isinstance(sub, gs.Graph):
+                        visit(sub, pool)
+
+    visit(ctx.graph, {})
+    ctx.matches = ctx.rewrites
+    ctx.graph.cleanup(remove_unused_graph_inputs=False)
+
+
+NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                    "Bernoulli", "Dropout"}
+
+
+def _attr_key(value):
+    if isinstance(value, gs.Constant):
+        return ("tensor",) + _constant_key(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, value.tobytes())
+    return value
+
+
+@register_pass("eliminate-common-subexpressions", group="cleanup", order=30)
+def eliminate_common_subexpressions(ctx: PassContext) -> None:
+    """Compute once what several nodes compute identically (same op, attributes and inputs)."""
+    for g in list(iter_graphs(ctx.graph)):
+        g.toposort(recurse_subgraphs=False)
+        seen: dict = {}
+        for node in list(g.nodes):
+            if node.op in NONDETERMINISTIC or not node.outputs or any(
+                isinstance(v, gs.Graph) or (isinstance(v, list) and any(isinstance(s, gs.Graph) for s in v))
+                for v in node.attrs.values()
+            ):
+                continue
+            try:
+                key = (node.op, node.domain or "", tuple(id(t) for t in node.inputs), len(node.outputs),
+                       tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items())))
+                hash(key)
+            except TypeError:
+                continue
+            keep = seen.setdefault(key, node)
+            if keep is node:
+                continue
+            ctx.matches += 1
+            replace_outputs(g, node, list(keep.outputs))
+            ctx.rewrites += 1
+    if ctx.rewrites:
+        ctx.graph.cleanup(remove_unused_graph_inputs=False)

@@ -1,0 +1,162 @@
+"""The PassManager: runs passes in order, verifies outputs after each one, rolls back failures."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, op_histogram, to_graph, to_model
+from ..runtime import DEFAULT_ATOL, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
+from .registry import Pass, PassContext, resolve
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """What one pass did: statistics, the node-level change, the numeric check and the time it took."""
+
+    name: str
+    status: str  # applied | unchanged | rolled back | failed | skipped
+    matches: int = 0
+    rewrites: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    max_abs_err: float | None = None
+    seconds: float = 0.0
+    message: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    removed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (op, node name)
+    added: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class OptimizeResult:
+    model: onnx.ModelProto
+    records: list[PassRecord]
+    verified: bool
+
+    @property
+    def failed(self) -> list[PassRecord]:
+        return [r for r in self.records if r.status in ("rolled back", "failed")]
+
+
+class PassFailed(CtroptError):
+    pass
+
+
+class PassManager:
+    """Run passes on a model; after each pass compare every output with the original's and roll back on error.
+
+    feeds: inputs to verify with (default: generated, `batch` rows); verify=False skips the numeric check
+    (the interface check still runs). strict=True raises PassFailed instead of rolling back.
+    """
+
+    def __init__(self, passes="all", *, skip=(), target: str = "ort", feeds: dict[str, np.ndarray] | None = None,
+                 batch: int = 16, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
+                 strict: bool = False, options: dict | None = None,
+                 on_pass: Callable[[Pass, PassRecord | None], None] | None = None):
+        self.passes = resolve(passes, skip, target)
+        self.target, self.feeds, self.batch = target, feeds, batch
+        self.atol, self.rtol, self.verify, self.strict = atol, rtol, verify, strict
+        self.options = options or {}
+        self.on_pass = on_pass
+
+    def run(self, model: onnx.ModelProto) -> OptimizeResult:
+        original_interface = interface(model)
+        reference = feeds = None
+        if self.verify:
+            feeds = self.feeds if self.feeds is not None else generate_inputs(model, batch=self.batch)
+            try:
+                reference = Runner(model).run(feeds)
+            except CtroptError as e:
+                raise CtroptError(f"cannot verify: the input model does not run ({e}); "
+                                  "pass --no-verify to optimize without the numeric check") from None
+        records = []
+        current = to_model(to_graph(model), like=model)  # one normalizing round trip, so passes compare like with like
+        for p in self.passes:
+            if self.on_pass:
+                self.on_pass(p, None)
+            record, current = self._run_one(p, current, original_interface, feeds, reference)
+            records.append(record)
+            if self.on_pass:
+                self.on_pass(p, record)
+        return OptimizeResult(current, records, self.verify)
+
+    def _run_one(self, p: Pass, before: onnx.ModelProto, original_interface, feeds, reference):
+        t0 = time.perf_counter()
+        nodes_before = node_count(before)
+        record = PassRecord(p.name, "applied", nodes_before=nodes_before, nodes_after=nodes_before)
+        try:
+            graph = to_graph(before)
+            ctx = PassContext(graph, self.target, dict(self.options))
+            p(ctx)
+            if ctx.rewrites:
+                annotate_shapes(ctx.graph)  # new values get dtypes/shapes, so later passes (and reruns) see them
+            after = to_model(ctx.graph, like=before)
+            record.matches, record.rewrites, record.notes = ctx.matches, ctx.rewrites, ctx.notes
+        except CtroptError:
+            raise
+        except Exception as e:  # a broken pass must not take the model down with it
+            return self._reject(record, before, t0, "failed", f"raised {type(e).__name__}: {e}"), before
+        if _fingerprint(after) == _fingerprint(before):
+            record.status, record.seconds = "unchanged", time.perf_counter() - t0
+            return record, before
+        if interface(after) != original_interface:
+            return self._reject(record, before, t0, "rolled back", "changed the model's inputs/outputs"), before
+        if reference is not None:
+            try:
+                diffs = compare_outputs(reference, Runner(after).run(feeds), atol=self.atol, rtol=self.rtol)
+            except CtroptError as e:
+                return self._reject(record, before, t0, "rolled back", str(e)), before
+            record.max_abs_err = max((d.max_abs for d in diffs), default=0.0)
+            if not all(d.ok for d in diffs):
+                return self._reject(record, before, t0, "rolled back", f"outputs changed: {summary(diffs)}"), before
+        record.nodes_after = node_count(after)
+        record.removed, record.added = _node_delta(before, after)
+        record.ops_before, record.ops_after = dict(op_histogram(before)), dict(op_histogram(after))
+        record.seconds = time.perf_counter() - t0
+        return record, after
+
+    def _reject(self, record: PassRecord, before, t0, status: str, message: str) -> PassRecord:
+        record.status, record.message = status, message
+        record.rewrites = 0
+        record.seconds = time.perf_counter() - t0
+        if self.strict:
+            raise PassFailed(f"pass {record.name} {status}: {message}")
+        return record
+
+
+def _fingerprint(model: onnx.ModelProto) -> str:
+    """A hash of the graph's structure (nodes, initializer names/shapes, typed values), not of tensor bytes."""
+    h = hashlib.sha1()
+    for g in iter_proto_graphs(model.graph):
+        for n in g.node:
+            h.update(n.SerializeToString(deterministic=True) if not _has_big_attr(n) else n.name.encode())
+        for t in g.initializer:
+            h.update(f"{t.name}:{t.data_type}:{list(t.dims)}".encode())
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            h.update(v.SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
+def _has_big_attr(node: onnx.NodeProto) -> bool:
+    return any(a.type == onnx.AttributeProto.TENSOR and len(a.t.raw_data) > 1 << 20 for a in node.attribute)
+
+
+def _node_delta(before: onnx.ModelProto, after: onnx.ModelProto):
+    def nodes(m):
+        return {(n.op_type, n.name) for g in iter_proto_graphs(m.graph) for n in g.node}
+
+    b, a = nodes(before), nodes(after)
+    return sorted(b - a), sorted(a - b)
+
+
+def optimize(model: onnx.ModelProto, passes="all", **kwargs) -> OptimizeResult:
+    """Python API: `ctropt.optimize(model, passes=["eliminate-identity", my_pass], target="ort")`."""
+    return PassManager(passes, **kwargs).run(model)

@@ -1,0 +1,143 @@
+"""Pass objects, the registry and the context a pass runs in."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+import onnx_graphsurgeon as gs
+
+from ..graph import CtroptError
+from ..patterns import Rewrite, apply_rewrites
+
+GROUPS = ("cleanup", "fusion", "quantize", "lower")
+TARGETS = ("any", "ort", "openvino")
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass sees: the graph to rewrite in place, the target, options, and its statistics."""
+
+    graph: gs.Graph
+    target: str = "ort"
+    options: dict = dataclasses.field(default_factory=dict)
+    matches: int = 0
+    rewrites: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def apply(self, *rules: Rewrite) -> int:
+        """Run pattern rewrites to a fixpoint over the graph and all subgraphs; returns rewrites."""
+        matches, rewrites = apply_rewrites(self.graph, list(rules))
+        self.matches += matches
+        self.rewrites += rewrites
+        return rewrites
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+@dataclasses.dataclass
+class Pass:
+    """A named graph transformation: `fn(ctx)` rewrites `ctx.graph` in place and counts what it did."""
+
+    name: str
+    fn: Callable[[PassContext], None]
+    group: str = "fusion"
+    targets: tuple[str, ...] = ("any",)
+    description: str = ""
+    order: int = 100
+    default: bool = True  # part of `all`; opt-in passes (e.g. INT8) say False
+    rules: tuple[Rewrite, ...] = ()  # the pattern rules, for explain/inspect
+
+    def __post_init__(self):
+        if self.group not in GROUPS:
+            raise ValueError(f"pass {self.name}: group must be one of {GROUPS}")
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad:
+            raise ValueError(f"pass {self.name}: unknown targets {bad}; use {TARGETS}")
+        if not self.description:
+            self.description = ((self.fn.__doc__ or "").strip().splitlines() or [""])[0]
+
+    def __call__(self, ctx: PassContext) -> None:
+        self.fn(ctx)
+
+    def applies_to(self, target: str) -> bool:
+        return "any" in self.targets or target in self.targets
+
+    @property
+    def sort_key(self):
+        return (GROUPS.index(self.group), self.order, self.name)
+
+
+REGISTRY: dict[str, Pass] = {}
+
+
+def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int = 100,
+                  description: str = "", default: bool = True, rules: tuple[Rewrite, ...] = ()):
+    """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`)."""
+
+    def wrap(fn: Callable[[PassContext], None]) -> Pass:
+        p = Pass(name, fn, group, tuple(targets), description, order, default, tuple(rules))
+        REGISTRY[name] = p
+        return p
+
+    return wrap
+
+
+def rewrite_pass(name: str, *rules: Rewrite, group: str = "fusion", targets=("any",), order: int = 100,
+                 description: str = "", default: bool = True) -> Pass:
+    """Register a pass that only applies pattern rules."""
+
+    def run(ctx: PassContext) -> None:
+        ctx.apply(*rules)
+
+    run.__doc__ = description
+    return register_pass(name, group=group, targets=targets, order=order, description=description,
+                         default=default, rules=rules)(run)
+
+
+def load_plugin(module: str) -> None:
+    """Import a user module (dotted name or path to a .py file) whose passes register themselves."""
+    try:
+        if module.endswith(".py"):
+            import importlib.util
+            import pathlib
+            import sys
+
+            path = pathlib.Path(module)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or not path.exists():
+                raise ImportError(f"no such file {module}")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = mod
+            spec.loader.exec_module(mod)
+        else:
+            importlib.import_module(module)
+    except Exception as e:  # a plugin can fail in any way; report it, don't crash
+        raise CtroptError(f"cannot load plugin {module}: {type(e).__name__}: {e}") from None
+
+
+def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
+    """Turn `all`, a comma list, or a list of names/Pass objects into the passes to run, in order."""
+    if target not in TARGETS[1:]:
+        raise CtroptError(f"unknown target {target!r}; choose one of {', '.join(TARGETS[1:])}")
+    if isinstance(passes, str):
+        passes = [p.strip() for p in passes.split(",") if p.strip()]
+    skip = [s.strip() for s in (skip.split(",") if isinstance(skip, str) else skip) if s.strip()]
+    unknown = [n for n in list(skip) + [p for p in passes if isinstance(p, str) and p != "all"] if n not in REGISTRY]
+    if unknown:
+        raise CtroptError(f"unknown pass(es): {', '.join(unknown)}; `ctropt passes` lists them")
+    chosen: list[Pass] = []
+    for p in passes:
+        if p == "all":
+            chosen += sorted((q for q in REGISTRY.values() if q.default and q.applies_to(target)),
+                             key=lambda q: q.sort_key)
+        else:
+            chosen.append(REGISTRY[p] if isinstance(p, str) else p)
+    seen, result = set(), []
+    for p in chosen:
+        if p.name not in skip and p.name not in seen:
+            seen.add(p.name)
+            result.append(p)
+    return result

@@ -1,0 +1,237 @@
+"""Generating verification inputs that exercise a CTR model the way real traffic does.
+
+Integer ids stay inside the table they index (the id is followed through Cast/Reshape/Slice/Squeeze/
+Add/... to its Gather, into Loop/Scan bodies too); ids stored as float columns of one matrix (as
+deepctr-torch does) get a range per column; sequence lengths and masks agree row by row, and padded
+history positions hold id 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..graph import CtroptError, to_graph
+from ..patterns import const_value
+
+# Ops an id passes through unchanged in value (shape may change).
+_PASS_THROUGH = {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Tile",
+                 "Transpose", "Concat", "Floor", "Round", "Abs", "Clip", "Max", "Relu", "Split", "Gather",
+                 "GatherElements", "GatherND", "Slice", "Where", "Ceil"}
+_COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+DEFAULT_SEQ_LEN = 10
+
+
+@dataclasses.dataclass
+class InputFacts:
+    """What the graph tells about one input."""
+
+    upper: int | None = None  # exclusive upper bound for ids in the whole tensor
+    columns: dict[int, int] = dataclasses.field(default_factory=dict)  # column -> exclusive bound (last axis)
+    regions: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # column ranges read as ids
+    is_length: bool = False
+    length_columns: set[int] = dataclasses.field(default_factory=set)
+    is_mask: bool = False
+
+    def bound(self, bound: int, region: tuple[int, int] | None):
+        bound = max(int(bound), 1)
+        if region is None:
+            self.upper = bound if self.upper is None else min(self.upper, bound)
+        else:
+            self.regions.add(region)
+            for c in range(*region):
+                self.columns[c] = min(self.columns.get(c, bound), bound)
+
+    def length(self, region: tuple[int, int] | None):
+        if region is None:
+            self.is_length = True
+        else:
+            self.length_columns.update(range(*region))
+
+    def history_len(self, default: int) -> int:
+        """The padded length T of id histories stored as columns (deepctr-torch: one slice of T columns)."""
+        return max((e - s for s, e in self.regions if e - s > 1), default=default)
+
+
+def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
+    facts = {}
+    for inp in graph.inputs:
+        f = InputFacts()
+        _follow(inp, 0, None, f, set(), inp.shape)
+        if "len" in inp.name.lower() and inp.dtype is not None and np.issubdtype(inp.dtype, np.number):
+            f.is_length = True
+        if "mask" in inp.name.lower() and f.upper is None and not f.columns:
+            f.is_mask = True
+        facts[inp.name] = f
+    return facts
+
+
+def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, shape) -> None:
+    key = (id(t), offset, region)
+    if key in seen or len(seen) > 5000:
+        return
+    seen.add(key)
+    for node in list(t.outputs):
+        pos = [i for i, x in enumerate(node.inputs) if x is t]
+        op = node.op
+        if op == "Gather" and 1 in pos:
+            table = const_value(node.inputs[0])
+            if table is not None and table.ndim >= 1:
+                axis = node.attrs.get("axis", 0)
+                facts.bound(table.shape[axis] - offset, region)
+        elif op == "OneHot" and 0 in pos:
+            depth = const_value(node.inputs[1])
+            if depth is not None:
+                facts.bound(int(np.asarray(depth).ravel()[0]) - offset, region)
+        elif op in ("Add", "Sub") and len(node.inputs) == 2:
+            other = const_value(node.inputs[1 - pos[0]])
+            if other is not None and other.size == 1:
+                c = int(np.asarray(other).ravel()[0])
+                delta = c if op == "Add" else (-c if pos[0] == 0 else None)
+                if delta is not None:
+                    _follow(node.outputs[0], offset + delta, region, facts, seen, None)
+        elif op == "Slice" and pos == [0]:
+            _follow(node.outputs[0], offset, _slice_region(node, region, shape), facts, seen, None)
+        elif op in _COMPARE or (op in ("GRU", "LSTM", "RNN") and 4 in pos):
+            facts.length(region)
+        elif op in ("Loop", "Scan"):
+            for p in pos:
+                inner = _body_input(node, p)
+                if inner is not None:
+                    _follow(inner, offset, region, facts, seen, None)
+        elif op in _PASS_THROUGH and (0 in pos or op in ("Concat", "Max", "Where")):
+            for out in node.outputs:
+                _follow(out, offset, region if op != "Transpose" else None, facts, seen, None)
+
+
+def _slice_region(node: gs.Node, region, shape):
+    """Column range kept by a constant Slice on the last axis of the input (deepctr-torch's X[:, a:b])."""
+    starts, ends = (const_value(x) for x in node.inputs[1:3])
+    axes = const_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else None
+    steps = const_value(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4].name else None
+    if starts is None or ends is None or starts.size != 1 or (steps is not None and int(steps.ravel()[0]) != 1):
+        return region
+    axis = int(axes.ravel()[0]) if axes is not None else 0
+    rank = len(shape) if shape is not None else None
+    if rank is None or axis not in (rank - 1, -1):
+        return region
+    start, end = int(starts.ravel()[0]), int(ends.ravel()[0])
+    width = shape[-1] if isinstance(shape[-1], int) else None
+    if start < 0 or end < 0:
+        if width is None:
+            return region
+        start, end = start % width if start < 0 else start, end % width if end < 0 else end
+    end = min(end, width) if width is not None else end
+    if region is not None:
+        start, end = region[0] + start, min(region[1], region[0] + end)
+    return (start, end)
+
+
+def _body_input(node: gs.Node, pos: int) -> gs.Tensor | None:
+    body = node.attrs.get("body")
+    if body is None:
+        return None
+    if node.op == "Loop":
+        return body.inputs[pos] if pos >= 2 and pos < len(body.inputs) else None
+    return body.inputs[pos] if pos < len(body.inputs) else None
+
+
+def _resolve_shape(vi_shape, batch: int, seq_len: int, dims: dict[str, int]) -> list[int]:
+    shape = []
+    for axis, d in enumerate(vi_shape or []):
+        if isinstance(d, int) and d >= 0:
+            shape.append(d)
+        elif isinstance(d, str) and d in dims:
+            shape.append(dims[d])
+        else:
+            shape.append(batch if axis == 0 else seq_len)
+    return shape
+
+
+def generate_inputs(model: onnx.ModelProto, *, batch: int = 16, seq_len: int = DEFAULT_SEQ_LEN,
+                    seed: int = 0, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """One batch of inputs for every graph input, keyed by input name."""
+    graph = to_graph(model)
+    facts = analyze_inputs(graph)
+    rng = np.random.default_rng(seed)
+    shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
+    time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
+    lengths = rng.integers(0, time_len + 1, size=batch)
+    lengths[: min(batch, 2)] = [time_len, 0][: min(batch, 2)]  # a full and an empty history
+    has_lengths = any(f.is_length or f.is_mask for f in facts.values())
+    feeds = {}
+    for inp in graph.inputs:
+        f, shape = facts[inp.name], shapes[inp.name]
+        dtype = np.dtype(inp.dtype) if inp.dtype is not None else np.dtype(np.float32)
+        feeds[inp.name] = _one_input(rng, dtype, shape, f, lengths, time_len, has_lengths)
+    return feeds
+
+
+def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths) -> np.ndarray:
+    prefix = None
+    if len(shape) >= 2 and shape[0] == len(lengths):
+        prefix = np.arange(shape[1])[None, :] < lengths[:, None]
+        prefix = prefix.reshape(prefix.shape + (1,) * (len(shape) - 2))
+    if f.is_length and f.upper is None and not f.columns and shape and shape[0] == len(lengths):
+        return np.broadcast_to(lengths.reshape((-1,) + (1,) * (len(shape) - 1)), shape).astype(dtype)
+    if f.is_mask and prefix is not None:
+        return np.broadcast_to(prefix, shape).astype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if dtype.kind in "OUS":
+        return rng.choice(np.array([f"tok{i}" for i in range(20)], dtype=object), size=shape)
+    if np.issubdtype(dtype, np.integer) or f.upper is not None:
+        high = f.upper if f.upper is not None else 100
+        ids = rng.integers(0, high, size=shape)
+        _both_ends(ids.reshape(-1), high, rng)
+        if has_lengths and prefix is not None and ids.ndim >= 2:
+            ids = np.where(np.broadcast_to(prefix, shape), ids, 0)
+        return ids.astype(dtype)
+    values = rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
+    for col, bound in f.columns.items():
+        if shape and col < shape[-1]:
+            column = rng.integers(0, bound, size=values[..., col].shape)
+            _both_ends(column.reshape(-1), bound, rng)
+            values[..., col] = column
+    if f.length_columns and len(shape) == 2:
+        _length_columns(values, f, lengths if f.history_len(time_len) == time_len else None, rng)
+    return values
+
+
+def _both_ends(flat: np.ndarray, high: int, rng) -> None:
+    """Put ids 0 and high-1 (the table's first and last rows) at two random places."""
+    if flat.size >= 2:
+        flat[rng.choice(flat.size, 2, replace=False)] = [0, high - 1]
+
+
+def _length_columns(values: np.ndarray, f: InputFacts, lengths, rng) -> None:
+    """Length columns in [0, T], and the history columns of T ids zero past each row's length."""
+    T = f.history_len(0)
+    if lengths is None:
+        lengths = rng.integers(0, T + 1, size=values.shape[0])
+        lengths[: min(len(lengths), 2)] = [T, 0][: min(len(lengths), 2)]
+    for c in f.length_columns:
+        values[:, c] = lengths
+    for start, end in f.regions:
+        if end - start == T and T > 1:
+            values[:, start:end] = np.where(np.arange(T)[None, :] < lengths[:, None], values[:, start:end], 0)
+
+
+def load_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """User inputs from an .npz whose keys are graph input names."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            feeds = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as e:
+        raise CtroptError(f"{path}: cannot read inputs ({e})") from None
+    initializers = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    missing = [n for n in names if n not in feeds]
+    extra = [k for k in feeds if k not in names]
+    if missing or extra:
+        raise CtroptError(f"{path}: keys must be the graph inputs {names}; missing {missing}, unexpected {extra}")
+    return feeds

@@ -1,0 +1,153 @@
+"""Each cleanup pass: a tiny input graph, the expected rewritten graph, a numeric check, idempotence."""
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ctropt.graph import interface
+from helpers import F, I64, check_pass, init, make_model, node, ops, run_pass, vi
+
+X = [vi("x", F, ["B", 4])]
+Y = [vi("y", F, ["B", 4])]
+
+
+def test_eliminate_dead_nodes_including_loop_bodies_keeps_unused_inputs():
+    body = helper.make_graph(
+        [node("Neg", ["v_in"], ["v_out"]), node("Exp", ["v_in"], ["dead_in_body"]),
+         node("Identity", ["c_in"], ["c_out"])],
+        "body", [vi("i", I64, []), vi("c_in", TensorProto.BOOL, []), vi("v_in", F, None)],
+        [vi("c_out", TensorProto.BOOL, []), vi("v_out", F, None)])
+    model = make_model(
+        [node("Relu", ["x"], ["dead"]), node("Loop", ["n", "", "x"], ["y"], body=body)],
+        [vi("x", F, ["B", 4]), vi("n", I64, []), vi("unused", F, [3])], Y)
+    out, ctx = check_pass(model, "eliminate-dead-nodes", ["Loop"], feeds={
+        "x": np.ones((2, 4), np.float32), "n": np.array(3), "unused": np.zeros(3, np.float32)})
+    assert ctx.rewrites == 2
+    assert [n.op_type for n in out.graph.node[0].attribute[0].g.node] == ["Neg", "Identity"]
+    assert [i.name for i in out.graph.input] == ["x", "n", "unused"]
+
+
+def test_infer_shapes_annotates_intermediates_not_the_interface():
+    model = make_model([node("Relu", ["x"], ["r"]), node("Neg", ["r"], ["y"])], X, [vi("y", F, None)])
+    out, ctx = run_pass(model, "infer-shapes")
+    assert ctx.rewrites == 1
+    shapes = {v.name: v for v in out.graph.value_info}
+    assert [d.dim_param or d.dim_value for d in shapes["r"].type.tensor_type.shape.dim] == ["B", 4]
+    assert interface(out) == interface(model)  # y stays shapeless, as exported
+    assert run_pass(out, "infer-shapes")[1].rewrites == 0
+
+
+def test_prune_inference_dropout():
+    model = make_model([node("Dropout", ["x", "ratio"], ["d"]), node("Relu", ["d"], ["y"])], X, Y,
+                       [init("ratio", np.float32(0.3))])
+    check_pass(model, "prune-training-ops", ["Relu"])
+
+
+def test_dropout_in_training_mode_is_kept():
+    model = make_model([node("Dropout", ["x", "ratio", "train"], ["d"]), node("Relu", ["d"], ["y"])], X, Y,
+                       [init("ratio", np.float32(0.3)), init("train", np.bool_(True))])
+    assert ops(run_pass(model, "prune-training-ops")[0]) == ["Dropout", "Relu"]
+
+
+def no_op_model():
+    nodes = [
+        node("Identity", ["x"], ["a"]),
+        node("Cast", ["a"], ["b"], to=TensorProto.FLOAT),
+        node("Reshape", ["b", "same_shape"], ["c"]),
+        node("Mul", ["one", "c"], ["d"]),  # constant first: Mul is commutative
+        node("Add", ["d", "zero"], ["e"]),
+        node("Transpose", ["e"], ["f"], perm=[0, 1]),
+        node("Unsqueeze", ["f", "ax0"], ["g"]),
+        node("Squeeze", ["g", "ax0"], ["h"]),
+        node("Concat", ["h"], ["i"], axis=1),
+        node("Slice", ["i", "starts", "ends"], ["j"]),
+        node("Relu", ["j"], ["y"]),
+    ]
+    inits = [init("same_shape", np.array([0, 4])), init("one", np.float32(1)), init("zero", np.zeros(4, np.float32)),
+             init("ax0", np.array([0])), init("starts", np.array([0])), init("ends", np.array([2**62]))]
+    return make_model(nodes, X, Y, inits)
+
+
+def test_eliminate_identity_removes_every_no_op_form():
+    model, _ = run_pass(no_op_model(), "infer-shapes")
+    out, ctx = check_pass(model, "eliminate-identity", ["Relu"])
+    assert ctx.rewrites == 9  # Squeeze(Unsqueeze(x)) goes in one rewrite
+
+
+def test_no_op_that_would_broadcast_is_kept():
+    model = make_model([node("Add", ["x", "zeros"], ["y"])], [vi("x", F, ["B", 1])], [vi("y", F, ["B", 4])],
+                       [init("zeros", np.zeros(4, np.float32))])
+    model, _ = run_pass(model, "infer-shapes")
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Add"]
+
+
+def test_cast_to_another_type_is_kept():
+    model = make_model([node("Cast", ["x"], ["y"], to=TensorProto.INT64)], X, [vi("y", I64, ["B", 4])])
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Cast"]
+
+
+def test_identity_feeding_a_graph_output_renames_the_producer():
+    model = make_model([node("Relu", ["x"], ["r"]), node("Identity", ["r"], ["y"])], X, Y)
+    out, _ = check_pass(model, "eliminate-identity", ["Relu"])
+    assert out.graph.node[0].output[0] == "y"
+
+
+def test_identity_of_a_graph_input_to_an_output_stays():
+    model = make_model([node("Identity", ["x"], ["y"])], X, Y)
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Identity"]
+
+
+def test_reshape_and_transpose_chains_merge():
+    model = make_model(
+        [node("Reshape", ["x", "s1"], ["a"]), node("Reshape", ["a", "s2"], ["b"]),
+         node("Transpose", ["b"], ["c"], perm=[1, 0]), node("Transpose", ["c"], ["d"], perm=[1, 0]),
+         node("Transpose", ["d"], ["e"], perm=[1, 0]), node("Relu", ["e"], ["y"])],
+        X, [vi("y", F, [None, None])], [init("s1", np.array([-1])), init("s2", np.array([-1, 2]))])
+    check_pass(model, "eliminate-identity", ["Reshape", "Transpose", "Relu"])
+
+
+def test_reshape_chain_with_copied_dims_is_kept():
+    model = make_model([node("Reshape", ["x", "s1"], ["a"]), node("Reshape", ["a", "s2"], ["y"])],
+                       X, [vi("y", F, None)], [init("s1", np.array([-1, 2])), init("s2", np.array([0, -1]))])
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Reshape", "Reshape"]
+
+
+def test_fold_constants_evaluates_constant_subgraphs():
+    model = make_model(
+        [node("Constant", [], ["c"], value=helper.make_tensor("v", F, [4], [1, 2, 3, 4])),
+         node("Exp", ["c"], ["ec"]), node("Mul", ["ec", "k"], ["w"]), node("Add", ["x", "w"], ["y"])],
+        X, Y, [init("k", np.full(4, 0.5, np.float32))])
+    check_pass(model, "fold-constants", ["Add"])
+
+
+def test_fold_constants_respects_the_size_cap():
+    model = make_model([node("Tile", ["k", "reps"], ["big"]), node("Gather", ["big", "ids"], ["y"])],
+                       [vi("ids", I64, ["B"])], [vi("y", F, ["B", 4])],
+                       [init("k", np.ones((1, 4), np.float32)), init("reps", np.array([1000, 1]))])
+    assert ops(run_pass(model, "fold-constants", fold_size_cap=1000)[0]) == ["Tile", "Gather"]
+    assert ops(run_pass(model, "fold-constants")[0]) == ["Gather"]
+
+
+def test_dedup_initializers_within_and_into_subgraphs():
+    model = make_model([node("Add", ["x", "b1"], ["a"]), node("Add", ["a", "b2"], ["y"])], X, Y,
+                       [init("b1", np.ones(4, np.float32)), init("b2", np.ones(4, np.float32))])
+    out, ctx = check_pass(model, "dedup-initializers", ["Add", "Add"])
+    assert ctx.rewrites == 1 and len(out.graph.initializer) == 1
+
+
+def test_common_subexpressions_merge_transitively():
+    model = make_model(
+        [node("Relu", ["x"], ["r1"]), node("Relu", ["x"], ["r2"]), node("Exp", ["r1"], ["e1"]),
+         node("Exp", ["r2"], ["e2"]), node("Add", ["e1", "e2"], ["y"]),
+         node("Softmax", ["x"], ["s1"], axis=0), node("Softmax", ["x"], ["s2"], axis=1),
+         node("Add", ["s1", "s2"], ["z"])],
+        X, [vi("y", F, ["B", 4]), vi("z", F, ["B", 4])])
+    out, ctx = check_pass(model, "eliminate-common-subexpressions",
+                          ["Relu", "Exp", "Add", "Softmax", "Softmax", "Add"])
+    assert ctx.rewrites == 2
+
+
+def test_duplicate_graph_outputs_keep_both_names():
+    model = make_model([node("Relu", ["x"], ["y"]), node("Relu", ["x"], ["z"])], X, [vi("y", F, ["B", 4]),
+                                                                                      vi("z", F, ["B", 4])])
+    out, _ = check_pass(model, "eliminate-common-subexpressions", ["Relu", "Identity"])
+    assert [o.name for o in out.graph.output] == ["y", "z"]

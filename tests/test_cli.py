@@ -1,0 +1,151 @@
+"""The `ctropt` command: each subcommand, and every bad input as a message (never a traceback)."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from ctropt.cli import app
+from ctropt.graph import MAX_ONNX_OPSET, save
+from helpers import F, I64, init, make_model, node, ops, vi
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert "Traceback" not in result.output
+    return result
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    model = make_model(
+        [node("Gather", ["table", "ids"], ["e"]), node("Identity", ["e"], ["i"]), node("Mul", ["i", "one"], ["m"]),
+         node("ReduceSum", ["m", "ax"], ["y"], keepdims=0)],
+        [vi("ids", I64, ["B", 3])], [vi("y", F, ["B", 4])],
+        [init("table", np.random.default_rng(0).standard_normal((20, 4)).astype(np.float32)),
+         init("one", np.float32(1)), init("ax", np.array([1]))])
+    return save(model, tmp_path / "m.onnx")
+
+
+def test_optimize_prints_the_table_and_saves(model_path):
+    result = invoke("optimize", model_path)
+    assert result.exit_code == 0, result.output
+    out = model_path.with_name("m.opt.onnx")
+    assert ops(onnx.load(out)) == ["Gather", "ReduceSum"]
+    for word in ("eliminate-identity", "rewrites", "max err", "saved"):
+        assert word in result.output
+
+
+def test_optimize_named_passes_skip_and_inputs(model_path, tmp_path):
+    np.savez(tmp_path / "in.npz", ids=np.array([[0, 19, 3]]))
+    result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--passes", "eliminate-identity,fold-constants",
+                    "--skip", "fold-constants", "--inputs", tmp_path / "in.npz", "--strict")
+    assert result.exit_code == 0, result.output
+    assert "fold-constants" not in result.output and "eliminate-identity" in result.output
+
+
+def test_verify_exit_codes(model_path, tmp_path):
+    invoke("optimize", model_path, "-o", tmp_path / "o.onnx")
+    ok = invoke("verify", model_path, tmp_path / "o.onnx")
+    assert ok.exit_code == 0 and "yes" in ok.output
+    changed = onnx.load(tmp_path / "o.onnx")
+    table = next(t for t in changed.graph.initializer if t.name == "table")
+    table.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(table) + 1, "table"))
+    save(changed, tmp_path / "bad.onnx")
+    bad = invoke("verify", model_path, tmp_path / "bad.onnx")
+    assert bad.exit_code == 1 and "NO" in bad.output
+    assert invoke("verify", model_path, tmp_path / "o.onnx", "--backend", "openvino-cpu").exit_code == 0
+
+
+def test_passes_and_inspect(model_path):
+    listing = invoke("passes")
+    assert listing.exit_code == 0 and "fold-constants" in listing.output and "cleanup" in listing.output
+    report = invoke("inspect", model_path, "--explain")
+    assert report.exit_code == 0, report.output
+    for word in ("Gather", "embedding tables (1)", "table", "20", "would match", "ids"):
+        assert word in report.output
+
+
+def test_plugin_pass_runs_from_the_cli(model_path, tmp_path):
+    plugin = tmp_path / "myplugin.py"
+    plugin.write_text(textwrap.dedent('''
+        import ctropt
+        from ctropt import P, Var, Rewrite
+
+        @ctropt.register_pass("sum-to-mean-times-n", group="fusion")
+        def rewrite(ctx):
+            """A user's pass: ReduceSum(Mul(x, 1)) -> ReduceSum(x)."""
+            ctx.apply(Rewrite("drop-mul", P.Mul(Var("x"), ctropt.Const("one", value=1.0)), lambda m: [m["x"]]))
+    '''))
+    listing = invoke("passes", "--plugin", plugin)
+    assert "sum-to-mean-times-n" in listing.output
+    result = invoke("optimize", model_path, "-o", tmp_path / "p.onnx", "--passes", "sum-to-mean-times-n",
+                    "--plugin", plugin)
+    assert result.exit_code == 0, result.output
+    assert "Mul" not in ops(onnx.load(tmp_path / "p.onnx"))
+
+
+def bad_files(tmp_path):
+    truncated = tmp_path / "truncated.onnx"
+    data = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])]).SerializeToString()
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x00\x01not onnx at all")
+    new_opset = tmp_path / "new.onnx"
+    onnx.save(make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])],
+                         opset=MAX_ONNX_OPSET + 1), new_opset)
+    custom = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])])
+    custom.graph.node[0].domain = "com.acme"
+    custom.opset_import.append(onnx.helper.make_opsetid("com.acme", 1))
+    onnx.save(custom, tmp_path / "custom.onnx")
+    unknown_op = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])])
+    unknown_op.graph.node[0].op_type = "Frobnicate"
+    onnx.save(unknown_op, tmp_path / "unknown_op.onnx")
+    huge = tmp_path / "huge.onnx"
+    with open(huge, "wb") as f:
+        f.truncate((2 << 30) + 1)  # sparse file: takes no disk
+    return {
+        "missing": ([tmp_path / "nope.onnx"], "no such file"),
+        "directory": ([tmp_path], "is a directory"),
+        "unknown op": ([tmp_path / "unknown_op.onnx"], "unknown ONNX op"),
+        "over 2 GB": ([huge], "cannot exceed 2 GiB"),
+        "truncated": ([truncated], "truncated"),
+        "garbage": ([garbage], "not an ONNX model"),
+        "opset": ([new_opset], "newer than supported"),
+        "custom domain": ([tmp_path / "custom.onnx"], "custom-op domain"),
+    }
+
+
+@pytest.mark.parametrize("command", ["optimize", "inspect"])
+def test_bad_inputs_are_clear_errors(tmp_path, command):
+    for case, (args, message) in bad_files(tmp_path).items():
+        result = invoke(command, *args)
+        assert result.exit_code == 2, (case, result.output)
+        assert message in result.output, (case, result.output)
+
+
+def test_output_equal_to_input_is_refused_and_input_kept(model_path):
+    before = model_path.read_bytes()
+    for out in (model_path, model_path.parent / "." / model_path.name):
+        result = invoke("optimize", model_path, "-o", out)
+        assert result.exit_code == 2 and "is the input file" in result.output
+    assert model_path.read_bytes() == before
+
+
+def test_unknown_pass_target_and_plugin(model_path, tmp_path):
+    assert "unknown pass" in invoke("optimize", model_path, "--passes", "nope").output
+    assert "unknown target" in invoke("optimize", model_path, "--target", "tpu").output
+    assert "cannot load plugin" in invoke("passes", "--plugin", "no_such_module_xyz").output
+    assert "cannot read inputs" in invoke("optimize", model_path, "--inputs", tmp_path / "none.npz").output
+
+
+def test_console_script_has_no_traceback_on_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ctropt", "inspect", str(tmp_path / "nope.onnx")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr

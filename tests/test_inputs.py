@@ -1,0 +1,75 @@
+"""Generated verification inputs: ids stay inside their tables, lengths and masks agree."""
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ctropt.runtime import generate_inputs, run_model
+from helpers import F, I64, init, make_model, node, vi
+
+
+def test_ids_stay_inside_the_table_through_casts_reshapes_and_offsets():
+    model = make_model(
+        [node("Cast", ["ids"], ["c"], to=TensorProto.INT64), node("Reshape", ["c", "flat"], ["r"]),
+         node("Add", ["r", "three"], ["shifted"]), node("Gather", ["table", "shifted"], ["y"], axis=0)],
+        [vi("ids", TensorProto.INT32, ["B", 2])], [vi("y", F, None)],
+        [init("table", np.zeros((10, 4), np.float32)), init("flat", np.array([-1])), init("three", np.array(3))])
+    ids = generate_inputs(model, batch=64)["ids"]
+    assert ids.dtype == np.int32 and ids.shape == (64, 2)
+    assert ids.min() == 0 and ids.max() == 6  # table of 10 rows, ids shifted by 3: both ends are used
+
+
+def test_float_matrix_with_id_columns_like_deepctr_torch():
+    """X[:, 0:1] and X[:, 1:2] index tables of 5 and 50 rows; X[:, 2:] are dense features."""
+    nodes, inits = [], [init("t0", np.zeros((5, 4), np.float32)), init("t1", np.zeros((50, 4), np.float32))]
+    for i, rows in enumerate((5, 50)):
+        inits += [init(f"s{i}", np.array([i])), init(f"e{i}", np.array([i + 1])), init(f"ax{i}", np.array([1]))]
+        nodes += [node("Slice", ["X", f"s{i}", f"e{i}", f"ax{i}"], [f"col{i}"]),
+                  node("Cast", [f"col{i}"], [f"id{i}"], to=TensorProto.INT64),
+                  node("Gather", [f"t{i}", f"id{i}"], [f"emb{i}"])]
+    nodes.append(node("Concat", ["emb0", "emb1"], ["y"], axis=1))
+    model = make_model(nodes, [vi("X", F, ["B", 5])], [vi("y", F, None)], inits)
+    X = generate_inputs(model, batch=200)["X"]
+    assert set(np.unique(X[:, 0])) <= set(range(5)) and X[:, 0].max() == 4
+    assert set(np.unique(X[:, 1])) <= set(range(50)) and X[:, 1].max() == 49
+    assert not np.all(X[:, 2:] == np.round(X[:, 2:]))  # dense columns stay real-valued
+    run_model(model, {"X": X})
+
+
+def test_ids_used_inside_a_loop_body():
+    body = helper.make_graph(
+        [node("Gather", ["table", "ids"], ["e"]), node("Add", ["acc_in", "e"], ["acc_out"]),
+         node("Identity", ["c_in"], ["c_out"])],
+        "body", [vi("i", I64, []), vi("c_in", TensorProto.BOOL, []), vi("acc_in", F, None)],
+        [vi("c_out", TensorProto.BOOL, []), vi("acc_out", F, None)])
+    model = make_model([node("Loop", ["n", "", "acc0"], ["y"], body=body)],
+                       [vi("ids", I64, ["B"]), vi("acc0", F, ["B", 4]), vi("n", I64, [])], [vi("y", F, None)],
+                       [init("table", np.zeros((7, 4), np.float32))])
+    ids = generate_inputs(model, batch=50)["ids"]
+    assert ids.min() == 0 and ids.max() == 6
+
+
+def test_lengths_masks_and_padded_history_agree():
+    """A DIN-style model: history ids [B, T], a mask [B, T] and a length [B]."""
+    model = make_model(
+        [node("Gather", ["items", "hist"], ["h"]), node("Cast", ["mask"], ["m"], to=TensorProto.FLOAT),
+         node("Unsqueeze", ["m", "ax"], ["m3"]), node("Mul", ["h", "m3"], ["hm"]),
+         node("ReduceSum", ["hm", "ax1"], ["s"]), node("Cast", ["seq_len"], ["lf"], to=TensorProto.FLOAT),
+         node("Unsqueeze", ["lf", "ax1"], ["l2"]), node("Div", ["s", "l2"], ["y"])],
+        [vi("hist", I64, ["B", "T"]), vi("mask", TensorProto.BOOL, ["B", "T"]), vi("seq_len", I64, ["B"])],
+        [vi("y", F, None)],
+        [init("items", np.zeros((30, 4), np.float32)), init("ax", np.array([2])), init("ax1", np.array([1]))])
+    feeds = generate_inputs(model, batch=32)
+    lengths, mask, hist = feeds["seq_len"], feeds["mask"], feeds["hist"]
+    assert mask.shape == hist.shape and mask.dtype == np.bool_
+    assert np.array_equal(mask.sum(1), lengths)
+    assert np.array_equal(mask, np.arange(mask.shape[1])[None] < lengths[:, None])  # prefix masks
+    assert np.all(hist[~mask] == 0) and hist.max() < 30
+    assert lengths.max() == mask.shape[1] and lengths.min() == 0  # a full and an empty history
+
+
+def test_dims_and_seed_are_honoured():
+    model = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, ["batch", "T", 3])], [vi("y", F, None)])
+    a = generate_inputs(model, batch=5, seq_len=7)
+    assert a["x"].shape == (5, 7, 3)
+    assert generate_inputs(model, batch=5, dims={"T": 2})["x"].shape == (5, 2, 3)
+    assert np.array_equal(a["x"], generate_inputs(model, batch=5, seq_len=7)["x"])
