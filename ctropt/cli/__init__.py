@@ -215,6 +215,124 @@ def verify(
             raise typer.Exit(1)
 
 
+def _check_table(checks, title: str) -> bool:
+    table = Table(title=title)
+    for col in ("batch", "seq len", "max abs err", "ok"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(str(c.batch), str(c.seq_len or "-"), f"{c.max_abs_err:.2e}",
+                      "[green]yes[/]" if c.ok else f"[red]NO[/] {escape(c.detail)}")
+    console.print(table)
+    ok = all(c.ok for c in checks)
+    if not ok:
+        err_console.print("[bold red]EXPORT MISMATCH:[/] the ONNX model does not compute what the framework does; "
+                          "do not optimize or deploy it before finding out why", soft_wrap=True)
+    return ok
+
+
+def _load_factory(source: str):
+    """`package.module:function` → what the function returns (a zoo spec: TFModel or TorchModel)."""
+    import importlib
+
+    module, _, attr = source.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except Exception as e:  # user code can fail in any way
+        raise CtroptError(f"cannot build {source}: {type(e).__name__}: {e}") from None
+
+
+@app.command("export")
+def export_cmd(
+    source: str = typer.Argument(..., help="SavedModel dir, .keras/.h5, frozen .pb, TF1 .meta checkpoint, or "
+                                 "module:function returning a ctropt TFModel/TorchModel."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output .onnx path."),
+    input_names: Optional[List[str]] = typer.Option(None, "--input", help="Input tensor (.pb/.meta; repeatable)."),
+    output_names: Optional[List[str]] = typer.Option(None, "--output-name", help="Output tensor (.pb/.meta)."),
+    sequence_input: Optional[List[str]] = typer.Option(None, "--sequence-input",
+                                                       help="Input whose axis 1 is a dynamic sequence length."),
+    exporter: str = typer.Option("legacy", "--exporter", help="torch.onnx exporter: legacy or dynamo."),
+    opset: int = typer.Option(17, "--opset", help="ONNX opset to export with."),
+    batch: str = typer.Option("1,7,256", "--batch", help="Batch sizes of the numeric check."),
+):
+    """Export a TensorFlow or PyTorch model to ONNX and check it against the framework."""
+    from ..exporters import check_export
+    from ..exporters.zoo.spec import TFModel, TorchModel
+
+    with _user_errors():
+        out = check_output_path(output)
+        batches = tuple(int(b) for b in batch.split(","))
+        seq = tuple(sequence_input or ())
+        if ":" in source and not Path(source).exists():
+            spec = _load_factory(source)
+            seq = seq or tuple(i.name for i in spec.inputs if len(i.shape) > 1 and i.shape[1] is None)
+            if isinstance(spec, TFModel):
+                from ..exporters.tf import from_graph_def
+
+                result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs, opset=opset,
+                                        sequence_inputs=seq)
+            elif isinstance(spec, TorchModel):
+                from ..exporters.torch import export_module
+
+                example = spec.sample(2, 10, __import__("numpy").random.default_rng(0))
+                result = export_module(spec.module, example, spec.outputs, exporter=exporter, opset=opset,
+                                       sequence_inputs=seq)
+            else:
+                raise CtroptError(f"{source} returned {type(spec).__name__}, not a TFModel or TorchModel")
+            sample = lambda b, t, rng: spec.sample(b, t or 10, rng)  # noqa: E731
+        else:
+            from ..exporters.tf import export_path
+
+            result = export_path(source, input_names, output_names, opset=opset, sequence_inputs=seq)
+            sample = lambda b, t, rng: generate_inputs(result.model, batch=b, seed=int(rng.integers(1 << 30)))  # noqa: E731
+        save(result.model, out)
+        console.print(f"exported {source} with {result.exporter} → {out} ({node_count(result.model)} nodes)")
+        if not _check_table(check_export(result, sample, batches=batches), f"{result.exporter} vs framework"):
+            raise typer.Exit(1)
+
+
+zoo_app = typer.Typer(no_args_is_help=True, help="Reference CTR models (TensorFlow and PyTorch).")
+app.add_typer(zoo_app, name="zoo")
+
+
+@zoo_app.command("list")
+def zoo_list():
+    """The reference models, their frameworks and the structures their exports carry."""
+    from ..exporters import zoo
+
+    table = Table()
+    for col in ("name", "frameworks", "model", "structures in the export"):
+        table.add_column(col)
+    for e in zoo.ENTRIES.values():
+        table.add_row(e.name, ",".join(e.frameworks), escape(e.description), escape(e.structures))
+    console.print(table)
+
+
+@zoo_app.command("build")
+def zoo_build(
+    name: str = typer.Argument(..., help="Zoo model name (see `ctropt zoo list`)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output .onnx path."),
+    framework: str = typer.Option("tf", "--framework", help="tf or torch."),
+    exporter: str = typer.Option("legacy", "--exporter", help="torch.onnx exporter: legacy or dynamo."),
+    rebuild: Optional[bool] = typer.Option(None, "--rebuild/--shipped",
+                                           help="Build in the framework, or copy the shipped export "
+                                                "(default: build when the framework is installed)."),
+):
+    """Write a zoo model's ONNX export (built and checked in its framework, or the shipped copy)."""
+    from ..exporters import zoo
+
+    with _user_errors():
+        out = check_output_path(output)
+        kw = {"exporter": exporter} if framework == "torch" else {}
+        path, checks = zoo.write(name, out, framework, rebuild=rebuild, **kw)
+        if checks is None:
+            console.print(f"{name} ({framework}): copied the shipped export to {path} "
+                          f"(sample inputs: {zoo.shipped_path(name, framework).with_suffix('.npz')})")
+            return
+        console.print(f"{name} ({framework}): built and exported to {path} ({node_count(load(path))} nodes)")
+        if not _check_table(checks, f"{name}: onnxruntime vs {framework}"):
+            raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()

@@ -13,6 +13,16 @@ from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_v
 BACKENDS = ("ort-cpu", "openvino-cpu")
 
 
+def _quiet_onnxruntime() -> None:
+    """Graph-optimizer warnings from onnxruntime (also in constant folding) are noise for ctropt's users."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+
+
+_quiet_onnxruntime()
+
+
 class Runner:
     """One loaded model on one backend; `run(feeds)` returns {output name: array}."""
 
