@@ -41,3 +41,16 @@ def test_optimize_all_keeps_outputs_interface_and_runtimes(path):
 
     again = ctropt.optimize(opt, passes="all")
     assert all(r.status == "unchanged" for r in again.records), [(r.name, r.status) for r in again.records]
+
+
+def test_an_export_that_does_not_run_is_refused_with_advice(tmp_path):
+    """DeepCTR's DIEN (AUGRU) through tf2onnx fails in onnxruntime at any batch but 16: nothing to verify against."""
+    from typer.testing import CliRunner
+
+    from ctropt.cli import app
+
+    broken = DATA / "broken" / "deepctr_DIEN_AUGRU_tf2onnx.onnx"
+    with pytest.raises(CtroptError, match="does not run.*--no-verify"):
+        ctropt.optimize(load(broken))
+    result = CliRunner().invoke(app, ["optimize", str(broken), "-o", str(tmp_path / "o.onnx")])
+    assert result.exit_code == 2 and "--no-verify" in result.output and "Traceback" not in result.output

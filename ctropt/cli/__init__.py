@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..graph import CtroptError, check_output_path, interface, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
-from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
+from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
@@ -24,7 +24,7 @@ err_console = Console(stderr=True, highlight=False)
 
 PLUGIN = typer.Option(None, "--plugin", help="Python module or .py file with your own passes (repeatable).")
 INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated.")
-BATCH = typer.Option(16, "--batch", min=1, help="Batch size of generated inputs.")
+BATCH = typer.Option(DEFAULT_BATCH, "--batch", min=1, help="Batch size of generated inputs.")
 ATOL = typer.Option(DEFAULT_ATOL, "--atol", help="Absolute tolerance of the output comparison.")
 RTOL = typer.Option(DEFAULT_RTOL, "--rtol", help="Relative tolerance of the output comparison.")
 TARGET = typer.Option("ort", "--target", help="Runtime to optimize for: ort or openvino.")

@@ -224,7 +224,7 @@ def eliminate_identity(ctx: PassContext) -> None:
 # ----------------------------------------------------------------------------------------- constants
 
 
-@register_pass("fold-constants", group="cleanup", order=20)
+@register_pass("fold-constants", group="cleanup", order=8)
 def fold_constants(ctx: PassContext) -> None:
     """Evaluate subgraphs whose inputs are all constant (onnx-graphsurgeon + onnxruntime), up to a size cap."""
     before = _node_total(ctx.graph)

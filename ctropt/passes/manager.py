@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, op_histogram, to_graph, to_model
-from ..runtime import DEFAULT_ATOL, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
+from ..runtime import DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
 from .registry import Pass, PassContext, resolve
 
 
@@ -58,7 +58,7 @@ class PassManager:
     """
 
     def __init__(self, passes="all", *, skip=(), target: str = "ort", feeds: dict[str, np.ndarray] | None = None,
-                 batch: int = 16, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
+                 batch: int = DEFAULT_BATCH, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
                  strict: bool = False, options: dict | None = None,
                  on_pass: Callable[[Pass, PassRecord | None], None] | None = None):
         self.passes = resolve(passes, skip, target)

@@ -142,16 +142,29 @@ def _freeze(graph, sess, outputs: list[str]):
     return tf.compat.v1.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(), outputs)
 
 
-def _build(body, seed: int):
-    """Run `body()` in a fresh seeded graph; initialise, freeze; body returns (inputs, outputs)."""
+def _build(body, seed: int, control_flow_v1: bool = False):
+    """Run `body()` in a fresh seeded graph; initialise, freeze; body returns (inputs, outputs).
+
+    control_flow_v1: build loops as TF 1.x did (Enter/Merge/Switch/NextIteration/Exit + TensorArrayV3,
+    what the original DIEN graph holds) instead of TF2's While + TensorList, by switching
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 off while the graph is built (and back afterwards).
+    """
     tf = _tf()
+    from tensorflow.python.ops import control_flow_util
+
+    saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
     graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.set_random_seed(seed)
-        inputs, outputs = body()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            frozen = _freeze(graph, sess, outputs)
+    try:
+        if control_flow_v1:
+            control_flow_util.ENABLE_CONTROL_FLOW_V2 = False
+        with graph.as_default():
+            tf.compat.v1.set_random_seed(seed)
+            inputs, outputs = body()
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                frozen = _freeze(graph, sess, outputs)
+    finally:
+        control_flow_util.ENABLE_CONTROL_FLOW_V2 = saved
     return frozen, inputs
 
 
@@ -172,9 +185,12 @@ def _lengths(batch: int, seq_len: int, rng, low: int = 0) -> np.ndarray:
     return lengths
 
 
-def _multi_hot(batch: int, width: int, vocab: int, rng, low: int = 0) -> np.ndarray:
-    """[B, width] int64 ids in [0, vocab), -1 after each row's count (count in [low, width])."""
-    counts = _lengths(batch, width, rng, low)
+def _multi_hot(batch: int, width: int, vocab: int, rng, nonempty_batch: bool = False) -> np.ndarray:
+    """[B, width] int64 ids in [0, vocab), -1 after each row's count (count in [0, width], with an empty and
+    a full row when batch >= 2). nonempty_batch: a batch of one row gets at least one id."""
+    counts = _lengths(batch, width, rng)
+    if nonempty_batch and batch == 1:
+        counts = np.maximum(counts, 1)
     valid = np.arange(width)[None, :] < counts[:, None]
     return np.where(valid, rng.integers(0, vocab, size=(batch, width)), -1).astype(np.int64)
 
@@ -235,14 +251,20 @@ def wdl(seed: int = 0, emb_dim: int = 16, hidden=(1024, 512, 256)) -> TFModel:
 
 
 def deepfm(seed: int = 0, emb_dim: int = 16, hidden=(1024, 256, 32), tag_vocab: int = 100,
-           tag_width: int = 5) -> TFModel:
+           tag_width: int = 5, indicator_default: int | None = None) -> TFModel:
     """DeepFM on Criteo, as DeepRec's modelzoo/deepfm, plus a multi-hot ``tags`` IndicatorColumn.
 
     FM: first order (per-feature weights + dense linear) and second order 0.5*((sum v)^2 - sum v^2) over the
     26 field embeddings; deep: MLP over [embeddings, dense, multi-hot tags]. The indicator column is built
     as feature_column's IndicatorColumn: ids [B, K] (-1 = missing) → SparseTensor →
-    sparse_tensor_to_dense(default -1) → one_hot(depth) → reduce_sum over K → [B, depth].
+    sparse_tensor_to_dense → one_hot(depth) → reduce_sum over K → [B, depth].
+
+    The dense default of the missing slots is ``depth`` (``indicator_default=None``), not the -1
+    IndicatorColumn uses: TF's one_hot gives a zero row for both, but tf2onnx maps one_hot to ONNX OneHot,
+    which counts negative indices from the end, so -1 exports as a one at depth-1 (pass
+    ``indicator_default=-1`` to reproduce the exact TF code and that mismatch).
     """
+    default = tag_vocab if indicator_default is None else indicator_default
     tf = _tf()
     vocabs = _vocab_sizes(CRITEO_CAT, seed + 1, 100, 1500)
 
@@ -254,7 +276,7 @@ def deepfm(seed: int = 0, emb_dim: int = 16, hidden=(1024, 256, 32), tag_vocab: 
 
         with tf.compat.v1.variable_scope("indicator_tags"):  # feature_column.indicator_column
             sp = _dense_to_sparse(tags[0])
-            dense_ids = tf.compat.v1.sparse_tensor_to_dense(sp, default_value=-1)
+            dense_ids = tf.compat.v1.sparse_tensor_to_dense(sp, default_value=default)
             one_hot = tf.one_hot(dense_ids, depth=tag_vocab, on_value=1.0, off_value=0.0)
             multi_hot = tf.reduce_sum(one_hot, axis=[-2])  # [B, tag_vocab]
 
@@ -262,9 +284,9 @@ def deepfm(seed: int = 0, emb_dim: int = 16, hidden=(1024, 256, 32), tag_vocab: 
             first = []
             vs = []
             for i, (ids, _) in enumerate(cats):
-                w = _embedding(f"C{i + 1}_linear", vocabs[i], 1, stddev=0.3)
+                w = _embedding(f"C{i + 1}_linear", vocabs[i], 1, stddev=0.1)
                 first.append(tf.compat.v1.nn.embedding_lookup(w, ids))
-                v = _embedding(f"C{i + 1}_embedding", vocabs[i], emb_dim, stddev=0.2)
+                v = _embedding(f"C{i + 1}_embedding", vocabs[i], emb_dim, stddev=0.08)
                 vs.append(tf.compat.v1.nn.embedding_lookup(v, ids))
             dense_w = tf.compat.v1.get_variable(
                 "dense_linear", [CRITEO_DENSE, 1], initializer=tf.compat.v1.random_normal_initializer(stddev=0.1))
@@ -300,11 +322,16 @@ def deepfm(seed: int = 0, emb_dim: int = 16, hidden=(1024, 256, 32), tag_vocab: 
 def dlrm(seed: int = 0, emb_dim: int = 16, bottom=(512, 256, 64), top=(512, 256)) -> TFModel:
     """DLRM as DeepRec's modelzoo/dlrm, with multi-hot embedding bags.
 
-    dense [B, 13] → bottom MLP (… → 16); 8 bags ``bag1..bag8`` of ids [B, L_i] padded with -1, pooled per
-    sample: bags 1-3 by ``embedding_lookup_sparse`` (sum / mean / sqrtn), bags 4-5 by
-    ``safe_embedding_lookup_sparse`` (EmbeddingColumn's path, empty rows → 0), bags 6-8 by gather +
-    ``unsorted_segment_sum`` (sum, or mean via per-row counts); dot interaction of the 9 vectors
-    (strictly lower triangle of Z = X Xᵀ) concatenated with the bottom output → top MLP → sigmoid.
+    dense [B, 13] → bottom MLP 512-256-64-16; 8 bags ``bag1..bag8`` of ids [B, L_i] padded with -1, pooled
+    per sample: bags 1-3 by ``embedding_lookup_sparse`` (sum: SparseSegmentSum, padded to the batch as
+    its output stops at the last non-empty row), bags 4-5 by ``safe_embedding_lookup_sparse``
+    (EmbeddingColumn's path, empty rows → 0; sum / mean), bags 6-8 by gather + ``unsorted_segment_sum``
+    (sum, mean via per-row counts, sum); dot interaction of the 9 vectors (strictly lower triangle of
+    Z = X Xᵀ, 36 values) concatenated with the bottom output → top MLP 512-256 → 1 → sigmoid ``prob``.
+
+    Not used because tf2onnx exports them wrongly: embedding_lookup_sparse's mean / sqrtn combiners (NaN
+    for an empty row in ONNX, 0 in TF); and every segment-sum lowering fails in onnxruntime when a bag has
+    no id in the whole batch, so ``sample`` never makes such a batch.
     """
     tf = _tf()
     n_bags = 8
@@ -326,7 +353,9 @@ def dlrm(seed: int = 0, emb_dim: int = 16, bottom=(512, 256, 64), top=(512, 256)
                 if i < 5:
                     sp = _dense_to_sparse(ids)
                     if i < 3:
-                        combiner = ("sum", "mean", "sqrtn")[i]
+                        # sum only: tf2onnx lowers SparseSegmentMean/SqrtN dividing by the id count, so
+                        # an empty row gives NaN in ONNX where TF gives 0 (see the module docstring)
+                        combiner = "sum"
                         # rows with no ids come out of SparseSegment* only up to the last non-empty row:
                         # pad to the batch (what feature columns' safe lookup does with fill_empty_rows)
                         e = tf.compat.v1.nn.embedding_lookup_sparse(table, sp, None, combiner=combiner)
@@ -364,8 +393,9 @@ def dlrm(seed: int = 0, emb_dim: int = 16, bottom=(512, 256, 64), top=(512, 256)
         rng = rng if rng is not None else np.random.default_rng(0)
         feeds = {"dense": np.log1p(rng.exponential(5.0, size=(batch, CRITEO_DENSE))).astype(np.float32)}
         for i in range(n_bags):
-            # embedding_lookup_sparse bags (1-3) keep one id in row 0 at least; the others may be empty
-            feeds[f"bag{i + 1}"] = _multi_hot(batch, widths[i], vocabs[i], rng, low=1 if i < 3 else 0)
+            # rows may be empty, but not a whole bag: tf2onnx's segment-sum lowerings fail in onnxruntime
+            # when a bag has no id in the entire batch (a negative ConstantOfShape / MatMul broadcast error)
+            feeds[f"bag{i + 1}"] = _multi_hot(batch, widths[i], vocabs[i], rng, nonempty_batch=True)
         return feeds
 
     return TFModel(graph_def, inputs, ["prob"], sample)
@@ -397,9 +427,9 @@ def _history_embeddings(ph):
     tf = _tf()
     uid, mid, cat, mid_his, cat_his = (p for p, _ in ph[:5])
     with tf.compat.v1.variable_scope("Embedding_layer"):
-        uid_var = _embedding("uid_embedding_var", N_UID, DIEN_EMB, stddev=0.3)
-        mid_var = _embedding("mid_embedding_var", N_MID, DIEN_EMB, stddev=0.3)
-        cat_var = _embedding("cat_embedding_var", N_CAT, DIEN_EMB, stddev=0.3)
+        uid_var = _embedding("uid_embedding_var", N_UID, DIEN_EMB, stddev=0.1)
+        mid_var = _embedding("mid_embedding_var", N_MID, DIEN_EMB, stddev=0.1)
+        cat_var = _embedding("cat_embedding_var", N_CAT, DIEN_EMB, stddev=0.1)
         uid_eb = tf.compat.v1.nn.embedding_lookup(uid_var, uid)
         item_eb = tf.concat([tf.compat.v1.nn.embedding_lookup(mid_var, mid),
                              tf.compat.v1.nn.embedding_lookup(cat_var, cat)], 1)
@@ -409,7 +439,7 @@ def _history_embeddings(ph):
     return uid_eb, item_eb, item_his_eb, item_his_eb_sum
 
 
-def _fcn_net(inp, n_out: int, use_dice: bool = True):
+def _fcn_net(inp, n_out: int, use_dice: bool = True, out_stddev: float = 0.1):
     """build_fcn_net of the DIEN code: BN → dense 200 → Dice → dense 80 → Dice → dense n_out."""
     tf = _tf()
     bn1 = _batch_norm(inp, "bn1")
@@ -417,7 +447,7 @@ def _fcn_net(inp, n_out: int, use_dice: bool = True):
     dnn1 = _dice(dnn1, "dice_1") if use_dice else _prelu(dnn1, "prelu1")
     dnn2 = _dense(dnn1, 80, "f2")
     dnn2 = _dice(dnn2, "dice_2") if use_dice else _prelu(dnn2, "prelu2")
-    return _dense(dnn2, n_out, "f3", stddev=0.5)
+    return _dense(dnn2, n_out, "f3", stddev=out_stddev)
 
 
 def _history_sample(with_seq_len: bool):
@@ -473,13 +503,13 @@ def din(seed: int = 0, seq_len: int = HIST_LEN) -> TFModel:
             output = tf.matmul(scores, facts)  # [B, 1, 36]
             att_fea = tf.reduce_sum(output, 1)
         inp = tf.concat([uid_eb, item_eb, item_his_eb_sum, att_fea], -1)
-        logit = _fcn_net(inp, 1)
+        logit = _fcn_net(inp, 1, out_stddev=0.4)
         tf.sigmoid(logit, name="prob")
         return [i for _, i in ph], ["prob"]
 
     graph_def, inputs = _build(body, seed)
     sample = _history_sample(False)
-    return TFModel(graph_def, inputs, ["prob"], lambda b, t=None, rng=None: sample(b, t or seq_len, rng),
+    return TFModel(graph_def, inputs, ["prob"], lambda b, t=None, rng=None: sample(b, seq_len if t is None else t, rng),
                    has_sequence=True)
 
 
@@ -614,9 +644,9 @@ def dien(seed: int = 0, seq_len: int = HIST_LEN) -> TFModel:
         tf.add(tf.nn.softmax(logits), 0.00000001, name="y_hat")
         return [i for _, i in ph], ["y_hat"]
 
-    graph_def, inputs = _build(body, seed)
+    graph_def, inputs = _build(body, seed, control_flow_v1=True)
     sample = _history_sample(True)
-    return TFModel(graph_def, inputs, ["y_hat"], lambda b, t=None, rng=None: sample(b, t or seq_len, rng),
+    return TFModel(graph_def, inputs, ["y_hat"], lambda b, t=None, rng=None: sample(b, seq_len if t is None else t, rng),
                    has_sequence=True)
 
 
