@@ -77,6 +77,67 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
     return out
 
 
+def _upstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
+    """Producer nodes within `hops` steps above t (any input)."""
+    found, frontier = [], [t]
+    for _ in range(hops):
+        nxt = []
+        for x in frontier:
+            for node in x.inputs:
+                found.append(node)
+                nxt.extend(node.inputs)
+        frontier = nxt
+    return found
+
+
+def _downstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
+    found, frontier = [], [t]
+    for _ in range(hops):
+        nxt = []
+        for x in frontier:
+            for node in x.outputs:
+                found.append(node)
+                nxt.extend(node.outputs)
+        frontier = nxt
+    return found
+
+
+MASK_OPS = {"Equal", "Not", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Where"}
+SPARSE_ID_OPS = {"Unique", "GatherND", "NonZero"}
+
+
+def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
+    """Partitioned lookups, embedding bags, indicator columns and masked attention, by their exported form."""
+    out = []
+    stitched: dict[str, set] = collections.defaultdict(set)
+    bags: dict[str, int] = collections.Counter()
+    for g in iter_graphs(graph):
+        for node in g.nodes:
+            if node.op == "Gather" and (table := const_value(node.inputs[0])) is not None and table.ndim == 2:
+                above = {n.op for n in _upstream(node.inputs[1], 4)}
+                below = _downstream(node.outputs[0], 6)
+                stitch = next((n for n in below if n.op in ("ScatterElements", "ScatterND")), None)
+                if "Compress" in above and stitch is not None:
+                    stitched[stitch.name].add((node.inputs[0].name, table.shape))
+                elif above & SPARSE_ID_OPS or any(n.op in ("ReduceSum", "ReduceMean") for n in below[:2]) and \
+                        node.inputs[1].shape is not None and len(node.inputs[1].shape) >= 2:
+                    bags[node.inputs[0].name] += 1
+            elif node.op == "OneHot" and any(n.op == "ReduceSum" for n in _downstream(node.outputs[0], 3)):
+                depth = const_value(node.inputs[1])
+                out.append(Recurrent("indicator column", node.name,
+                                     f"OneHot(depth {int(depth.ravel()[0]) if depth is not None else '?'}) → ReduceSum"))
+            elif node.op in ("Softmax", "Sigmoid") and {n.op for n in _upstream(node.inputs[0], 4)} & MASK_OPS:
+                out.append(Recurrent("masked attention", node.name, f"{node.op} over scores masked for padding"))
+    for stitch, shards in stitched.items():
+        widths = {shape[1] for _, shape in shards}
+        rows = sum(shape[0] for _, shape in shards)
+        out.append(Recurrent("partitioned lookup", stitch,
+                             f"{len(shards)} shards, {rows} rows, width {'/'.join(map(str, sorted(widths)))}"))
+    for table, n in bags.items():
+        out.append(Recurrent("embedding bag", table, f"{n} lookup(s) reduced per sample"))
+    return out
+
+
 @dataclasses.dataclass
 class PassPreview:
     name: str

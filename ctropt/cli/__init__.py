@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -169,6 +170,16 @@ def inspect(
         for t in tables:
             emb.add_row(escape(t.name), str(t.rows), str(t.width), str(t.lookups), t.ops)
         console.print(emb)
+        found = insp.ctr_structures(graph)
+        kinds = collections.Counter(f.kind for f in found)
+        ct = Table(title="CTR structures (" + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none") + ")")
+        for col in ("kind", "where", "detail"):
+            ct.add_column(col)
+        for f in found[:top]:
+            ct.add_row(f.kind, escape(f.where), escape(f.detail))
+        if len(found) > top:
+            ct.add_row("...", f"{len(found) - top} more", "")
+        console.print(ct)
         rec = insp.recurrent_structures(graph)
         rt = Table(title=f"recurrent structures ({len(rec)})")
         for col in ("kind", "where", "detail"):

@@ -11,10 +11,10 @@ variables with seeded random initializers, freezes them into constants
   DynamicStitch); wide = per-feature weights + dense linear, deep = MLP 1024-512-256 → ``prob``.
 - ``deepfm``: DeepFM (DeepRec modelzoo/deepfm): first- and second-order FM over 26 field embeddings and a
   deep MLP; a multi-hot ``tags`` feature goes through an **IndicatorColumn** exactly as TF builds it
-  (SparseTensor → sparse_tensor_to_dense(-1) → one_hot → reduce_sum) → ``prob``.
+  (SparseTensor → sparse_tensor_to_dense → one_hot → reduce_sum) → ``prob``.
 - ``dlrm``: DLRM (DeepRec modelzoo/dlrm): dense [B, 13] → bottom MLP, 8 multi-hot bags (ids [B, L] padded
-  with -1) pooled by ``embedding_lookup_sparse`` / ``safe_embedding_lookup_sparse`` (SparseSegmentSum /
-  Mean) and by gather + ``unsorted_segment_sum``, pairwise dot interaction, top MLP → ``prob``.
+  with -1) pooled by ``embedding_lookup_sparse`` (sum), ``safe_embedding_lookup_sparse`` (sum / mean) and
+  gather + ``unsorted_segment_sum`` (sum / mean), pairwise dot interaction, top MLP → ``prob``.
 - ``din``: DIN as in the DIEN repository's ``Model_DIN`` (mouna99/dien ``din_attention``): padded history
   [B, T] with a float mask, attention MLP 80-40-1 over concat[q, k, q-k, q*k] ([B, T, 4C]), masked
   softmax, weighted sum, BN + MLP 200-80 with Dice (inference-time moving statistics) → sigmoid ``prob``.
@@ -22,13 +22,20 @@ variables with seeded random initializers, freezes them into constants
   ``dynamic_rnn(GRUCell(36))``, ``din_fcn_attention`` scores, AUGRU interest evolution with
   ``dynamic_rnn(VecAttGRUCell(36))`` (the attention score rides along as an extra input feature, which is
   what the original's patched rnn.py passes per step), BN + MLP 200-80 with Dice → softmax over 2 classes
-  ``y_hat`` (column 0 = click, as the original's targets).
+  ``y_hat`` (column 0 = click, as the original's targets). Built with TF1 control flow (as the original
+  graph): tf2onnx turns each dynamic_rnn into a Scan whose body holds the cell.
 - ``mmoe``: MMoE (DeepRec modelzoo/mmoe): shared embeddings + dense, 4 expert MLPs, per-task softmax gates,
   two towers → ``ctr`` and ``cvr``.
 
 ``sample(batch, seq_len, rng)`` gives valid feeds: ids inside their tables, multi-hot/bag padding -1,
 history lengths in [0, T] with an empty and a full history when batch >= 2, masks and padded ids (0)
 consistent with the lengths.
+
+Where tf2onnx 1.17 exports the TF code wrongly, the models avoid it (and say so where it happens):
+``one_hot`` of the -1 that IndicatorColumn pads with (ONNX OneHot wraps negative indices),
+``embedding_lookup_sparse`` with the mean / sqrtn combiners (NaN for empty rows), segment sums over a bag
+with no id in the whole batch (onnxruntime error), and TF2's While/TensorList form of dynamic_rnn (left
+TensorListReserve / TensorListSetItem unconverted: an invalid model).
 """
 
 from __future__ import annotations
