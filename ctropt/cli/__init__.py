@@ -301,6 +301,69 @@ def export_cmd(
             raise typer.Exit(1)
 
 
+@app.command()
+def bench(
+    model_a: Path = typer.Argument(..., help="Model to time (the baseline when two are given)."),
+    model_b: Optional[Path] = typer.Argument(None, help="Second model: run interleaved with the first."),
+    backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
+    batch: str = typer.Option("1,32,256", "--batch", help="Comma list of batch sizes (generated inputs)."),
+    threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the runtime's default)."),
+    inputs: Optional[Path] = INPUTS,
+    seconds: float = typer.Option(3.0, "--seconds", min=0.1, help="Time per batch size (at least 10 runs)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="OpenVINO precision hint: f32, f16, bf16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+):
+    """Latency p50/p90/p99 and throughput; with two models, the median of paired time ratios (A/B)."""
+    import dataclasses
+    import json
+
+    from rich.progress import Progress
+
+    from ..runtime.bench import bench as run_bench
+
+    with _user_errors():
+        a = load(model_a)
+        runners = [Runner(a, backend, threads, precision)]
+        if model_b is not None:
+            b = load(model_b)
+            if [x[1] for x in interface(a) if x[0] == "input"] != [x[1] for x in interface(b) if x[0] == "input"]:
+                raise CtroptError("the two models have different inputs; bench compares models of one interface")
+            runners.append(Runner(b, backend, threads, precision))
+        if inputs:
+            feeds_by_batch = {0: load_inputs(inputs, a)}
+            feeds_by_batch = {len(next(iter(feeds_by_batch[0].values()))): feeds_by_batch[0]}
+        else:
+            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n)) for n in batch.split(",")}
+        results = []
+        with Progress(console=console, transient=True) as progress:
+            for n, feeds in feeds_by_batch.items():
+                task = progress.add_task(f"batch {n}", total=1.0)
+                results.append(run_bench(runners, feeds, n, seconds=seconds,
+                                         on_step=lambda f, t=task: progress.update(t, completed=f)))
+        names = [model_a.name] + ([model_b.name] if model_b else [])
+        labels = "AB"[: len(names)]
+        console.print("  ".join(f"{k} = {escape(n)}" for k, n in zip(labels, names))
+                      + f"  on {backend}, threads {threads or 'default'}")
+        table = Table()
+        table.add_column("batch", justify="right")
+        for k in labels:
+            table.add_column(f"{k} p50 / p90 / p99 ms", justify="right")
+            table.add_column(f"{k} samples/s", justify="right")
+        if model_b:
+            table.add_column("A/B time (p10–p90)", justify="right")
+        for r in results:
+            row = [str(r.batch)]
+            for lat in r.latency:
+                row += [f"{lat.p50_ms:.3f} / {lat.p90_ms:.3f} / {lat.p99_ms:.3f}", f"{lat.throughput:,.0f}"]
+            if r.ratio is not None:
+                row.append(f"[bold]{r.ratio:.2f}×[/] ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})")
+            table.add_row(*row)
+        console.print(table)
+        if json_out:
+            json_out.write_text(json.dumps({"models": names, "backend": backend, "threads": threads,
+                                            "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+
+
 zoo_app = typer.Typer(no_args_is_help=True, help="Reference CTR models (TensorFlow and PyTorch).")
 app.add_typer(zoo_app, name="zoo")
 

@@ -1,4 +1,5 @@
-"""Running a model on onnxruntime or OpenVINO (in memory, or through a temporary file when large)."""
+"""One interface over the runtimes ctropt hands models to: onnxruntime (CPU, CUDA, OpenVINO EPs) and
+OpenVINO's own runtime (CPU, GPU). Models run in memory, or through a temporary file when large."""
 
 from __future__ import annotations
 
@@ -10,7 +11,20 @@ import onnx
 
 from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save
 
-BACKENDS = ("ort-cpu", "openvino-cpu")
+# backend -> (runtime, device or execution provider)
+BACKENDS = {
+    "ort-cpu": ("ort", "CPUExecutionProvider"),
+    "ort-cuda": ("ort", "CUDAExecutionProvider"),
+    "ort-openvino": ("ort", "OpenVINOExecutionProvider"),
+    "openvino-cpu": ("openvino", "CPU"),
+    "openvino-gpu": ("openvino", "GPU"),
+}
+PRECISIONS = ("f32", "f16", "bf16")
+_INSTALL_HINT = {
+    "CUDAExecutionProvider": "install onnxruntime-gpu on a machine with an NVIDIA GPU and CUDA",
+    "OpenVINOExecutionProvider": "install onnxruntime-openvino",
+    "GPU": "OpenVINO needs an Intel GPU and its driver",
+}
 
 
 def _quiet_onnxruntime() -> None:
@@ -23,13 +37,41 @@ def _quiet_onnxruntime() -> None:
 _quiet_onnxruntime()
 
 
-class Runner:
-    """One loaded model on one backend; `run(feeds)` returns {output name: array}."""
+def available_backends() -> dict[str, str]:
+    """Every backend with 'available' or the reason it is not."""
+    import onnxruntime as ort
+    import openvino as ov
 
-    def __init__(self, model: onnx.ModelProto | str, backend: str = "ort-cpu", threads: int = 0):
-        if backend not in BACKENDS:
-            raise CtroptError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    providers = set(ort.get_available_providers())
+    devices = set(ov.Core().available_devices)
+    status = {}
+    for name, (runtime, device) in BACKENDS.items():
+        present = device in providers if runtime == "ort" else any(d.split(".")[0] == device for d in devices)
+        status[name] = "available" if present else f"not available: {_INSTALL_HINT.get(device, 'missing')}"
+    return status
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise CtroptError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    state = available_backends()[backend]
+    if state != "available":
+        raise CtroptError(f"backend {backend} is {state}")
+
+
+class Runner:
+    """One loaded model on one backend; `run(feeds)` returns {output name: array}.
+
+    threads: 0 = the runtime's default (all cores). precision: an OpenVINO inference precision hint.
+    """
+
+    def __init__(self, model: onnx.ModelProto | str, backend: str = "ort-cpu", threads: int = 0,
+                 precision: str | None = None):
+        check_backend(backend)
+        if precision is not None and precision not in PRECISIONS:
+            raise CtroptError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         self.backend = backend
+        runtime, device = BACKENDS[backend]
         self._tmp = None
         source = model
         proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
@@ -44,16 +86,16 @@ class Runner:
                 source = model.SerializeToString()
                 model.ir_version = saved_ir
         try:
-            if backend == "ort-cpu":
-                self._init_ort(source, threads)
+            if runtime == "ort":
+                self._init_ort(source, device, threads)
             else:
-                self._init_openvino(source, threads)
+                self._init_openvino(source, device, threads, precision)
         except CtroptError:
             raise
         except Exception as e:  # the runtimes raise many exception types for unloadable models
             raise CtroptError(f"{backend} cannot load the model: {_first_line(e)}") from None
 
-    def _init_ort(self, source, threads):
+    def _init_ort(self, source, provider, threads):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -61,16 +103,20 @@ class Runner:
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
-        self._sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        self._sess = ort.InferenceSession(source, opts, providers=[provider])
         self.output_names = [o.name for o in self._sess.get_outputs()]
 
-    def _init_openvino(self, source, threads):
+    def _init_openvino(self, source, device, threads, precision):
         import openvino as ov
 
         core = ov.Core()
         model = core.read_model(source) if isinstance(source, str) else core.read_model(source, b"")
-        config = {"INFERENCE_NUM_THREADS": threads} if threads else {}
-        self._compiled = core.compile_model(model, "CPU", config)
+        config = {}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = threads
+        if precision:
+            config["INFERENCE_PRECISION_HINT"] = precision
+        self._compiled = core.compile_model(model, device, config)
         self._request = self._compiled.create_infer_request()
         onnx_names = set(self._onnx_outputs)
         # OpenVINO gives each output several names; report the ONNX graph output name.
@@ -79,7 +125,7 @@ class Runner:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
-            if self.backend == "ort-cpu":
+            if BACKENDS[self.backend][0] == "ort":
                 return dict(zip(self.output_names, self._sess.run(None, feeds)))
             results = self._request.infer(feeds)
             return {name: np.asarray(results[out]) for name, out in zip(self.output_names, self._compiled.outputs)}
@@ -91,7 +137,12 @@ def run_model(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray], backen
     return Runner(model, backend).run(feeds)
 
 
+_NOISE = ("Exception from", "Check 'false' failed", "FrontEnd API failed", "Model wasn't fully converted",
+          "Failed operations detailed log", "Summary:")
+
+
 def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return (lines[0] if lines else type(e).__name__)[:500]
+    """A runtime error in one line: OpenVINO's multi-line reports without their boilerplate."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(_NOISE)] or lines or [type(e).__name__]
+    return " ".join(useful)[:600]

@@ -5,11 +5,12 @@ seeded random weights, in eval mode:
 
 - ``din``: user / target item / target category ids, a padded history of item and category ids [B, T] and
   its length [B]. Embeddings (18) → local activation unit (MLP 80-40 over concat[q, k, q-k, q*k],
-  [B, T, 4C] → one score per position) → padded positions masked, softmax, weighted sum → MLP 200-80
-  with Dice (BatchNorm-style running statistics) → sigmoid. Works for any history length
+  [B, T, 4C] → one score per position) → padded positions' scores set to 0 (no softmax, as in the paper
+  and deepctr-torch's default), weighted sum → MLP 200-80 with Dice (BatchNorm-style running
+  statistics) → sigmoid. Works for any history length
   (``has_sequence=True``).
 - ``dien``: the same inputs. History embeddings (36) → interest extraction with ``nn.GRU`` (the ONNX GRU
-  op with the TorchScript exporter) → attention of the target over the GRU outputs (masked softmax) →
+  op with both torch exporters) → attention of the target over the GRU outputs (masked softmax) →
   interest evolution with an ``AUGRUCell`` unrolled over the T steps in a Python loop (updates masked past
   each row's length) → BatchNorm + MLP 200-80 with PReLU → sigmoid. The export fixes T
   (``has_sequence=False``): the builder's ``seq_len`` decides it.
@@ -143,7 +144,10 @@ class DIN(nn.Module):
     def forward(self, user_id, item_id, cate_id, hist_item_id, hist_cate_id, hist_len):
         user, target, hist = self.emb(user_id, item_id, cate_id, hist_item_id, hist_cate_id)
         mask = history_mask(hist_len, hist.shape[1], hist)
-        weights = masked_softmax(self.attention(target, hist), mask)  # [B, T]
+        # DIN keeps the raw activations (no softmax, "to reserve the intensity of user interests"):
+        # padded positions get weight 0, so an empty history gives a zero interest vector.
+        scores = self.attention(target, hist)  # [B, T]
+        weights = torch.where(mask, scores, torch.zeros_like(scores))
         interest = torch.bmm(weights.unsqueeze(1), hist).squeeze(1)  # [B, 36]
         x = torch.cat([user, target, interest, target * interest], dim=-1)
         x = self.act1(self.fc1(x))
@@ -241,7 +245,7 @@ def din(seq_len: int = 100, seed: int = 0) -> TorchModel:
         torch.manual_seed(seed)
         module = DIN()
     with torch.no_grad():
-        _randomise(module, gen, gain=2.0)
+        _randomise(module, gen, gain=1.5)
     module.eval()
     return TorchModel(module, _inputs(None), list(OUTPUTS), sample, has_sequence=True)
 
