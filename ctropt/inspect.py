@@ -106,6 +106,19 @@ MASK_OPS = {"Equal", "Not", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", 
 SPARSE_ID_OPS = {"Unique", "GatherND", "NonZero"}
 
 
+def _is_din_attention_input(concat: gs.Node) -> bool:
+    """Concat of q, k, q-k and q*k (in any order, q possibly tiled): the DIN/DIEN attention unit's input."""
+    if len(concat.inputs) != 4:
+        return False
+    producers = [t.inputs[0] if t.inputs else None for t in concat.inputs]
+    ops = sorted(p.op for p in producers if p is not None)
+    sub = next((p for p in producers if p is not None and p.op == "Sub"), None)
+    mul = next((p for p in producers if p is not None and p.op == "Mul"), None)
+    if sub is None or mul is None:
+        return False
+    return {id(t) for t in sub.inputs} == {id(t) for t in mul.inputs} and len(ops) >= 2
+
+
 def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
     """Partitioned lookups, embedding bags, indicator columns and masked attention, by their exported form."""
     out = []
@@ -126,8 +139,11 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
                 depth = const_value(node.inputs[1])
                 out.append(Recurrent("indicator column", node.name,
                                      f"OneHot(depth {int(depth.ravel()[0]) if depth is not None else '?'}) → ReduceSum"))
-            elif node.op in ("Softmax", "Sigmoid") and {n.op for n in _upstream(node.inputs[0], 4)} & MASK_OPS:
-                out.append(Recurrent("masked attention", node.name, f"{node.op} over scores masked for padding"))
+            elif node.op == "Concat" and _is_din_attention_input(node):
+                scoring = next((n for n in _downstream(node.outputs[0], 30) if n.op in ("Softmax", "Where")), None)
+                mask = sorted({n.op for t in (scoring.inputs if scoring else []) for n in _upstream(t, 5)} & MASK_OPS)
+                how = f"{scoring.op} over scores masked with {', '.join(mask) or '?'}" if scoring else "mask not found"
+                out.append(Recurrent("padded attention", node.name, f"MLP over [q, k, q-k, q*k]; {how}"))
     for stitch, shards in stitched.items():
         widths = {shape[1] for _, shape in shards}
         rows = sum(shape[0] for _, shape in shards)

@@ -19,9 +19,9 @@ STRUCTURES = {
     ("wdl", "tf"): [("partitioned lookup", 52)],
     ("deepfm", "tf"): [("indicator column", 1)],
     ("dlrm", "tf"): [("embedding bag", 8)],
-    ("din", "tf"): [("masked attention", 1)],
-    ("dien", "tf"): [("masked attention", 1), ("Scan with a gated cell (GRU-like)", 2)],
-    ("din", "torch"): [("masked attention", 1)],
+    ("din", "tf"): [("padded attention", 1)],
+    ("dien", "tf"): [("padded attention", 1), ("Scan with a gated cell (GRU-like)", 2)],
+    ("din", "torch"): [("padded attention", 1)],
     ("dien", "torch"): [("GRU op", 1), ("unrolled chain", 2)],
     ("mmoe", "tf"): [],
 }
@@ -83,3 +83,10 @@ def test_zoo_build_cli_rebuilds_and_checks(tmp_path):
     result = runner.invoke(app, ["zoo", "build", "din", "-o", str(tmp_path / "din.onnx"), "--rebuild"])
     assert result.exit_code == 0, result.output
     assert "built and exported" in result.output and "NO" not in result.output
+
+
+def test_din_through_the_dynamo_exporter():
+    pytest.importorskip("torch")
+    result, _, checks = zoo.build_and_check("din", "torch", exporter="dynamo")
+    assert all(c.ok for c in checks), checks
+    assert {o.domain or "": o.version for o in result.model.opset_import}[""] == 18

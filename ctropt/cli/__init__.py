@@ -262,7 +262,7 @@ def export_cmd(
     sequence_input: Optional[List[str]] = typer.Option(None, "--sequence-input",
                                                        help="Input whose axis 1 is a dynamic sequence length."),
     exporter: str = typer.Option("legacy", "--exporter", help="torch.onnx exporter: legacy or dynamo."),
-    opset: int = typer.Option(17, "--opset", help="ONNX opset to export with."),
+    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default 17; 18 for torch dynamo)."),
     batch: str = typer.Option("1,7,256", "--batch", help="Batch sizes of the numeric check."),
 ):
     """Export a TensorFlow or PyTorch model to ONNX and check it against the framework."""
@@ -279,8 +279,8 @@ def export_cmd(
             if isinstance(spec, TFModel):
                 from ..exporters.tf import from_graph_def
 
-                result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs, opset=opset,
-                                        sequence_inputs=seq)
+                result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs,
+                                        opset=opset or 17, sequence_inputs=seq)
             elif isinstance(spec, TorchModel):
                 from ..exporters.torch import export_module
 
@@ -293,7 +293,7 @@ def export_cmd(
         else:
             from ..exporters.tf import export_path
 
-            result = export_path(source, input_names, output_names, opset=opset, sequence_inputs=seq)
+            result = export_path(source, input_names, output_names, opset=opset or 17, sequence_inputs=seq)
             sample = lambda b, t, rng: generate_inputs(result.model, batch=b, seed=int(rng.integers(1 << 30)))  # noqa: E731
         save(result.model, out)
         console.print(f"exported {source} with {result.exporter} → {out} ({node_count(result.model)} nodes)")

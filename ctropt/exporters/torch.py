@@ -22,13 +22,23 @@ def _torch():
     return torch
 
 
+# The dynamo exporter works at opset 18; asked for 17 it down-converts and leaves Split(num_outputs),
+# an opset-18 attribute onnxruntime rejects.
+DYNAMO_MIN_OPSET = 18
+
+
 def export_module(module, example: dict[str, np.ndarray], outputs: list[str], *, exporter: str = "legacy",
-                  opset: int = DEFAULT_OPSET, sequence_inputs: tuple[str, ...] = ()) -> Export:
+                  opset: int | None = None, sequence_inputs: tuple[str, ...] = ()) -> Export:
     """Export `module(*inputs)` (positional, in the order of `example`) with a dynamic batch axis
-    (and a dynamic axis 1 for `sequence_inputs`)."""
+    (and a dynamic axis 1 for `sequence_inputs`). opset None: 17 (legacy) or 18 (dynamo)."""
     torch = _torch()
     if exporter not in EXPORTERS:
         raise CtroptError(f"unknown torch exporter {exporter!r}; choose {' or '.join(EXPORTERS)}")
+    if opset is None:
+        opset = DEFAULT_OPSET if exporter == "legacy" else DYNAMO_MIN_OPSET
+    elif exporter == "dynamo" and opset < DYNAMO_MIN_OPSET:
+        raise CtroptError(f"the dynamo exporter needs opset >= {DYNAMO_MIN_OPSET} (at {opset} it writes an "
+                          "invalid Split); use --opset 18 or the legacy exporter")
     module = module.eval()
     names = list(example)
     args = tuple(torch.from_numpy(np.asarray(example[n])) for n in names)

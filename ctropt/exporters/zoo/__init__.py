@@ -77,7 +77,7 @@ def builder(name: str, framework: str):
     return getattr(models, name)
 
 
-def export(name: str, framework: str = "tf", *, exporter: str = "legacy", opset: int = DEFAULT_OPSET,
+def export(name: str, framework: str = "tf", *, exporter: str = "legacy", opset: int | None = None,
            seq_len: int | None = None) -> tuple[Export, TFModel | TorchModel]:
     """Build the entry in its framework and export it to ONNX."""
     build = builder(name, framework)
@@ -86,8 +86,8 @@ def export(name: str, framework: str = "tf", *, exporter: str = "legacy", opset:
     if framework == "tf":
         from ..tf import from_graph_def
 
-        result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs, opset=opset,
-                                sequence_inputs=sequence_inputs)
+        result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs,
+                                opset=opset or DEFAULT_OPSET, sequence_inputs=sequence_inputs)
     else:
         from ..torch import export_module
 

@@ -1,0 +1,280 @@
+"""Lowering for `--target openvino`: rewrite what OpenVINO's ONNX frontend or CPU plugin cannot load or run
+into equivalent standard ONNX that it can, keeping onnxruntime's outputs exact.
+
+What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes it:
+
+- `squeeze-explicit-axes`: Squeeze without axes has a dynamic output rank when a dim is unknown; the CPU
+  plugin refuses dynamic-rank Squeeze. The axes become the dims known to be 1.
+- `compress-explicit-axis`: Compress without `axis` is converted by OpenVINO as flatten + axis-less Squeeze
+  (dynamic rank again). A 1-D input gets axis=0; any other is flattened by a Reshape first.
+- `scan-outer-scope-as-state`: OpenVINO's Scan converter counts values a Scan body reads from the outer
+  scope as body parameters and so miscounts the states; they become explicit pass-through states.
+- `body-passthrough-identity`: a Loop/Scan body output that is directly a body input (tf2onnx passes
+  weights through Keras while-loops that way) makes OpenVINO's file reader add a body parameter and miscount
+  the loop-carried values; an Identity in between fixes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..graph import iter_graphs
+from ..patterns import const_value
+from .registry import PassContext, register_pass
+
+TARGETS = ("openvino",)
+
+
+def _opset(ctx: PassContext) -> int:
+    return int(getattr(ctx.graph, "opset", None) or 13)
+
+
+def _shape(t: gs.Tensor):
+    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
+    return None if shape is None else list(shape)
+
+
+def _dtype(t: gs.Tensor):
+    return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+
+
+def _is_one(d) -> bool:
+    return isinstance(d, (int, np.integer)) and int(d) == 1
+
+
+def _unique(graph: gs.Graph, name: str) -> str:
+    """A tensor/node name not used in `graph` or any graph around or inside it."""
+    root = graph
+    taken = {n for g in iter_graphs(root) for n in g.tensors()} | {n.name for g in iter_graphs(root) for n in g.nodes}
+    candidate, i = name, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{name}_{i}"
+    return candidate
+
+
+def _has_input(node: gs.Node, i: int) -> bool:
+    return len(node.inputs) > i and bool(node.inputs[i].name)
+
+
+# ----------------------------------------------------------------------------------------- Squeeze / Compress
+
+
+@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10)
+def squeeze_explicit_axes(ctx: PassContext) -> None:
+    """Squeeze without axes on a value of known rank names its axes (the dims known to be 1), so its rank is static."""
+    new_style = _opset(ctx) >= 13
+    for g in iter_graphs(ctx.graph):
+        for node in list(g.nodes):
+            if node.op != "Squeeze" or _has_input(node, 1) or "axes" in node.attrs:
+                continue
+            shape = _shape(node.inputs[0])
+            if shape is None:
+                continue
+            axes = [i for i, d in enumerate(shape) if _is_one(d)]
+            if not axes:
+                continue
+            ctx.matches += 1
+            if new_style:
+                c = gs.Constant(_unique(g, f"{node.name}/axes"), np.array(axes, dtype=np.int64))
+                while len(node.inputs) > 1:
+                    node.inputs.pop()
+                node.inputs.append(c)
+            else:
+                node.attrs["axes"] = axes
+            ctx.rewrites += 1
+
+
+@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11)
+def compress_explicit_axis(ctx: PassContext) -> None:
+    """Compress without axis gets axis=0 on its input flattened to 1-D, avoiding OpenVINO's dynamic-rank Squeeze."""
+    for g in iter_graphs(ctx.graph):
+        for node in list(g.nodes):
+            if node.op != "Compress" or "axis" in node.attrs:
+                continue
+            ctx.matches += 1
+            data = node.inputs[0]
+            shape = _shape(data)
+            if shape is None or len(shape) != 1:
+                flat = gs.Variable(_unique(g, f"{node.name}/flat"), dtype=data.dtype,
+                                   shape=None if shape is None else [None])
+                minus_one = gs.Constant(_unique(g, f"{node.name}/minus_one"), np.array([-1], dtype=np.int64))
+                g.nodes.append(gs.Node("Reshape", _unique(g, f"{node.name}/Reshape"), inputs=[data, minus_one],
+                                       outputs=[flat]))
+                node.inputs[0] = flat
+            node.attrs["axis"] = 0
+            ctx.rewrites += 1
+
+
+# ----------------------------------------------------------------------------------------- Loop / Scan bodies
+
+
+def _subgraphs(node: gs.Node):
+    for value in node.attrs.values():
+        for sub in (value if isinstance(value, list) else [value]):
+            if isinstance(sub, gs.Graph):
+                yield sub
+
+
+def _graph_tree(graph: gs.Graph):
+    yield graph
+    for node in graph.nodes:
+        for sub in _subgraphs(node):
+            yield from _graph_tree(sub)
+
+
+def _outer_values(body: gs.Graph) -> list[gs.Variable]:
+    """Non-constant values the body (or a graph nested in it) reads from scopes around it, in first-use order."""
+    local = {id(t) for g in _graph_tree(body) for t in g.inputs}
+    local |= {id(t) for g in _graph_tree(body) for n in g.nodes for t in n.outputs}
+    found, seen = [], set()
+    for g in _graph_tree(body):
+        for n in g.nodes:
+            for t in n.inputs:
+                if isinstance(t, gs.Variable) and t.name and id(t) not in local and id(t) not in seen:
+                    seen.add(id(t))
+                    found.append(t)
+    for t in body.outputs:  # a body output may be an outer value itself
+        if isinstance(t, gs.Variable) and id(t) not in local and id(t) not in seen:
+            seen.add(id(t))
+            found.append(t)
+    return found
+
+
+def _thread_through(graph: gs.Graph, node: gs.Node, body: gs.Graph, outer: gs.Variable, in_pos: int,
+                    body_in_pos: int, body_out_pos: int, out_pos: int) -> None:
+    """Make `outer` an explicit pass-through state of `node`: node input, body input, body output (Identity), node output."""
+    inner = gs.Variable(_unique(graph, f"{outer.name}/in_body"), dtype=outer.dtype, shape=outer.shape)
+    for g in _graph_tree(body):
+        for n in g.nodes:
+            for i, t in enumerate(n.inputs):
+                if t is outer:
+                    n.inputs[i] = inner
+    for i, t in enumerate(body.outputs):
+        if t is outer:
+            body.outputs[i] = inner
+    passed = gs.Variable(_unique(graph, f"{outer.name}/passed"), dtype=outer.dtype, shape=outer.shape)
+    body.nodes.append(gs.Node("Identity", _unique(graph, f"{outer.name}/pass"), inputs=[inner], outputs=[passed]))
+    body.inputs.insert(body_in_pos, inner)
+    body.outputs.insert(body_out_pos, passed)
+    node.inputs.insert(in_pos, outer)
+    node.outputs.insert(out_pos, gs.Variable(_unique(graph, f"{node.name}/{outer.name}/final"), dtype=outer.dtype,
+                                             shape=outer.shape))
+
+
+def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
+    # Deepest graphs first: making an inner body's outer values explicit can add outer reads to the body around it.
+    for g in reversed(list(iter_graphs(ctx.graph))):
+        for node in list(g.nodes):
+            if node.op != op or "body" not in node.attrs:
+                continue
+            body = node.attrs["body"]
+            outer = [t for t in _outer_values(body) if t.dtype is not None]
+            if not outer:
+                continue
+            ctx.matches += 1
+            for t in outer:
+                states = len(node.inputs) - int(node.attrs["num_scan_inputs"])
+                _thread_through(ctx.graph, node, body, t, states, states, states, states)
+            ctx.rewrites += 1
+
+
+@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, order=20)
+def scan_outer_scope_as_state(ctx: PassContext) -> None:
+    """Values a Scan body reads from the outer scope become explicit pass-through states (OpenVINO miscounts them)."""
+    _explicit_outer_values(ctx, "Scan")
+
+
+@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22)
+def body_passthrough_identity(ctx: PassContext) -> None:
+    """A Loop/Scan body output that is a body input itself (or repeats an output) is routed through an Identity."""
+    for g in iter_graphs(ctx.graph):
+        for node in g.nodes:
+            if node.op not in ("Loop", "Scan") or "body" not in node.attrs:
+                continue
+            body = node.attrs["body"]
+            inputs = {id(t) for t in body.inputs}
+            seen = set()
+            changed = False
+            for i, t in enumerate(list(body.outputs)):
+                if id(t) in inputs or id(t) in seen or isinstance(t, gs.Constant):
+                    copy = gs.Variable(_unique(ctx.graph, f"{t.name}/out"), dtype=_dtype(t), shape=_shape(t))
+                    body.nodes.append(gs.Node("Identity", _unique(ctx.graph, f"{t.name}/pass"), inputs=[t],
+                                              outputs=[copy]))
+                    body.outputs[i] = copy
+                    changed = True
+                seen.add(id(t))
+            if changed:
+                ctx.matches += 1
+                ctx.rewrites += 1
+
+
+# ----------------------------------------------------------------------------------------- GRU sequence_lens
+
+
+def _direction(node: gs.Node) -> str:
+    d = node.attrs.get("direction", "forward")
+    return d.decode() if isinstance(d, bytes) else str(d)
+
+
+@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, order=30)
+def gru_sequence_lens_as_mask(ctx: PassContext) -> None:
+    """Forward GRU with sequence_lens (OpenVINO CPU ignores them): run unmasked, zero Y past each length, take Y_h at length-1."""
+    for g in iter_graphs(ctx.graph):
+        for node in list(g.nodes):
+            if (node.op != "GRU" or not _has_input(node, 4) or _direction(node) != "forward"
+                    or node.attrs.get("layout", 0) != 0):
+                continue
+            ctx.matches += 1
+            _lower_gru_sequence_lens(ctx.graph, g, node)
+            ctx.rewrites += 1
+
+
+def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
+    base = gru.name or "GRU"
+    hidden = int(gru.attrs["hidden_size"])
+    x, lens = gru.inputs[0], gru.inputs[4]
+    dtype = _dtype(x) or np.float32
+    y_out = gru.outputs[0] if gru.outputs and gru.outputs[0].name else None
+    yh_out = gru.outputs[1] if len(gru.outputs) > 1 and gru.outputs[1].name else None
+
+    def var(name, dt=None, shape=None):
+        return gs.Variable(_unique(root, f"{base}/{name}"), dtype=dt, shape=shape)
+
+    def const(name, value):
+        return gs.Constant(_unique(root, f"{base}/{name}"), np.asarray(value))
+
+    def add(op, inputs, outputs, **attrs):
+        g.nodes.append(gs.Node(op, _unique(root, f"{base}/{op}"), attrs=attrs, inputs=inputs, outputs=outputs))
+        return outputs[0]
+
+    y_full = var("y_unmasked", dtype, None)
+    gru.inputs[4] = gs.Variable.empty()
+    gru.outputs.clear()
+    gru.outputs.append(y_full)
+    zero = const("zero", np.zeros((), dtype=dtype))
+    lens64 = add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
+    # mask[t, n] = t < lens[n]
+    steps = add("Gather", [add("Shape", [x], [var("x_shape", np.int64, [3])]), const("time_axis", np.array(0, np.int64))],
+                [var("steps", np.int64, [])], axis=0)
+    t = add("Range", [const("t0", np.array(0, np.int64)), steps, const("t1", np.array(1, np.int64))],
+            [var("t", np.int64, None)])
+    t_col = add("Unsqueeze", [t, const("t_axes", np.array([1], np.int64))], [var("t_col", np.int64, None)])
+    if y_out is not None:
+        mask = add("Less", [t_col, lens64], [var("mask", np.bool_, None)])
+        mask4 = add("Unsqueeze", [mask, const("mask_axes", np.array([1, 3], np.int64))], [var("mask4", np.bool_, None)])
+        add("Where", [mask4, y_full, zero], [y_out])
+    if yh_out is not None:
+        last = add("Max", [add("Sub", [lens64, const("one", np.array(1, np.int64))], [var("lens_m1", np.int64, None)]),
+                           const("zero_i", np.array(0, np.int64))], [var("last", np.int64, None)])
+        idx = add("Unsqueeze", [last, const("last_axes", np.array([0, 1, 3], np.int64))], [var("last4", np.int64, None)])
+        idx = add("Expand", [idx, const("last_shape", np.array([1, 1, 1, hidden], np.int64))],
+                  [var("last_idx", np.int64, None)])
+        picked = add("GatherElements", [y_full, idx], [var("y_last", dtype, None)], axis=0)
+        picked = add("Squeeze", [picked, const("squeeze_axes", np.array([0], np.int64))], [var("h_last", dtype, None)])
+        valid = add("Greater", [lens64, const("zero_len", np.array(0, np.int64))], [var("nonempty", np.bool_, None)])
+        valid = add("Unsqueeze", [valid, const("valid_axes", np.array([0, 2], np.int64))],
+                    [var("nonempty3", np.bool_, None)])
+        add("Where", [valid, picked, zero], [yh_out])
