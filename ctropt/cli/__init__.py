@@ -111,6 +111,12 @@ def optimize(
             console.print(f"[red]{r.name} {r.status}[/]: {escape(r.message)}")
         console.print(f"saved {out} ({node_count(m)} → {node_count(result.model)} nodes"
                       + ("" if verify else ", outputs NOT verified") + ")")
+        if target == "openvino":
+            try:
+                Runner(result.model, "openvino-cpu").run(feeds or generate_inputs(result.model, batch=batch))
+                console.print("OpenVINO CPU: loads and runs")
+            except CtroptError as e:
+                console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}")
 
 
 @app.command("passes")

@@ -9,6 +9,8 @@ What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes 
   (dynamic rank again). A 1-D input gets axis=0; any other is flattened by a Reshape first.
 - `scan-outer-scope-as-state`: OpenVINO's Scan converter counts values a Scan body reads from the outer
   scope as body parameters and so miscounts the states; they become explicit pass-through states.
+- `loop-inline-invariant-constants`: weights threaded through a Loop as pass-through carried values are
+  read as the constants they are (OpenVINO fuses an AUGRU cell only with constant weights).
 - `body-passthrough-identity`: a Loop/Scan body output that is directly a body input (tf2onnx passes
   weights through Keras while-loops that way) makes OpenVINO's file reader add a body parameter and miscount
   the loop-carried values; an Identity in between fixes it.
@@ -20,7 +22,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import iter_graphs
+from ..graph import annotate_shapes, iter_graphs
 from ..patterns import const_value
 from .registry import PassContext, register_pass
 
@@ -38,6 +40,12 @@ def _shape(t: gs.Tensor):
 
 def _dtype(t: gs.Tensor):
     return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+
+
+def _annotate_if(ctx: PassContext, untyped) -> None:
+    """Fill in dtypes/shapes (onnx shape inference) only if some value a pass needs has no dtype yet."""
+    if any(t.dtype is None for g in iter_graphs(ctx.graph) for n in g.nodes for t in untyped(n)):
+        annotate_shapes(ctx.graph)
 
 
 def _is_one(d) -> bool:
@@ -165,6 +173,7 @@ def _thread_through(graph: gs.Graph, node: gs.Node, body: gs.Graph, outer: gs.Va
 
 
 def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
+    _annotate_if(ctx, lambda n: _outer_values(n.attrs["body"]) if n.op == op and "body" in n.attrs else [])
     # Deepest graphs first: making an inner body's outer values explicit can add outer reads to the body around it.
     for g in reversed(list(iter_graphs(ctx.graph))):
         for node in list(g.nodes):
@@ -185,6 +194,43 @@ def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
 def scan_outer_scope_as_state(ctx: PassContext) -> None:
     """Values a Scan body reads from the outer scope become explicit pass-through states (OpenVINO miscounts them)."""
     _explicit_outer_values(ctx, "Scan")
+
+
+@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, order=21)
+def loop_inline_invariant_constants(ctx: PassContext) -> None:
+    """A Loop-carried value the body passes through unchanged and that starts as a constant is read as that constant."""
+    for g in iter_graphs(ctx.graph):
+        graph_outputs = {id(t) for t in g.outputs}
+        for node in g.nodes:
+            if node.op != "Loop" or "body" not in node.attrs:
+                continue
+            body = node.attrs["body"]
+            carried = len(node.inputs) - 2
+            slots = [k for k in range(carried)
+                     if isinstance(node.inputs[2 + k], gs.Constant) and body.outputs[1 + k] is body.inputs[2 + k]
+                     and sum(o is body.inputs[2 + k] for o in body.outputs) == 1
+                     and (k >= len(node.outputs) or id(node.outputs[k]) not in graph_outputs)]
+            if not slots:
+                continue
+            ctx.matches += 1
+            for k in reversed(slots):
+                value, inner = node.inputs[2 + k], body.inputs[2 + k]
+                for sub in _graph_tree(body):
+                    for n in sub.nodes:
+                        for i, t in enumerate(n.inputs):
+                            if t is inner:
+                                n.inputs[i] = value
+                if k < len(node.outputs):
+                    final = node.outputs[k]
+                    for user in list(final.outputs):
+                        for i, t in enumerate(user.inputs):
+                            if t is final:
+                                user.inputs[i] = value
+                    del node.outputs[k]
+                del body.outputs[1 + k]
+                del body.inputs[2 + k]
+                del node.inputs[2 + k]
+            ctx.rewrites += 1
 
 
 @register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22)
@@ -278,3 +324,50 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
         valid = add("Unsqueeze", [valid, const("valid_axes", np.array([0, 2], np.int64))],
                     [var("nonempty3", np.bool_, None)])
         add("Where", [valid, picked, zero], [yh_out])
+
+
+# ----------------------------------------------------------------------------------------- Split + Cast(bool)
+
+
+@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40)
+def split_cast_bool_as_compare(ctx: PassContext) -> None:
+    """Cast-to-bool of a Split output becomes Not(Equal(x, 0)): OpenVINO CPU otherwise gives every output the first part."""
+    _annotate_if(ctx, lambda n: n.outputs if n.op == "Split" else [])
+    for g in iter_graphs(ctx.graph):
+        for node in list(g.nodes):
+            if node.op != "Cast" or node.attrs.get("to") != onnx.TensorProto.BOOL:
+                continue
+            x = node.inputs[0]
+            producer = x.inputs[0] if len(x.inputs) == 1 else None
+            dtype = _dtype(x)
+            if producer is None or producer.op != "Split" or len(producer.outputs) < 2 or dtype is None:
+                continue
+            if np.dtype(dtype) == np.bool_:
+                continue
+            ctx.matches += 1
+            base = node.name or "Cast"
+            zero = gs.Constant(_unique(ctx.graph, f"{base}/zero"), np.zeros((), dtype=dtype))
+            eq = gs.Variable(_unique(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=_shape(x))
+            out = node.outputs[0]
+            node.outputs.clear()
+            g.nodes.append(gs.Node("Equal", _unique(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))
+            g.nodes.append(gs.Node("Not", _unique(ctx.graph, f"{base}/Not"), inputs=[eq], outputs=[out]))
+            g.nodes.remove(node)
+            ctx.rewrites += 1
+
+
+# ----------------------------------------------------------------------------------------- unused inputs
+
+
+@register_pass("keep-unused-inputs", group="lower", targets=TARGETS, order=90)
+def keep_unused_inputs(ctx: PassContext) -> None:
+    """A graph input no node reads gets an Identity reader, so OpenVINO's in-memory reader keeps it as a model input."""
+    read = {id(t) for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.inputs}
+    outputs = {id(t) for t in ctx.graph.outputs}
+    for t in ctx.graph.inputs:
+        if id(t) in read or id(t) in outputs:
+            continue
+        ctx.matches += 1
+        kept = gs.Variable(_unique(ctx.graph, f"{t.name}/kept"), dtype=t.dtype, shape=t.shape)
+        ctx.graph.nodes.append(gs.Node("Identity", _unique(ctx.graph, f"{t.name}/keep"), inputs=[t], outputs=[kept]))
+        ctx.rewrites += 1

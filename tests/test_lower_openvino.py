@@ -1,0 +1,289 @@
+"""The `--target openvino` lowering passes (ctropt/passes/lower_openvino.py): per pass a tiny graph that OpenVINO
+2026.4 cannot load or runs wrongly, the expected rewrite, the same outputs on onnxruntime and OpenVINO, and
+idempotence; then end to end on the exported models that OpenVINO could not run as exported.
+
+OpenVINO reads a model from a file and from memory through different frontend paths that fail differently
+(a Loop body passing an input straight through fails from a file; an unused graph input is dropped from
+memory), so every OpenVINO check here runs both.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import ctropt
+import ctropt.passes.lower_openvino  # noqa: F401  (registers the passes until passes/__init__ imports it)
+from ctropt.graph import CtroptError, interface, load, save
+from ctropt.runtime import Runner, compare_outputs, generate_inputs
+
+from helpers import F, I64, init, make_model, node, ops, run_pass, vi
+
+BOOL, I32 = TensorProto.BOOL, TensorProto.INT32
+ROOT = Path(__file__).parent
+ZOO = ROOT.parent / "ctropt" / "exporters" / "zoo" / "data"
+THIRDPARTY = ROOT / "data" / "thirdparty"
+
+
+def openvino_runs(model, feeds, tmp_path, atol=1e-5):
+    """OpenVINO, read from memory and from a file, gives onnxruntime's outputs; raises CtroptError if it cannot."""
+    reference = Runner(model).run(feeds)
+    path = save(model, tmp_path / f"m{abs(hash(model.SerializeToString())) % 10**8}.onnx")
+    worst = 0.0
+    for source in (model, str(path)):
+        got = Runner(source, "openvino-cpu").run(feeds)
+        diffs = compare_outputs(reference, {k: got[k] for k in reference}, atol=atol, rtol=1e-4)
+        assert all(d.ok for d in diffs), diffs
+        worst = max([worst] + [d.max_abs for d in diffs])
+    return worst
+
+
+def openvino_fails(model, feeds, tmp_path) -> bool:
+    try:
+        openvino_runs(model, feeds, tmp_path)
+    except (CtroptError, AssertionError):
+        return True
+    return False
+
+
+def lower(model, name, feeds, tmp_path, expected_ops=None):
+    """Run one pass: expected ops (main graph), same onnxruntime outputs, OpenVINO runs, second run changes nothing."""
+    once, ctx = run_pass(model, name)
+    assert ctx.matches >= 1 and ctx.rewrites >= 1
+    if expected_ops is not None:
+        assert sorted(ops(once)) == sorted(expected_ops), ops(once)
+    before, after = Runner(model).run(feeds), Runner(once).run(feeds)
+    for k in before:  # exact: lowering must not move onnxruntime's numbers
+        np.testing.assert_array_equal(before[k], after[k])
+    assert interface(once) == interface(model)
+    openvino_runs(once, feeds, tmp_path)
+    twice, ctx2 = run_pass(once, name)
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+    return once
+
+
+def body_of(model, op):
+    return next(helper.get_attribute_value(a) for n in model.graph.node if n.op_type == op for a in n.attribute
+                if a.name == "body")
+
+
+# ----------------------------------------------------------------------------------------- per pass
+
+
+def test_squeeze_explicit_axes(tmp_path):
+    model = make_model([node("Squeeze", ["x"], ["s"]), node("Relu", ["s"], ["y"])],
+                       [vi("x", F, ["N", 1])], [vi("y", F, ["N"])])
+    feeds = {"x": np.random.default_rng(0).normal(size=(5, 1)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "squeeze-explicit-axes", feeds, tmp_path, ["Squeeze", "Relu"])
+    axes = {t.name: onnx.numpy_helper.to_array(t) for t in once.graph.initializer}[once.graph.node[0].input[1]]
+    assert axes.tolist() == [1]
+
+
+def test_squeeze_explicit_axes_leaves_unknown_rank_and_named_axes():
+    model = make_model([node("Squeeze", ["x"], ["s"]), node("Squeeze", ["z", "ax"], ["t"])],
+                       [vi("x", F, None), vi("z", F, ["N", 1])], [vi("s", F, None), vi("t", F, None)],
+                       [init("ax", np.array([1], np.int64))])
+    _, ctx = run_pass(model, "squeeze-explicit-axes")
+    assert ctx.rewrites == 0
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_compress_explicit_axis(tmp_path, rank):
+    """Without axis Compress flattens; OpenVINO converts that with an axis-less (dynamic-rank) Squeeze."""
+    shape = ["N"] if rank == 1 else ["N", 2]
+    model = make_model([node("Compress", ["x", "c"], ["y"])], [vi("x", F, shape), vi("c", BOOL, ["M"])],
+                       [vi("y", F, None)])
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(6,) if rank == 1 else (6, 2)).astype(np.float32)
+    feeds = {"x": x, "c": rng.random(x.size - 1) > 0.5}
+    assert openvino_fails(model, feeds, tmp_path)
+    expected = ["Compress"] if rank == 1 else ["Reshape", "Compress"]
+    once = lower(model, "compress-explicit-axis", feeds, tmp_path, expected)
+    compress = next(n for n in once.graph.node if n.op_type == "Compress")
+    assert helper.get_attribute_value(compress.attribute[0]) == 0
+    lower(model, "compress-explicit-axis", {"x": x, "c": np.zeros(0, bool)}, tmp_path)  # empty selection
+
+
+def _scan_reading_outer_value():
+    body = helper.make_graph(
+        [node("Mul", ["h", "w"], ["hw"]), node("Add", ["hw", "xt"], ["h2"]), node("Tanh", ["h2"], ["yt"])], "body",
+        [vi("h", F, ["N", 3]), vi("xt", F, ["N", 3])], [vi("h2", F, ["N", 3]), vi("yt", F, ["N", 3])])
+    return make_model(
+        [node("Relu", ["w0"], ["w"]), node("Transpose", ["x"], ["xs"], perm=[1, 0, 2]),
+         node("Scan", ["h0", "xs"], ["hT", "ys"], num_scan_inputs=1, body=body)],
+        [vi("x", F, ["N", 5, 3]), vi("h0", F, ["N", 3])], [vi("hT", F, ["N", 3]), vi("ys", F, [5, "N", 3])],
+        [init("w0", np.array([0.5, -1.0, 0.25], np.float32))])
+
+
+def test_scan_outer_scope_as_state(tmp_path):
+    """OpenVINO counts outer-scope reads as body parameters and miscounts the Scan's states (tf2onnx dynamic_rnn)."""
+    model = _scan_reading_outer_value()
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.normal(size=(4, 5, 3)).astype(np.float32), "h0": rng.normal(size=(4, 3)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "scan-outer-scope-as-state", feeds, tmp_path, ["Relu", "Transpose", "Scan"])
+    scan = next(n for n in once.graph.node if n.op_type == "Scan")
+    assert list(scan.input) == ["h0", "w", "xs"] and len(scan.output) == 3 and scan.output[2] == "ys"
+    body = body_of(once, "Scan")
+    assert [i.name for i in body.input][0] == "h" and len(body.input) == 3 and len(body.output) == 3
+
+
+def _loop_passing_weight_through():
+    body = helper.make_graph(
+        [node("Mul", ["h", "w"], ["hw"]), node("Gather", ["xs", "i"], ["xt"]), node("Add", ["hw", "xt"], ["h2"]),
+         node("Identity", ["c"], ["c2"])], "body",
+        [vi("i", I64, []), vi("c", BOOL, []), vi("h", F, ["N", 3]), vi("w", F, [3])],
+        [vi("c2", BOOL, []), vi("h2", F, ["N", 3]), vi("w", F, [3])])  # w goes straight out: Keras while-loops do this
+    return make_model(
+        [node("Transpose", ["x"], ["xs"], perm=[1, 0, 2]), node("Loop", ["M", "cond", "h0", "w0"], ["hT", "wT"], body=body)],
+        [vi("x", F, ["N", 4, 3]), vi("h0", F, ["N", 3])], [vi("hT", F, ["N", 3])],
+        [init("M", np.array(4, np.int64)), init("cond", np.array(True)), init("w0", np.array([0.5, -1, 0.25], np.float32))])
+
+
+def test_loop_inline_invariant_constants(tmp_path):
+    """Weights threaded through a Loop unchanged are read as constants (OpenVINO fuses AUGRU cells only then)."""
+    model = _loop_passing_weight_through()
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.normal(size=(2, 4, 3)).astype(np.float32), "h0": rng.normal(size=(2, 3)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "loop-inline-invariant-constants", feeds, tmp_path, ["Transpose", "Loop"])
+    loop = next(n for n in once.graph.node if n.op_type == "Loop")
+    assert list(loop.input) == ["M", "cond", "h0"] and list(loop.output) == ["hT"]
+    body = body_of(once, "Loop")
+    assert len(body.input) == 3 and len(body.output) == 2
+    assert any("w0" in n.input for n in body.node)
+
+
+def test_body_passthrough_identity(tmp_path):
+    """A body output that is a body input makes OpenVINO's file reader add a parameter and miscount the Loop."""
+    model = _loop_passing_weight_through()
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.normal(size=(2, 4, 3)).astype(np.float32), "h0": rng.normal(size=(2, 3)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "body-passthrough-identity", feeds, tmp_path, ["Transpose", "Loop"])
+    body = body_of(once, "Loop")
+    assert {i.name for i in body.input}.isdisjoint(o.name for o in body.output)
+    assert [n.op_type for n in body.node].count("Identity") == 2
+
+
+def _gru_with_lengths(initial_h: bool):
+    T, H, I = 4, 3, 2
+    rng = np.random.default_rng(4)
+    weights = [init("W", rng.normal(size=(1, 3 * H, I)).astype(np.float32)),
+               init("R", rng.normal(size=(1, 3 * H, H)).astype(np.float32)),
+               init("B", rng.normal(size=(1, 6 * H)).astype(np.float32))]
+    inputs = [vi("x", F, [T, "N", I]), vi("lens", I32, ["N"])] + ([vi("h0", F, [1, "N", H])] if initial_h else [])
+    model = make_model([node("GRU", ["x", "W", "R", "B", "lens", "h0" if initial_h else ""], ["y", "yh"], hidden_size=H)],
+                       inputs, [vi("y", F, [T, 1, "N", H]), vi("yh", F, [1, "N", H])], weights)
+    feeds = {"x": rng.normal(size=(T, 4, I)).astype(np.float32), "lens": np.array([4, 0, 2, 1], np.int32)}
+    if initial_h:
+        feeds["h0"] = rng.normal(size=(1, 4, H)).astype(np.float32)
+    return model, feeds
+
+
+@pytest.mark.parametrize("initial_h", [False, True])
+def test_gru_sequence_lens_as_mask(tmp_path, initial_h):
+    """OpenVINO CPU ignores a GRU's sequence_lens (runs every row to the end); empty rows give Y_h = 0 on onnxruntime."""
+    model, feeds = _gru_with_lengths(initial_h)
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "gru-sequence-lens-as-mask", feeds, tmp_path)
+    gru = next(n for n in once.graph.node if n.op_type == "GRU")
+    assert gru.input[4] == "" and len([o for o in gru.output if o]) == 1
+    assert {"Where", "GatherElements", "Less"} <= set(ops(once))
+
+
+def test_gru_sequence_lens_as_mask_leaves_reverse_and_unmasked():
+    model, _ = _gru_with_lengths(False)
+    model.graph.node[0].attribute.append(helper.make_attribute("direction", "reverse"))
+    assert run_pass(model, "gru-sequence-lens-as-mask")[1].rewrites == 0
+    model, _ = _gru_with_lengths(False)
+    model.graph.node[0].input[4] = ""
+    assert run_pass(model, "gru-sequence-lens-as-mask")[1].rewrites == 0
+
+
+def test_split_cast_bool_as_compare(tmp_path):
+    """tf2onnx's DynamicPartition: Equal -> Cast(int) -> Split -> Cast(bool); OpenVINO CPU gives all parts the first."""
+    nodes = [node("Equal", ["x", "r"], ["eq"]), node("Cast", ["eq"], ["eqi"], to=I32),
+             node("Split", ["eqi"], ["s0", "s1", "s2"], axis=0)]
+    nodes += [node("Cast", [f"s{i}"], [f"b{i}"], to=BOOL) for i in range(3)]
+    nodes += [node("Squeeze", [f"b{i}", "ax"], [f"y{i}"]) for i in range(3)]
+    model = make_model(nodes, [vi("x", I32, ["N"])], [vi(f"y{i}", BOOL, ["N"]) for i in range(3)],
+                       [init("r", np.array([[0], [1], [2]], np.int32)), init("ax", np.array([0], np.int64))])
+    feeds = {"x": np.array([0, 1, 2, 0, 2, 1, 1], np.int32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "split-cast-bool-as-compare", feeds, tmp_path,
+                 ["Equal", "Cast", "Split"] + ["Equal", "Not", "Squeeze"] * 3)
+
+
+def test_keep_unused_inputs(tmp_path):
+    """OpenVINO's in-memory reader drops a graph input no node reads, so feeding it fails (DeepCTR DIN's seq_length)."""
+    model = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, ["N", 2]), vi("unused", I64, ["N", 1])],
+                       [vi("y", F, ["N", 2])])
+    feeds = {"x": np.ones((3, 2), np.float32), "unused": np.ones((3, 1), np.int64)}
+    assert openvino_fails(model, feeds, tmp_path)
+    lower(model, "keep-unused-inputs", feeds, tmp_path, ["Relu", "Identity"])
+
+
+# ----------------------------------------------------------------------------------------- end to end
+
+E2E = [
+    ZOO / "dien_tf.onnx",
+    ZOO / "dlrm_tf.onnx",
+    ZOO / "wdl_tf.onnx",
+    THIRDPARTY / "deepctr_DIN_tf2onnx.onnx",
+    *sorted(THIRDPARTY.glob("deepctr_DIEN_*_tf2onnx.onnx")),
+    ROOT / "data" / "keras_gru_tf2onnx.onnx",
+]
+
+
+def openvino_sessions(model, tmp_path, name="model.onnx"):
+    """OpenVINO runners for the model read from memory and from a file (CtroptError if it cannot load)."""
+    path = save(model, tmp_path / name)
+    return [Runner(model, "openvino-cpu"), Runner(str(path), "openvino-cpu")]
+
+
+@pytest.mark.parametrize("path", E2E, ids=lambda p: p.stem)
+def test_openvino_target_end_to_end(path, tmp_path):
+    raw = load(path)
+    feeds = [generate_inputs(raw, batch=b) for b in (3, 13)]
+    references = [Runner(raw).run(f) for f in feeds]
+    with pytest.raises((CtroptError, AssertionError)):  # the export as it is: OpenVINO cannot load or run it right
+        for ov in openvino_sessions(raw, tmp_path):
+            got = ov.run(feeds[1])
+            assert all(d.ok for d in compare_outputs(references[1], {k: got[k] for k in references[1]}, atol=1e-4))
+
+    result = ctropt.optimize(raw, target="openvino", feeds=feeds[1])
+    assert not result.failed, [(r.name, r.message) for r in result.failed]
+    assert any(r.status == "applied" and r.name in LOWER_PASSES for r in result.records), "no lowering fired"
+    assert interface(result.model) == interface(raw)
+    for f, reference in zip(feeds, references):
+        assert all(d.ok for d in compare_outputs(reference, Runner(result.model).run(f), atol=1e-5, rtol=1e-4))
+    for ov in openvino_sessions(result.model, tmp_path, "opt.onnx"):
+        for f, reference in zip(feeds, references):
+            got = ov.run(f)
+            diffs = compare_outputs(reference, {k: got[k] for k in reference}, atol=1e-4, rtol=1e-4)
+            assert all(d.ok for d in diffs), diffs
+
+
+LOWER_PASSES = {name for name, p in ctropt.REGISTRY.items() if p.group == "lower" and "openvino" in p.targets}
+
+
+def make_keras_gru_model(out: str) -> None:  # pragma: no cover - how tests/data/keras_gru_tf2onnx.onnx was made
+    """Two stacked Keras GRU layers in a tf.function, through tf2onnx.convert.from_function (opset 17)."""
+    import tensorflow as tf
+    import tf2onnx
+
+    tf.random.set_seed(0)
+    inp = tf.keras.Input((6, 3), name="x")
+    h = tf.keras.layers.GRU(4, return_sequences=True)(inp)
+    h = tf.keras.layers.GRU(4)(h)
+    model = tf.keras.Model(inp, tf.keras.layers.Dense(1)(h))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 6, 3], tf.float32, name="x")])
+    def fn(x):
+        return model(x, training=False)
+
+    tf2onnx.convert.from_function(fn, input_signature=fn.input_signature, opset=17, output_path=out)
