@@ -64,7 +64,9 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
                 body = node.attrs["body"]
                 ops = collections.Counter(n.op for b in iter_graphs(body) for n in b.nodes)
                 gated = ops["Sigmoid"] >= 1 and ops["Tanh"] >= 1
-                kind = f"{node.op} with a gated cell (GRU-like)" if gated else node.op
+                kind = node.op
+                if gated:
+                    kind = f"{node.op} with an AUGRU cell" if _attention_scaled_gate(body) else f"{node.op} with a GRU cell"
                 out.append(Recurrent(kind, node.name, f"{sum(ops.values())} body nodes; "
                                      f"Sigmoid {ops['Sigmoid']}, Tanh {ops['Tanh']}, MatMul {ops['MatMul']}"))
         users = collections.Counter()
@@ -152,6 +154,24 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
     for table, n in bags.items():
         out.append(Recurrent("embedding bag", table, f"{n} lookup(s) reduced per sample"))
     return out
+
+
+def _attention_scaled_gate(body: gs.Graph) -> bool:
+    """A gate (Sigmoid output, possibly split) multiplied by a value sliced from a body input: AUGRU's a*u."""
+    gates = set()
+    for n in body.nodes:
+        if n.op == "Sigmoid":
+            gates.add(id(n.outputs[0]))
+            gates.update(id(o) for c in n.outputs[0].outputs if c.op in ("Split", "Slice") for o in c.outputs)
+    inputs = {id(t) for t in body.inputs}
+    for n in body.nodes:
+        if n.op != "Mul" or len(n.inputs) != 2:
+            continue
+        for gate, other in ((n.inputs[0], n.inputs[1]), (n.inputs[1], n.inputs[0])):
+            if id(gate) in gates and any(p.op in ("Slice", "Split", "Gather") and id(p.inputs[0]) in inputs
+                                         for p in _upstream(other, 2)):
+                return True
+    return False
 
 
 @dataclasses.dataclass

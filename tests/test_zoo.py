@@ -20,7 +20,7 @@ STRUCTURES = {
     ("deepfm", "tf"): [("indicator column", 1)],
     ("dlrm", "tf"): [("embedding bag", 8)],
     ("din", "tf"): [("padded attention", 1)],
-    ("dien", "tf"): [("padded attention", 1), ("Scan with a gated cell (GRU-like)", 2)],
+    ("dien", "tf"): [("padded attention", 1), ("Scan with a GRU cell", 1), ("Scan with an AUGRU cell", 1)],
     ("din", "torch"): [("padded attention", 1)],
     ("dien", "torch"): [("GRU op", 1), ("unrolled chain", 2)],
     ("mmoe", "tf"): [],
