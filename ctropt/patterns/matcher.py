@@ -304,16 +304,27 @@ class Match:
     # building replacements
 
     def constant(self, name: str, value: np.ndarray) -> gs.Constant:
-        return gs.Constant(_unique(self.graph, name), np.ascontiguousarray(value))
+        return add_constant(self.graph, name, value)
 
     def op(self, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1,
            name: str | None = None, domain: str | None = None, dtype=None, shape=None) -> list[gs.Variable]:
         """Add a node to the match's graph and return its new output tensors."""
-        base = _unique(self.graph, name or f"{self.root.name or op}/{op}")
-        outs = [gs.Variable(_unique(self.graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
-        node = gs.Node(op, base, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain)
-        self.graph.nodes.append(node)
-        return outs
+        return add_node(self.graph, op, inputs, attrs, outputs=outputs, name=name or f"{self.root.name or op}/{op}",
+                        domain=domain, dtype=dtype, shape=shape)
+
+
+def add_constant(graph: gs.Graph, name: str, value: np.ndarray) -> gs.Constant:
+    """A new constant with a name unique in `graph`."""
+    return gs.Constant(_unique(graph, name), np.ascontiguousarray(value))
+
+
+def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1,
+             name: str | None = None, domain: str | None = None, dtype=None, shape=None) -> list[gs.Variable]:
+    """Append a node to `graph` (names made unique) and return its new output tensors."""
+    base = _unique(graph, name or op)
+    outs = [gs.Variable(_unique(graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
+    graph.nodes.append(gs.Node(op, base, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
+    return outs
 
 
 def _unique(graph: gs.Graph, name: str) -> str:
