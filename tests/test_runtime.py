@@ -78,3 +78,13 @@ def test_bench_cli_one_and_two_models(mlp_paths, tmp_path):
     assert "A/B time" in two.output and "×" in two.output
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["models"] == ["slow.onnx", "fast.onnx"] and data["results"][0]["ratio"] > 0
+
+
+def test_openvino_runner_takes_a_feed_with_an_unused_input(tmp_path):
+    """OpenVINO's in-memory reader drops inputs no node reads (DeepCTR DIN's seq_length); the full feed still works."""
+    from helpers import I64
+
+    model = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, ["N", 2]), vi("unused", I64, ["N", 1])],
+                       [vi("y", F, ["N", 2])])
+    feeds = {"x": -np.ones((3, 2), np.float32), "unused": np.ones((3, 1), np.int64)}
+    assert np.array_equal(Runner(model, "openvino-cpu").run(feeds)["y"], np.zeros((3, 2), np.float32))

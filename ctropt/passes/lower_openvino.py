@@ -52,15 +52,35 @@ def _is_one(d) -> bool:
     return isinstance(d, (int, np.integer)) and int(d) == 1
 
 
-def _unique(graph: gs.Graph, name: str) -> str:
-    """A tensor/node name not used in `graph` or any graph around or inside it."""
-    root = graph
-    taken = {n for g in iter_graphs(root) for n in g.tensors()} | {n.name for g in iter_graphs(root) for n in g.nodes}
+def _unique(root: gs.Graph, name: str) -> str:
+    """A name no tensor or node of `root` (all scopes) uses yet; the names taken are collected once per graph."""
+    taken = root.__dict__.get("_ctropt_ov_names")  # not getattr: graphsurgeon's __getattr__ logs misses as errors
+    if taken is None:
+        taken = {n for g in iter_graphs(root) for n in g.tensors()} | {n.name for g in iter_graphs(root) for n in g.nodes}
+        root.__dict__["_ctropt_ov_names"] = taken
     candidate, i = name, 0
     while candidate in taken:
         i += 1
         candidate = f"{name}_{i}"
+    taken.add(candidate)
     return candidate
+
+
+def _constant(root: gs.Graph, name: str, value) -> gs.Constant:
+    """A constant with this value: an equal one of the main graph (or made before) is reused, as dedup-initializers would."""
+    value = np.ascontiguousarray(value)
+    pool = root.__dict__.get("_ctropt_ov_consts")
+    if pool is None:
+        pool = {}
+        for t in root.tensors().values():
+            if isinstance(t, gs.Constant) and t.values.size <= 1024:
+                v = np.ascontiguousarray(t.values)
+                pool.setdefault((v.dtype.str, v.shape, v.tobytes()), t)
+        root.__dict__["_ctropt_ov_consts"] = pool
+    key = (value.dtype.str, value.shape, value.tobytes())
+    if key not in pool:
+        pool[key] = gs.Constant(_unique(root, name), value)
+    return pool[key]
 
 
 def _has_input(node: gs.Node, i: int) -> bool:
@@ -86,7 +106,7 @@ def squeeze_explicit_axes(ctx: PassContext) -> None:
                 continue
             ctx.matches += 1
             if new_style:
-                c = gs.Constant(_unique(g, f"{node.name}/axes"), np.array(axes, dtype=np.int64))
+                c = _constant(ctx.graph, f"{node.name}/axes", np.array(axes, dtype=np.int64))
                 while len(node.inputs) > 1:
                     node.inputs.pop()
                 node.inputs.append(c)
@@ -106,10 +126,10 @@ def compress_explicit_axis(ctx: PassContext) -> None:
             data = node.inputs[0]
             shape = _shape(data)
             if shape is None or len(shape) != 1:
-                flat = gs.Variable(_unique(g, f"{node.name}/flat"), dtype=data.dtype,
+                flat = gs.Variable(_unique(ctx.graph, f"{node.name}/flat"), dtype=data.dtype,
                                    shape=None if shape is None else [None])
-                minus_one = gs.Constant(_unique(g, f"{node.name}/minus_one"), np.array([-1], dtype=np.int64))
-                g.nodes.append(gs.Node("Reshape", _unique(g, f"{node.name}/Reshape"), inputs=[data, minus_one],
+                minus_one = _constant(ctx.graph, f"{node.name}/minus_one", np.array([-1], dtype=np.int64))
+                g.nodes.append(gs.Node("Reshape", _unique(ctx.graph, f"{node.name}/Reshape"), inputs=[data, minus_one],
                                        outputs=[flat]))
                 node.inputs[0] = flat
             node.attrs["axis"] = 0
@@ -235,23 +255,21 @@ def loop_inline_invariant_constants(ctx: PassContext) -> None:
 
 @register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22)
 def body_passthrough_identity(ctx: PassContext) -> None:
-    """A Loop/Scan body output that is a body input itself (or repeats an output) is routed through an Identity."""
+    """A Loop/Scan body output that is a body input itself is routed through an Identity (OpenVINO's file reader needs it)."""
     for g in iter_graphs(ctx.graph):
         for node in g.nodes:
             if node.op not in ("Loop", "Scan") or "body" not in node.attrs:
                 continue
             body = node.attrs["body"]
             inputs = {id(t) for t in body.inputs}
-            seen = set()
             changed = False
             for i, t in enumerate(list(body.outputs)):
-                if id(t) in inputs or id(t) in seen or isinstance(t, gs.Constant):
+                if id(t) in inputs:
                     copy = gs.Variable(_unique(ctx.graph, f"{t.name}/out"), dtype=_dtype(t), shape=_shape(t))
                     body.nodes.append(gs.Node("Identity", _unique(ctx.graph, f"{t.name}/pass"), inputs=[t],
                                               outputs=[copy]))
                     body.outputs[i] = copy
                     changed = True
-                seen.add(id(t))
             if changed:
                 ctx.matches += 1
                 ctx.rewrites += 1
@@ -283,17 +301,27 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     hidden = int(gru.attrs["hidden_size"])
     x, lens = gru.inputs[0], gru.inputs[4]
     dtype = _dtype(x) or np.float32
-    y_out = gru.outputs[0] if gru.outputs and gru.outputs[0].name else None
-    yh_out = gru.outputs[1] if len(gru.outputs) > 1 and gru.outputs[1].name else None
+    graph_outputs = {id(t) for t in g.outputs}
+
+    def used(i):
+        t = gru.outputs[i] if len(gru.outputs) > i and gru.outputs[i].name else None
+        return t if t is not None and (t.outputs or id(t) in graph_outputs) else None
+
+    y_out, yh_out = used(0), used(1)
+    made = g.__dict__.setdefault("_ctropt_ov_made", {})  # shared by GRUs reading the same x / lengths
 
     def var(name, dt=None, shape=None):
         return gs.Variable(_unique(root, f"{base}/{name}"), dtype=dt, shape=shape)
 
     def const(name, value):
-        return gs.Constant(_unique(root, f"{base}/{name}"), np.asarray(value))
+        return _constant(root, f"{base}/{name}", np.asarray(value))
 
     def add(op, inputs, outputs, **attrs):
+        key = (op, tuple(id(t) for t in inputs), tuple(sorted(attrs.items())))
+        if key in made and not any(outputs[0] is o for o in (y_out, yh_out)):
+            return made[key]
         g.nodes.append(gs.Node(op, _unique(root, f"{base}/{op}"), attrs=attrs, inputs=inputs, outputs=outputs))
+        made[key] = outputs[0]
         return outputs[0]
 
     y_full = var("y_unmasked", dtype, None)
@@ -301,14 +329,19 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     gru.outputs.clear()
     gru.outputs.append(y_full)
     zero = const("zero", np.zeros((), dtype=dtype))
-    lens64 = add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
-    # mask[t, n] = t < lens[n]
-    steps = add("Gather", [add("Shape", [x], [var("x_shape", np.int64, [3])]), const("time_axis", np.array(0, np.int64))],
-                [var("steps", np.int64, [])], axis=0)
-    t = add("Range", [const("t0", np.array(0, np.int64)), steps, const("t1", np.array(1, np.int64))],
-            [var("t", np.int64, None)])
-    t_col = add("Unsqueeze", [t, const("t_axes", np.array([1], np.int64))], [var("t_col", np.int64, None)])
+    lens64 = lens if _dtype(lens) is not None and np.dtype(_dtype(lens)) == np.int64 else \
+        add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
     if y_out is not None:
+        # mask[t, n] = t < lens[n]
+        steps = (_shape(x) or [None])[0]
+        if isinstance(steps, (int, np.integer)):
+            t_col = const("t_col", np.arange(int(steps), dtype=np.int64)[:, None])
+        else:
+            steps = add("Gather", [add("Shape", [x], [var("x_shape", np.int64, [3])]),
+                                   const("time_axis", np.array(0, np.int64))], [var("steps", np.int64, [])], axis=0)
+            t = add("Range", [const("t0", np.array(0, np.int64)), steps, const("t1", np.array(1, np.int64))],
+                    [var("t", np.int64, None)])
+            t_col = add("Unsqueeze", [t, const("t_axes", np.array([1], np.int64))], [var("t_col", np.int64, None)])
         mask = add("Less", [t_col, lens64], [var("mask", np.bool_, None)])
         mask4 = add("Unsqueeze", [mask, const("mask_axes", np.array([1, 3], np.int64))], [var("mask4", np.bool_, None)])
         add("Where", [mask4, y_full, zero], [y_out])
@@ -334,6 +367,7 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
     """Cast-to-bool of a Split output becomes Not(Equal(x, 0)): OpenVINO CPU otherwise gives every output the first part."""
     _annotate_if(ctx, lambda n: n.outputs if n.op == "Split" else [])
     for g in iter_graphs(ctx.graph):
+        replaced = set()
         for node in list(g.nodes):
             if node.op != "Cast" or node.attrs.get("to") != onnx.TensorProto.BOOL:
                 continue
@@ -346,28 +380,14 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
                 continue
             ctx.matches += 1
             base = node.name or "Cast"
-            zero = gs.Constant(_unique(ctx.graph, f"{base}/zero"), np.zeros((), dtype=dtype))
+            zero = _constant(ctx.graph, f"{base}/zero", np.zeros((), dtype=dtype))
             eq = gs.Variable(_unique(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=_shape(x))
             out = node.outputs[0]
             node.outputs.clear()
             g.nodes.append(gs.Node("Equal", _unique(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))
             g.nodes.append(gs.Node("Not", _unique(ctx.graph, f"{base}/Not"), inputs=[eq], outputs=[out]))
-            g.nodes.remove(node)
+            node.inputs.clear()
+            replaced.add(id(node))
             ctx.rewrites += 1
-
-
-# ----------------------------------------------------------------------------------------- unused inputs
-
-
-@register_pass("keep-unused-inputs", group="lower", targets=TARGETS, order=90)
-def keep_unused_inputs(ctx: PassContext) -> None:
-    """A graph input no node reads gets an Identity reader, so OpenVINO's in-memory reader keeps it as a model input."""
-    read = {id(t) for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.inputs}
-    outputs = {id(t) for t in ctx.graph.outputs}
-    for t in ctx.graph.inputs:
-        if id(t) in read or id(t) in outputs:
-            continue
-        ctx.matches += 1
-        kept = gs.Variable(_unique(ctx.graph, f"{t.name}/kept"), dtype=t.dtype, shape=t.shape)
-        ctx.graph.nodes.append(gs.Node("Identity", _unique(ctx.graph, f"{t.name}/keep"), inputs=[t], outputs=[kept]))
-        ctx.rewrites += 1
+        if replaced:
+            g.nodes = [n for n in g.nodes if id(n) not in replaced]

@@ -328,7 +328,7 @@ def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, 
 
 
 def _unique(graph: gs.Graph, name: str) -> str:
-    taken = getattr(graph, "_ctropt_names", None)
+    taken = graph.__dict__.get("_ctropt_names")  # not getattr: graphsurgeon logs unknown attribute lookups
     if taken is None:
         taken = set(graph.tensors().keys()) | {n.name for n in graph.nodes}
         graph._ctropt_names = taken

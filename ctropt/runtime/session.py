@@ -127,7 +127,9 @@ class Runner:
         try:
             if BACKENDS[self.backend][0] == "ort":
                 return dict(zip(self.output_names, self._sess.run(None, feeds)))
-            results = self._request.infer(feeds)
+            # OpenVINO's in-memory reader drops graph inputs no node reads; feed only what the model takes.
+            names = {n for port in self._compiled.inputs for n in port.get_names()}
+            results = self._request.infer({k: v for k, v in feeds.items() if k in names})
             return {name: np.asarray(results[out]) for name, out in zip(self.output_names, self._compiled.outputs)}
         except Exception as e:
             raise CtroptError(f"{self.backend} failed to run the model: {_first_line(e)}") from None
