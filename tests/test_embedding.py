@@ -7,6 +7,7 @@ import pytest
 from onnx import TensorProto
 
 import ctropt
+from ctropt.exporters import Export
 from ctropt.graph import load
 from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
 
@@ -100,3 +101,88 @@ def test_third_party_exports(name, gathers):
     assert ops(result.model).count("Gather") == gathers
     with np.load(DATA / f"{name}.npz") as data:
         assert_same_outputs(model, result.model, {k: data[k] for k in data.files})
+
+
+# ----------------------------------------------------------------------------------------- embedding bags
+
+TORCHREC = DATA / "torchrec_dlrm_dynamo.onnx"
+
+
+def bag_feeds(offsets, n, rows=20, seed=0):
+    ids = np.random.default_rng(seed).integers(0, rows, size=n)
+    if n >= 2:
+        ids[[0, -1]] = [0, rows - 1]  # both ends of the table
+    return {"ids": ids.astype(np.int64), "offsets": np.array(offsets, dtype=np.int64)}
+
+
+@pytest.fixture(scope="module")
+def torch_bag_models(tmp_path_factory):
+    """nn.EmbeddingBag (sum and mean) through the dynamo exporter: torch's per-bag Loop lowering."""
+    torch = pytest.importorskip("torch")
+    models = {}
+    for mode in ("sum", "mean"):
+        class Bags(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.bag = torch.nn.EmbeddingBag(20, 4, mode=mode)
+
+            def forward(self, ids, offsets):
+                return self.bag(ids, offsets)
+
+        module = Bags().eval()
+        example = tuple(torch.from_numpy(v) for v in bag_feeds([0, 2, 2, 5], 7).values())
+        dims = ({0: torch.export.Dim("n", min=2)}, {0: torch.export.Dim("bags", min=2)})
+        program = torch.onnx.export(module, example, dynamo=True, input_names=["ids", "offsets"],
+                                    output_names=["pooled"], dynamic_shapes=dims, opset_version=18, verbose=False)
+
+        def run(feeds, module=module):
+            with torch.no_grad():
+                return {"pooled": module(*(torch.from_numpy(feeds[k]) for k in ("ids", "offsets"))).numpy()}
+
+        models[mode] = Export(program.model_proto, run, "dynamo")
+    return models
+
+
+def test_torch_embedding_bag_loop_becomes_one_scatter(torch_bag_models):
+    exp = torch_bag_models["sum"]
+    model = exp.model
+    assert "Loop" in [n.op_type for n in model.graph.node]
+    once, ctx = run_pass(model, "vectorize-embedding-bags")
+    assert ctx.rewrites == 1 and "Loop" not in ops(once) and "ScatterND" in ops(once)
+    cases = [([0, 2, 2, 5], 7),  # an empty bag in the middle
+             ([0, 0, 0], 4),  # only the last bag holds ids
+             ([0, 1, 2, 3, 4], 5),  # one id per bag
+             ([0, 3, 7], 7),  # an empty last bag
+             ([0], 1)]  # batch 1
+    for offsets, n in cases:
+        feeds = bag_feeds(offsets, n)
+        expected = exp.run_framework(feeds)["pooled"]
+        got = ctropt.runtime.run_model(once, feeds)["pooled"]
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+    twice, ctx2 = run_pass(once, "vectorize-embedding-bags")
+    assert ctx2.rewrites == 0
+
+
+def test_mean_bags_are_not_taken_for_sums(torch_bag_models):
+    once, ctx = run_pass(torch_bag_models["mean"].model, "vectorize-embedding-bags")
+    assert ctx.rewrites == 0
+
+
+def test_other_loops_are_left_alone():
+    model = load(Path(__file__).parent / "data" / "keras_gru_tf2onnx.onnx")
+    assert run_pass(model, "vectorize-embedding-bags")[1].rewrites == 0
+
+
+def test_torchrec_dlrm_loops_vectorize_and_openvino_loads_it():
+    """torchrec's EmbeddingBagCollection through the dynamo exporter: a per-sample Loop per table."""
+    model = load(TORCHREC)
+    result = ctropt.optimize(model)  # generated jagged inputs: lengths with empty bags, values = sum(lengths)
+    rec = next(r for r in result.records if r.name == "vectorize-embedding-bags")
+    assert rec.status == "applied" and rec.rewrites == 6
+    assert ops(result.model).count("Loop") == 0
+    with np.load(TORCHREC.with_suffix(".npz")) as data, np.load(TORCHREC.with_suffix(".ref.npz")) as ref:
+        feeds = {k: data[k] for k in data.files}
+        np.testing.assert_allclose(ctropt.runtime.run_model(result.model, feeds)["logits"], ref["logits"], atol=1e-5)
+        got = ctropt.runtime.Runner(result.model, "openvino-cpu").run(feeds)["logits"]
+        np.testing.assert_allclose(got, ref["logits"], atol=1e-5)

@@ -154,3 +154,142 @@ def fuse_parallel_embeddings(ctx: PassContext) -> None:
                 replace_outputs(graph, concat, [concat.inputs[0]])
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+# ----------------------------------------------------------------------------------------- embedding bags
+
+
+@dataclasses.dataclass
+class BagLoop:
+    """torch's embedding_bag lowering: for each bag i, rows[offsets[i]:offsets[i+1]] summed (zeros when empty)."""
+
+    loop: gs.Node
+    concat: gs.Node  # ConcatFromSequence collecting the per-bag rows
+    rows: gs.Tensor  # [n, D], read by the body from the outer scope
+    offsets: gs.Tensor  # [num_bags + 1]
+
+
+def _slice_at(t: gs.Tensor, index: gs.Tensor, shift: int) -> gs.Tensor | None:
+    """If t = Slice(O, index + shift, index + shift + 1) (index possibly reshaped), return O."""
+    if len(t.inputs) != 1 or t.inputs[0].op != "Slice" or len(t.inputs[0].inputs) < 3:
+        return None
+    source, start, end = t.inputs[0].inputs[:3]
+
+    def plus(x: gs.Tensor, k: int) -> bool:
+        if k == 0:
+            return x is index
+        if len(x.inputs) != 1 or x.inputs[0].op != "Add":
+            return False
+        a, b = x.inputs[0].inputs
+        for y, c in ((a, b), (b, a)):
+            value = const_value(c.inputs[0].inputs[0]) if c.inputs and c.inputs[0].op == "CastLike" else const_value(c)
+            if y is index and value is not None and value.size == 1 and int(value.ravel()[0]) == k:
+                return True
+        return False
+
+    return source if plus(start, shift) and plus(end, shift + 1) else None
+
+
+def _bag_loop(loop: gs.Node, graph: gs.Graph) -> BagLoop | None:
+    body = loop.attrs.get("body")
+    if body is None or len(loop.inputs) != 4 or len(loop.outputs) != 2 or len(body.inputs) != 4:
+        return None
+    # Two carried values in either order: the bag index (from 0) and the sequence of pooled rows.
+    made_by = [o.inputs[0].op if len(o.inputs) == 1 else None for o in body.outputs[1:]]
+    if sorted(map(str, made_by)) != ["Add", "SequenceInsert"]:
+        return None
+    seq, idx = (0, 1) if made_by[0] == "SequenceInsert" else (1, 0)
+    init = const_value(loop.inputs[2 + idx])
+    seq_out = loop.outputs[seq]
+    if init is None or int(init.ravel()[0]) != 0 or len(seq_out.outputs) != 1 or loop.outputs[idx].outputs:
+        return None
+    concat = seq_out.outputs[0]
+    if concat.op != "ConcatFromSequence" or concat.attrs.get("axis") != 0 or concat.attrs.get("new_axis", 0) != 0:
+        return None
+    if any(o is seq_out for o in graph.outputs):
+        return None
+    row = body.outputs[1 + seq].inputs[0].inputs[1]
+    if len(row.inputs) != 1 or row.inputs[0].op != "If":
+        return None
+    branch_if = row.inputs[0]
+    zeros = const_value(branch_if.attrs["then_branch"].outputs[0])
+    reduced = branch_if.attrs["else_branch"].outputs[0]
+    if zeros is None or np.any(zeros != 0) or zeros.ndim != 2 or zeros.shape[0] != 1:
+        return None
+    if len(reduced.inputs) != 1 or reduced.inputs[0].op != "ReduceSum":
+        return None
+    reduce = reduced.inputs[0]
+    axes = const_value(reduce.inputs[1]) if len(reduce.inputs) > 1 else reduce.attrs.get("axes")
+    if axes is None or list(np.ravel(axes)) != [0] or reduce.attrs.get("keepdims", 1) != 1:
+        return None
+    sliced = reduce.inputs[0]
+    if len(sliced.inputs) != 1 or sliced.inputs[0].op != "Slice" or len(sliced.inputs[0].inputs) != 3:
+        return None
+    rows, start, end = sliced.inputs[0].inputs
+    # start/end: offsets[i], offsets[i+1], with i the loop-carried index (reshaped to 1-D).
+    index = body.inputs[2 + idx]
+    flat = next((n.outputs[0] for n in index.outputs if n.op == "Reshape"), index)
+    offsets = _slice_at(start, flat, 0)
+    if offsets is None or _slice_at(end, flat, 1) is not offsets:
+        return None
+    cond = branch_if.inputs[0]
+    if len(cond.inputs) != 1 or cond.inputs[0].op != "Equal" or {id(t) for t in cond.inputs[0].inputs} != {id(start), id(end)}:
+        return None
+    local = {id(t) for n in body.nodes for t in n.outputs} | {id(t) for t in body.inputs}
+    if id(rows) in local or id(offsets) in local:
+        return None
+    return BagLoop(loop, concat, rows, offsets)
+
+
+def _vectorized_bags(graph: gs.Graph, bag: BagLoop) -> gs.Tensor:
+    """out[i] = sum of rows[offsets[i]:offsets[i+1]]: each row's bag from a running count of offsets, then one
+    ScatterND(add). Rows before offsets[0] or from offsets[-1] on belong to no bag, as in the loop: they go to
+    an extra last row, cut off at the end."""
+    name = f"{bag.loop.name}/bags"
+    i64 = np.int64
+    dtype = bag.rows.dtype
+
+    def c(tag, value):
+        return add_constant(graph, f"{name}/{tag}", np.array(value, dtype=i64))
+
+    def op(kind, inputs, attrs=None, dt=i64):
+        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+
+    shape = op("Shape", [bag.rows])
+    n = op("Slice", [shape, c("zero", [0]), c("one", [1])])  # [1]
+    num_offsets = op("Shape", [bag.offsets])  # [1]
+    num_bags = op("Sub", [num_offsets, c("one", [1])])  # [1]
+    where = op("Clip", [bag.offsets, c("lo", 0), op("Squeeze", [n, c("axis0", [0])])])
+    marks = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
+                                   where, op("Expand", [c("ones", [1]), num_offsets])], {"axis": 0, "reduction": "add"})
+    segment = op("Sub", [op("Slice", [op("CumSum", [marks, c("axis", 0)]), c("zero", [0]), n]), c("one", 1)])
+    bags = op("Squeeze", [num_bags, c("axis0", [0])])
+    inside = op("And", [op("GreaterOrEqual", [segment, c("zero", 0)], dt=np.bool_),
+                        op("Less", [segment, bags], dt=np.bool_)], dt=np.bool_)
+    segment = op("Where", [inside, segment, bags])  # outside every bag: the extra row
+    width = op("Slice", [shape, c("one", [1]), c("two", [2])])
+    zeros = op("ConstantOfShape", [op("Concat", [op("Add", [num_bags, c("one", [1])]), width], {"axis": 0})],
+               {"value": gs.Constant("value", np.zeros(1, dtype=dtype))}, dt=dtype)
+    summed = op("ScatterND", [zeros, op("Unsqueeze", [segment, c("axis1", [1])]), bag.rows], {"reduction": "add"},
+                dt=dtype)
+    return op("Slice", [summed, c("zero", [0]), num_bags], dt=dtype)
+
+
+def _attr_tensor(v: int) -> gs.Constant:
+    """An int64 ConstantOfShape value."""
+    return gs.Constant("value", np.array([v], dtype=np.int64))
+
+
+@register_pass("vectorize-embedding-bags", group="fusion", order=10)
+def vectorize_embedding_bags(ctx: PassContext) -> None:
+    """Per-bag Loops (torch's embedding_bag lowering: Slice + ReduceSum + SequenceInsert per sample) → one scatter-add."""
+    for graph in list(iter_graphs(ctx.graph)):
+        for loop in [n for n in graph.nodes if n.op == "Loop"]:
+            bag = _bag_loop(loop, graph)
+            if bag is None:
+                continue
+            ctx.matches += 1
+            replace_outputs(graph, bag.concat, [_vectorized_bags(graph, bag)])
+            ctx.rewrites += 1
+    if ctx.rewrites:
+        ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import numpy as np
 import onnx
@@ -146,13 +147,27 @@ def _body_input(node: gs.Node, pos: int) -> gs.Tensor | None:
 def _resolve_shape(vi_shape, batch: int, seq_len: int, dims: dict[str, int]) -> list[int]:
     shape = []
     for axis, d in enumerate(vi_shape or []):
+        multiple = re.fullmatch(r"(\d+)\s*\*\s*\w+", d) if isinstance(d, str) else None
         if isinstance(d, int) and d >= 0:
             shape.append(d)
         elif isinstance(d, str) and d in dims:
             shape.append(dims[d])
+        elif multiple and axis == 0:  # torch.export names such dims "6*batch"
+            shape.append(int(multiple.group(1)) * batch)
         else:
             shape.append(batch if axis == 0 else seq_len)
     return shape
+
+
+def _jagged_values(graph: gs.Graph, facts: dict[str, InputFacts]) -> list[tuple[str, str]]:
+    """(values input, lengths input) pairs of a jagged batch (torchrec's KeyedJaggedTensor): a 1-D id input whose
+    length is its own dynamic dim (not the batch's) holds sum(lengths) ids."""
+    batch_dims = {i.shape[0] for i in graph.inputs if i.shape and len(i.shape) >= 2 and isinstance(i.shape[0], str)}
+    lengths = [i.name for i in graph.inputs if facts[i.name].is_length and i.shape and len(i.shape) == 1]
+    values = [i.name for i in graph.inputs if i.shape and len(i.shape) == 1 and not facts[i.name].is_length
+              and isinstance(i.shape[0], str) and i.shape[0] not in batch_dims and "*" not in i.shape[0]
+              and i.dtype is not None and np.issubdtype(i.dtype, np.integer)]
+    return list(zip(values, lengths)) if len(lengths) == len(values) else []
 
 
 def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
@@ -167,11 +182,14 @@ def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_l
     lengths[: min(batch, 2)] = [time_len, 0][: min(batch, 2)]  # a full and an empty history
     has_lengths = any(f.is_length or f.is_mask for f in facts.values())
     feeds = {}
-    for inp in graph.inputs:
+    jagged = dict(_jagged_values(graph, facts))
+    for inp in sorted(graph.inputs, key=lambda i: i.name in jagged):  # lengths before the values they count
         f, shape = facts[inp.name], shapes[inp.name]
+        if inp.name in jagged:
+            shape = [int(feeds[jagged[inp.name]].sum())]
         dtype = np.dtype(inp.dtype) if inp.dtype is not None else np.dtype(np.float32)
         feeds[inp.name] = _one_input(rng, dtype, shape, f, lengths, time_len, has_lengths)
-    return feeds
+    return {i.name: feeds[i.name] for i in graph.inputs}
 
 
 def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths) -> np.ndarray:
@@ -179,8 +197,13 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths)
     if len(shape) >= 2 and shape[0] == len(lengths):
         prefix = np.arange(shape[1])[None, :] < lengths[:, None]
         prefix = prefix.reshape(prefix.shape + (1,) * (len(shape) - 2))
-    if f.is_length and f.upper is None and not f.columns and shape and shape[0] == len(lengths):
+    if f.is_length and not f.columns and shape and shape[0] == len(lengths):
         return np.broadcast_to(lengths.reshape((-1,) + (1,) * (len(shape) - 1)), shape).astype(dtype)
+    if f.is_length and not f.columns and len(shape) == 1:  # lengths of jagged bags: [0, T], some empty
+        high = min(time_len, f.upper - 1) if f.upper is not None else time_len
+        counts = rng.integers(0, high + 1, size=shape)
+        counts[: max(1, shape[0] // 5)] = 0
+        return rng.permutation(counts).astype(dtype)
     if f.is_mask and prefix is not None:
         return np.broadcast_to(prefix, shape).astype(dtype)
     if dtype == np.bool_:

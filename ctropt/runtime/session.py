@@ -31,7 +31,7 @@ def _quiet_onnxruntime() -> None:
     """Graph-optimizer warnings from onnxruntime (also in constant folding) are noise for ctropt's users."""
     import onnxruntime as ort
 
-    ort.set_default_logger_severity(3)
+    ort.set_default_logger_severity(4)  # errors reach the user as CtroptError messages instead
 
 
 _quiet_onnxruntime()
@@ -99,7 +99,7 @@ class Runner:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
