@@ -7,6 +7,7 @@ import pytest
 from onnx import TensorProto
 
 import ctropt
+import ctropt.exporters.zoo
 from ctropt.exporters import Export
 from ctropt.graph import load
 from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
@@ -186,3 +187,49 @@ def test_torchrec_dlrm_loops_vectorize_and_openvino_loads_it():
         np.testing.assert_allclose(ctropt.runtime.run_model(result.model, feeds)["logits"], ref["logits"], atol=1e-5)
         got = ctropt.runtime.Runner(result.model, "openvino-cpu").run(feeds)["logits"]
         np.testing.assert_allclose(got, ref["logits"], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- partitioned tables
+
+
+
+def partitioned_lookup(strategy: str, rows: int = 10, shards: int = 3):
+    """A TF1 embedding_lookup over a table split in `shards` (uneven when rows % shards), through tf2onnx."""
+    tf = pytest.importorskip("tensorflow")
+    from ctropt.exporters.tf import from_graph_def
+
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = tf.compat.v1.placeholder(tf.int64, [None], name="ids")
+        table = tf.compat.v1.get_variable("table", [rows, 3], partitioner=tf.compat.v1.fixed_size_partitioner(shards),
+                                          initializer=tf.compat.v1.random_normal_initializer(seed=1))
+        tf.identity(tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy=strategy), name="emb")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            frozen = tf.compat.v1.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(), ["emb"])
+    return from_graph_def(frozen, ["ids"], ["emb"])
+
+
+@pytest.mark.parametrize("strategy", ["mod", "div"])
+def test_partitioned_lookup_becomes_one_gather(strategy):
+    exp = partitioned_lookup(strategy)
+    once, ctx = run_pass(exp.model, "merge-partitioned-embeddings")
+    assert ctx.rewrites == 1 and not {"Compress", "ScatterElements"} & set(ops(once))  # TF's reshape glue stays
+    for ids in (np.array([0, 9, 4, 4, 3]), np.array([9]), np.arange(10)[::-1]):  # table ends, repeats, batch 1
+        np.testing.assert_allclose(ctropt.runtime.run_model(once, {"ids": ids})["emb"],
+                                   exp.run_framework({"ids": ids})["emb"], atol=1e-6)
+    assert run_pass(once, "merge-partitioned-embeddings")[1].rewrites == 0
+
+
+def test_zoo_wdl_partitioned_tables_merge():
+    model = load(ctropt.exporters.zoo.shipped_path("wdl"))
+    result = ctropt.optimize(model, passes=["merge-partitioned-embeddings"])
+    rec = result.records[0]
+    assert rec.status == "applied" and rec.rewrites == 52 and "Compress" not in ops(result.model)
+    with np.load(ctropt.exporters.zoo.shipped_path("wdl").with_suffix(".npz")) as data:
+        assert_same_outputs(model, result.model, {k: data[k] for k in data.files})
+
+
+def test_other_scatters_are_left_alone():
+    model = load(ctropt.exporters.zoo.shipped_path("dlrm"))
+    assert run_pass(model, "merge-partitioned-embeddings")[1].rewrites == 0

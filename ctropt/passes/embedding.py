@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import iter_graphs
@@ -293,3 +294,119 @@ def vectorize_embedding_bags(ctx: PassContext) -> None:
             ctx.rewrites += 1
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+
+
+# ----------------------------------------------------------------------------------------- partitioned tables
+
+MAX_MERGED_ROWS = 1 << 22  # tables up to 4M rows are reassembled (the evaluation holds rows x width floats)
+
+
+def _shard_lookups(stitch: gs.Node) -> list[gs.Node]:
+    """Gathers on constant 2-D shards whose ids were partitioned (Compress), feeding `stitch`'s updates."""
+    found, frontier = [], [stitch.inputs[-1]]
+    for _ in range(3):
+        nxt = []
+        for t in frontier:
+            for node in t.inputs:
+                if node.op == "Gather" and (table := const_value(node.inputs[0])) is not None and table.ndim == 2:
+                    ids_above = {n.op for x in [node.inputs[1]] for n in x.inputs} | {
+                        n.op for x in [node.inputs[1]] for p in x.inputs for y in p.inputs for n in y.inputs}
+                    if "Compress" in ids_above:
+                        found.append(node)
+                else:
+                    nxt.extend(node.inputs)
+        frontier = nxt
+    return found
+
+
+def _sources(t: gs.Tensor, graph: gs.Graph) -> set[int]:
+    """Graph inputs `t` depends on (ids), walking the main graph."""
+    inputs = {id(x) for x in graph.inputs}
+    seen, stack, found = set(), [t], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if id(x) in inputs:
+            found.add(id(x))
+        for node in x.inputs:
+            stack.extend(node.inputs)
+            for attr in node.attrs.values():
+                if isinstance(attr, gs.Graph):
+                    found.add(-1)  # control flow in the region: not a plain lookup
+    return found
+
+
+def _region(model, ids: str, output: str, elem_type: int):
+    """The nodes computing `output` from graph input `ids` and initializers, as a model of its own."""
+    import onnx
+
+    producers = {o: n for n in model.graph.node for o in n.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    ids_info = next(v for v in model.graph.input if v.name == ids)
+    nodes, used, stack, seen = set(), set(), [output], set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name == ids or not name:
+            continue
+        seen.add(name)
+        if name in initializers:
+            used.add(name)
+        elif name in producers:
+            nodes.add(id(producers[name]))
+            stack.extend(producers[name].input)
+    graph = onnx.helper.make_graph([n for n in model.graph.node if id(n) in nodes], "region", [ids_info],
+                                   [onnx.helper.make_tensor_value_info(output, elem_type, None)],
+                                   [initializers[n] for n in sorted(used)])
+    return onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=10)
+
+
+@register_pass("merge-partitioned-embeddings", group="fusion", order=5)
+def merge_partitioned_embeddings(ctx: PassContext) -> None:
+    """A lookup over N table shards (DynamicPartition + Gather per shard + DynamicStitch, mod or div) → one Gather.
+
+    The full table is rebuilt by evaluating the partitioned lookup on every id (whatever the strategy and the
+    exporter's lowering), and checked to be a row lookup on a shuffled batch."""
+    graph = ctx.graph
+    model = None
+    by_name = {x.name: x for x in graph.inputs}
+    for stitch in [n for n in graph.nodes if n.op in ("ScatterElements", "ScatterND") and len(n.inputs) == 3]:
+        shards = _shard_lookups(stitch)
+        widths = {const_value(s.inputs[0]).shape[1] for s in shards}
+        if len(shards) < 2 or len(widths) != 1:
+            continue
+        sources = _sources(stitch.outputs[0], graph)
+        ids = next((x for x in graph.inputs if {id(x)} == sources), None)
+        if ids is None or ids.shape is None or len(ids.shape) != 1 or ids.dtype is None:
+            continue
+        rows = sum(const_value(s.inputs[0]).shape[0] for s in shards)
+        if rows > MAX_MERGED_ROWS:
+            ctx.note(f"{stitch.name}: {rows} rows, over the {MAX_MERGED_ROWS} this pass reassembles")
+            continue
+        ctx.matches += 1
+        if model is None:
+            model = gs.export_onnx(graph, do_type_check=False)
+        dtype = np.dtype(ids.dtype)
+        out_name = stitch.outputs[0].name
+        shard_dtype = const_value(shards[0].inputs[0]).dtype
+        try:
+            from ..runtime import Runner
+
+            region = Runner(_region(model, ids.name, out_name, onnx.helper.np_dtype_to_tensor_dtype(shard_dtype)))
+            table = region.run({ids.name: np.arange(rows, dtype=dtype)})[out_name]
+            shuffled = np.random.default_rng(0).permutation(rows)[:1024].astype(dtype)
+            probe = region.run({ids.name: shuffled})[out_name]
+        except Exception as e:  # the region does not evaluate as a lookup: leave it
+            ctx.note(f"{stitch.name}: not evaluated ({type(e).__name__})")
+            continue
+        if table.shape != (rows, widths.pop()) or not np.array_equal(probe, table[shuffled]):
+            ctx.note(f"{stitch.name}: not a row lookup of one table")
+            continue
+        merged = add_constant(graph, f"{stitch.name}/merged_table", table)
+        (out,) = add_node(graph, "Gather", [merged, by_name[ids.name]], {"axis": 0}, name=f"{stitch.name}/merged",
+                          dtype=table.dtype)
+        replace_outputs(graph, stitch, [out])
+        ctx.rewrites += 1
+    if ctx.rewrites:
+        graph.cleanup(remove_unused_graph_inputs=False).toposort()
