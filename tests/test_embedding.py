@@ -233,3 +233,39 @@ def test_zoo_wdl_partitioned_tables_merge():
 def test_other_scatters_are_left_alone():
     model = load(ctropt.exporters.zoo.shipped_path("dlrm"))
     assert run_pass(model, "merge-partitioned-embeddings")[1].rewrites == 0
+
+
+# ----------------------------------------------------------------------------------------- indicator columns
+
+
+def indicator_model(values=(0.0, 1.0), keepdims=0, axes=(1,)):
+    nodes = [node("OneHot", ["ids", "depth", "values"], ["hot"], axis=-1),
+             node("ReduceSum", ["hot", "axes"], ["y"], keepdims=keepdims)]
+    return make_model(nodes, [vi("ids", I64, ["B", 4])], [vi("y", F, None)],
+                      [init("depth", np.array([6])), init("values", np.array(values, np.float32)),
+                       init("axes", np.array(axes))])
+
+
+def test_indicator_column_becomes_a_scatter_of_ones():
+    ids = np.array([[0, 5, -1, -6],  # both ends, and negatives counted from the end (-1 is 5, -6 is 0)
+                    [6, 9, -7, 2],  # out of range on either side: nowhere
+                    [3, 3, 3, 1]])  # repeats count
+    out, ctx = check_pass(indicator_model(), "rewrite-indicator-columns",
+                          ["GreaterOrEqual", "Less", "And", "Mod", "Where", "Shape", "Slice", "Concat",
+                           "ConstantOfShape", "Shape", "Expand", "Cast", "ScatterElements", "Slice"],
+                          feeds={"ids": ids})
+    got = ctropt.runtime.run_model(out, {"ids": ids})["y"]
+    np.testing.assert_array_equal(got[0], [2, 0, 0, 0, 0, 2])
+    np.testing.assert_array_equal(got[1], [0, 0, 1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("kw", [{"values": (1.0, 2.0)}, {"keepdims": 1}, {"axes": (0,)}])
+def test_other_one_hot_sums_are_left_alone(kw):
+    assert run_pass(indicator_model(**kw), "rewrite-indicator-columns")[1].rewrites == 0
+
+
+def test_zoo_deepfm_indicator_column():
+    model = load(ctropt.exporters.zoo.shipped_path("deepfm"))
+    result = ctropt.optimize(model)
+    rec = next(r for r in result.records if r.name == "rewrite-indicator-columns")
+    assert rec.status == "applied" and rec.rewrites == 1 and "OneHot" not in ops(result.model)
