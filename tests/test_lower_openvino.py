@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import ctropt
-import ctropt.passes.lower_openvino  # noqa: F401  (registers the passes until passes/__init__ imports it)
+
 from ctropt.graph import CtroptError, interface, load, save
 from ctropt.runtime import Runner, compare_outputs, generate_inputs
 
@@ -247,7 +247,9 @@ def test_openvino_target_end_to_end(path, tmp_path):
 
     result = ctropt.optimize(raw, target="openvino", feeds=feeds[1])
     assert not result.failed, [(r.name, r.message) for r in result.failed]
-    assert any(r.status == "applied" and r.name in LOWER_PASSES for r in result.records), "no lowering fired"
+    # A lowering, or a fusion that removed the troublesome form (wdl's partitioned lookups), made it loadable.
+    assert any(r.status == "applied" and (r.name in LOWER_PASSES or ctropt.REGISTRY[r.name].group == "fusion")
+               for r in result.records), "no lowering fired"
     assert interface(result.model) == interface(raw)
     for f, reference in zip(feeds, references):
         assert all(d.ok for d in compare_outputs(reference, Runner(result.model).run(f), atol=1e-5, rtol=1e-4))
