@@ -79,29 +79,25 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
     return out
 
 
-def _upstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
-    """Producer nodes within `hops` steps above t (any input)."""
+def _walk(t: gs.Tensor, hops: int, up: bool) -> list[gs.Node]:
+    """Nodes within `hops` steps of t: its producers (up) or its consumers (down), transitively."""
     found, frontier = [], [t]
     for _ in range(hops):
         nxt = []
         for x in frontier:
-            for node in x.inputs:
+            for node in (x.inputs if up else x.outputs):
                 found.append(node)
-                nxt.extend(node.inputs)
+                nxt.extend(node.inputs if up else node.outputs)
         frontier = nxt
     return found
+
+
+def _upstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
+    return _walk(t, hops, up=True)
 
 
 def _downstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
-    found, frontier = [], [t]
-    for _ in range(hops):
-        nxt = []
-        for x in frontier:
-            for node in x.outputs:
-                found.append(node)
-                nxt.extend(node.outputs)
-        frontier = nxt
-    return found
+    return _walk(t, hops, up=False)
 
 
 MASK_OPS = {"Equal", "Not", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Where"}

@@ -15,7 +15,6 @@ import pytest
 from onnx import TensorProto, helper
 
 import ctropt
-
 from ctropt.graph import CtroptError, interface, load, save
 from ctropt.runtime import Runner, compare_outputs, generate_inputs
 

@@ -24,6 +24,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns import const_value
+from ..patterns.matcher import unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -52,20 +53,6 @@ def _is_one(d) -> bool:
     return isinstance(d, (int, np.integer)) and int(d) == 1
 
 
-def _unique(root: gs.Graph, name: str) -> str:
-    """A name no tensor or node of `root` (all scopes) uses yet; the names taken are collected once per graph."""
-    taken = root.__dict__.get("_ctropt_ov_names")  # not getattr: graphsurgeon's __getattr__ logs misses as errors
-    if taken is None:
-        taken = {n for g in iter_graphs(root) for n in g.tensors()} | {n.name for g in iter_graphs(root) for n in g.nodes}
-        root.__dict__["_ctropt_ov_names"] = taken
-    candidate, i = name, 0
-    while candidate in taken:
-        i += 1
-        candidate = f"{name}_{i}"
-    taken.add(candidate)
-    return candidate
-
-
 def _constant(root: gs.Graph, name: str, value) -> gs.Constant:
     """A constant with this value: an equal one of the main graph (or made before) is reused, as dedup-initializers would."""
     value = np.ascontiguousarray(value)
@@ -79,7 +66,7 @@ def _constant(root: gs.Graph, name: str, value) -> gs.Constant:
         root.__dict__["_ctropt_ov_consts"] = pool
     key = (value.dtype.str, value.shape, value.tobytes())
     if key not in pool:
-        pool[key] = gs.Constant(_unique(root, name), value)
+        pool[key] = gs.Constant(unique_name(root, name), value)
     return pool[key]
 
 
@@ -126,10 +113,10 @@ def compress_explicit_axis(ctx: PassContext) -> None:
             data = node.inputs[0]
             shape = _shape(data)
             if shape is None or len(shape) != 1:
-                flat = gs.Variable(_unique(ctx.graph, f"{node.name}/flat"), dtype=data.dtype,
+                flat = gs.Variable(unique_name(ctx.graph, f"{node.name}/flat"), dtype=data.dtype,
                                    shape=None if shape is None else [None])
                 minus_one = _constant(ctx.graph, f"{node.name}/minus_one", np.array([-1], dtype=np.int64))
-                g.nodes.append(gs.Node("Reshape", _unique(ctx.graph, f"{node.name}/Reshape"), inputs=[data, minus_one],
+                g.nodes.append(gs.Node("Reshape", unique_name(ctx.graph, f"{node.name}/Reshape"), inputs=[data, minus_one],
                                        outputs=[flat]))
                 node.inputs[0] = flat
             node.attrs["axis"] = 0
@@ -174,7 +161,7 @@ def _outer_values(body: gs.Graph) -> list[gs.Variable]:
 def _thread_through(graph: gs.Graph, node: gs.Node, body: gs.Graph, outer: gs.Variable, in_pos: int,
                     body_in_pos: int, body_out_pos: int, out_pos: int) -> None:
     """Make `outer` an explicit pass-through state of `node`: node input, body input, body output (Identity), node output."""
-    inner = gs.Variable(_unique(graph, f"{outer.name}/in_body"), dtype=outer.dtype, shape=outer.shape)
+    inner = gs.Variable(unique_name(graph, f"{outer.name}/in_body"), dtype=outer.dtype, shape=outer.shape)
     for g in _graph_tree(body):
         for n in g.nodes:
             for i, t in enumerate(n.inputs):
@@ -183,12 +170,12 @@ def _thread_through(graph: gs.Graph, node: gs.Node, body: gs.Graph, outer: gs.Va
     for i, t in enumerate(body.outputs):
         if t is outer:
             body.outputs[i] = inner
-    passed = gs.Variable(_unique(graph, f"{outer.name}/passed"), dtype=outer.dtype, shape=outer.shape)
-    body.nodes.append(gs.Node("Identity", _unique(graph, f"{outer.name}/pass"), inputs=[inner], outputs=[passed]))
+    passed = gs.Variable(unique_name(graph, f"{outer.name}/passed"), dtype=outer.dtype, shape=outer.shape)
+    body.nodes.append(gs.Node("Identity", unique_name(graph, f"{outer.name}/pass"), inputs=[inner], outputs=[passed]))
     body.inputs.insert(body_in_pos, inner)
     body.outputs.insert(body_out_pos, passed)
     node.inputs.insert(in_pos, outer)
-    node.outputs.insert(out_pos, gs.Variable(_unique(graph, f"{node.name}/{outer.name}/final"), dtype=outer.dtype,
+    node.outputs.insert(out_pos, gs.Variable(unique_name(graph, f"{node.name}/{outer.name}/final"), dtype=outer.dtype,
                                              shape=outer.shape))
 
 
@@ -265,8 +252,8 @@ def body_passthrough_identity(ctx: PassContext) -> None:
             changed = False
             for i, t in enumerate(list(body.outputs)):
                 if id(t) in inputs:
-                    copy = gs.Variable(_unique(ctx.graph, f"{t.name}/out"), dtype=_dtype(t), shape=_shape(t))
-                    body.nodes.append(gs.Node("Identity", _unique(ctx.graph, f"{t.name}/pass"), inputs=[t],
+                    copy = gs.Variable(unique_name(ctx.graph, f"{t.name}/out"), dtype=_dtype(t), shape=_shape(t))
+                    body.nodes.append(gs.Node("Identity", unique_name(ctx.graph, f"{t.name}/pass"), inputs=[t],
                                               outputs=[copy]))
                     body.outputs[i] = copy
                     changed = True
@@ -311,7 +298,7 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     made = g.__dict__.setdefault("_ctropt_ov_made", {})  # shared by GRUs reading the same x / lengths
 
     def var(name, dt=None, shape=None):
-        return gs.Variable(_unique(root, f"{base}/{name}"), dtype=dt, shape=shape)
+        return gs.Variable(unique_name(root, f"{base}/{name}"), dtype=dt, shape=shape)
 
     def const(name, value):
         return _constant(root, f"{base}/{name}", np.asarray(value))
@@ -320,7 +307,7 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
         key = (op, tuple(id(t) for t in inputs), tuple(sorted(attrs.items())))
         if key in made and not any(outputs[0] is o for o in (y_out, yh_out)):
             return made[key]
-        g.nodes.append(gs.Node(op, _unique(root, f"{base}/{op}"), attrs=attrs, inputs=inputs, outputs=outputs))
+        g.nodes.append(gs.Node(op, unique_name(root, f"{base}/{op}"), attrs=attrs, inputs=inputs, outputs=outputs))
         made[key] = outputs[0]
         return outputs[0]
 
@@ -381,11 +368,11 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
             ctx.matches += 1
             base = node.name or "Cast"
             zero = _constant(ctx.graph, f"{base}/zero", np.zeros((), dtype=dtype))
-            eq = gs.Variable(_unique(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=_shape(x))
+            eq = gs.Variable(unique_name(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=_shape(x))
             out = node.outputs[0]
             node.outputs.clear()
-            g.nodes.append(gs.Node("Equal", _unique(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))
-            g.nodes.append(gs.Node("Not", _unique(ctx.graph, f"{base}/Not"), inputs=[eq], outputs=[out]))
+            g.nodes.append(gs.Node("Equal", unique_name(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))
+            g.nodes.append(gs.Node("Not", unique_name(ctx.graph, f"{base}/Not"), inputs=[eq], outputs=[out]))
             node.inputs.clear()
             replaced.add(id(node))
             ctx.rewrites += 1

@@ -315,23 +315,24 @@ class Match:
 
 def add_constant(graph: gs.Graph, name: str, value: np.ndarray) -> gs.Constant:
     """A new constant with a name unique in `graph`."""
-    return gs.Constant(_unique(graph, name), np.ascontiguousarray(value))
+    return gs.Constant(unique_name(graph, name), np.ascontiguousarray(value))
 
 
 def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1,
              name: str | None = None, domain: str | None = None, dtype=None, shape=None) -> list[gs.Variable]:
     """Append a node to `graph` (names made unique) and return its new output tensors."""
-    base = _unique(graph, name or op)
-    outs = [gs.Variable(_unique(graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
+    base = unique_name(graph, name or op)
+    outs = [gs.Variable(unique_name(graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
     graph.nodes.append(gs.Node(op, base, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
     return outs
 
 
-def _unique(graph: gs.Graph, name: str) -> str:
-    taken = graph.__dict__.get("_ctropt_names")  # not getattr: graphsurgeon logs unknown attribute lookups
+def unique_name(graph: gs.Graph, name: str) -> str:
+    """A name no tensor or node of `graph` or its subgraphs uses yet (collected once per graph, then kept up to date)."""
+    taken = graph.__dict__.get("_ctropt_names")  # not getattr: graphsurgeon's __getattr__ logs misses as errors
     if taken is None:
-        taken = set(graph.tensors().keys()) | {n.name for n in graph.nodes}
-        graph._ctropt_names = taken
+        taken = {n for g in iter_graphs(graph) for n in g.tensors()} | {n.name for g in iter_graphs(graph) for n in g.nodes}
+        graph.__dict__["_ctropt_names"] = taken
     candidate, i = name, 0
     while candidate in taken:
         i += 1
@@ -507,7 +508,7 @@ def replace_outputs(graph: gs.Graph, root: gs.Node, new: list) -> None:
             producer.outputs[producer.outputs.index(repl)] = old
         else:
             old.inputs.clear()
-            graph.nodes.append(gs.Node("Identity", _unique(graph, f"{old.name}/keep"), inputs=[repl], outputs=[old]))
+            graph.nodes.append(gs.Node("Identity", unique_name(graph, f"{old.name}/keep"), inputs=[repl], outputs=[old]))
     root.outputs.clear()
 
 
