@@ -142,11 +142,14 @@ def _loop_passing_weight_through():
         [init("M", np.array(4, np.int64)), init("cond", np.array(True)), init("w0", np.array([0.5, -1, 0.25], np.float32))])
 
 
+def _loop_feeds():
+    rng = np.random.default_rng(3)
+    return {"x": rng.normal(size=(2, 4, 3)).astype(np.float32), "h0": rng.normal(size=(2, 3)).astype(np.float32)}
+
+
 def test_loop_inline_invariant_constants(tmp_path):
     """Weights threaded through a Loop unchanged are read as constants (OpenVINO fuses AUGRU cells only then)."""
-    model = _loop_passing_weight_through()
-    rng = np.random.default_rng(3)
-    feeds = {"x": rng.normal(size=(2, 4, 3)).astype(np.float32), "h0": rng.normal(size=(2, 3)).astype(np.float32)}
+    model, feeds = _loop_passing_weight_through(), _loop_feeds()
     assert openvino_fails(model, feeds, tmp_path)
     once = lower(model, "loop-inline-invariant-constants", feeds, tmp_path, ["Transpose", "Loop"])
     loop = next(n for n in once.graph.node if n.op_type == "Loop")
@@ -158,9 +161,7 @@ def test_loop_inline_invariant_constants(tmp_path):
 
 def test_body_passthrough_identity(tmp_path):
     """A body output that is a body input makes OpenVINO's file reader add a parameter and miscount the Loop."""
-    model = _loop_passing_weight_through()
-    rng = np.random.default_rng(3)
-    feeds = {"x": rng.normal(size=(2, 4, 3)).astype(np.float32), "h0": rng.normal(size=(2, 3)).astype(np.float32)}
+    model, feeds = _loop_passing_weight_through(), _loop_feeds()
     assert openvino_fails(model, feeds, tmp_path)
     once = lower(model, "body-passthrough-identity", feeds, tmp_path, ["Transpose", "Loop"])
     body = body_of(once, "Loop")
