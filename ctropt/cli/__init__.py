@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -290,7 +291,7 @@ def export_cmd(
             elif isinstance(spec, TorchModel):
                 from ..exporters.torch import export_module
 
-                example = spec.sample(2, 10, __import__("numpy").random.default_rng(0))
+                example = spec.sample(2, 10, np.random.default_rng(0))
                 result = export_module(spec.module, example, spec.outputs, exporter=exporter, opset=opset,
                                        sequence_inputs=seq)
             else:
