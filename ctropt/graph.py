@@ -234,6 +234,19 @@ def node_count(model: onnx.ModelProto) -> int:
     return sum(1 for _ in iter_proto_nodes(model.graph))
 
 
+def nodes_near(t: gs.Tensor, hops: int, *, up: bool) -> list[gs.Node]:
+    """Nodes within `hops` steps of t: its producers, theirs, ... (up) or its consumers, theirs, ... (down)."""
+    found, frontier = [], [t]
+    for _ in range(hops):
+        nxt = []
+        for x in frontier:
+            for node in (x.inputs if up else x.outputs):
+                found.append(node)
+                nxt.extend(node.inputs if up else node.outputs)
+        frontier = nxt
+    return found
+
+
 def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     """A graphsurgeon graph and all its subgraphs, outermost first."""
     yield graph

@@ -9,7 +9,7 @@ import dataclasses
 import onnx
 import onnx_graphsurgeon as gs
 
-from .graph import iter_graphs, op_histogram, to_graph, to_model
+from .graph import iter_graphs, nodes_near, op_histogram, to_graph, to_model
 from .passes.registry import Pass, PassContext
 from .patterns import const_value, explain
 
@@ -79,25 +79,12 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
     return out
 
 
-def _walk(t: gs.Tensor, hops: int, up: bool) -> list[gs.Node]:
-    """Nodes within `hops` steps of t: its producers (up) or its consumers (down), transitively."""
-    found, frontier = [], [t]
-    for _ in range(hops):
-        nxt = []
-        for x in frontier:
-            for node in (x.inputs if up else x.outputs):
-                found.append(node)
-                nxt.extend(node.inputs if up else node.outputs)
-        frontier = nxt
-    return found
-
-
 def _upstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
-    return _walk(t, hops, up=True)
+    return nodes_near(t, hops, up=True)
 
 
 def _downstream(t: gs.Tensor, hops: int) -> list[gs.Node]:
-    return _walk(t, hops, up=False)
+    return nodes_near(t, hops, up=False)
 
 
 MASK_OPS = {"Equal", "Not", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Where"}

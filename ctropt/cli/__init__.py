@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -57,6 +56,10 @@ def _plugins(plugins: Optional[List[str]]) -> None:
 
 def _feeds(inputs: Optional[Path], model, batch: int):
     return load_inputs(inputs, model) if inputs else generate_inputs(model, batch=batch)
+
+
+def _input_names(model) -> list[str]:
+    return [name for kind, name, *_ in interface(model) if kind == "input"]
 
 
 def _fmt_err(value) -> str:
@@ -216,10 +219,8 @@ def verify(
     """Run two models on the same inputs; exit 0 iff every output matches."""
     with _user_errors():
         a, b = load(model_a), load(model_b)
-        ins_a = [x for x in interface(a) if x[0] == "input"]
-        ins_b = [x for x in interface(b) if x[0] == "input"]
-        if [x[1] for x in ins_a] != [x[1] for x in ins_b]:
-            raise CtroptError(f"the models have different inputs: {[x[1] for x in ins_a]} vs {[x[1] for x in ins_b]}")
+        if _input_names(a) != _input_names(b):
+            raise CtroptError(f"the models have different inputs: {_input_names(a)} vs {_input_names(b)}")
         feeds = _feeds(inputs, a, batch)
         diffs = compare_outputs(Runner(a, backend).run(feeds), Runner(b, backend).run(feeds), atol=atol, rtol=rtol)
         table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
@@ -273,34 +274,22 @@ def export_cmd(
     batch: str = typer.Option("1,7,256", "--batch", help="Batch sizes of the numeric check."),
 ):
     """Export a TensorFlow or PyTorch model to ONNX and check it against the framework."""
-    from ..exporters import check_export
-    from ..exporters.zoo.spec import TFModel, TorchModel
+    from ..exporters import DEFAULT_OPSET, check_export
+    from ..exporters.zoo import export_spec
 
     with _user_errors():
         out = check_output_path(output)
         batches = tuple(int(b) for b in batch.split(","))
-        seq = tuple(sequence_input or ())
+        seq = tuple(sequence_input or ()) or None
         if ":" in source and not Path(source).exists():
             spec = _load_factory(source)
-            seq = seq or tuple(i.name for i in spec.inputs if len(i.shape) > 1 and i.shape[1] is None)
-            if isinstance(spec, TFModel):
-                from ..exporters.tf import from_graph_def
-
-                result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs,
-                                        opset=opset or 17, sequence_inputs=seq)
-            elif isinstance(spec, TorchModel):
-                from ..exporters.torch import export_module
-
-                example = spec.sample(2, 10, np.random.default_rng(0))
-                result = export_module(spec.module, example, spec.outputs, exporter=exporter, opset=opset,
-                                       sequence_inputs=seq)
-            else:
-                raise CtroptError(f"{source} returned {type(spec).__name__}, not a TFModel or TorchModel")
+            result = export_spec(spec, exporter=exporter, opset=opset, sequence_inputs=seq, seq_len=10)
             sample = lambda b, t, rng: spec.sample(b, t or 10, rng)  # noqa: E731
         else:
             from ..exporters.tf import export_path
 
-            result = export_path(source, input_names, output_names, opset=opset or 17, sequence_inputs=seq)
+            result = export_path(source, input_names, output_names, opset=opset or DEFAULT_OPSET,
+                                 sequence_inputs=seq or ())
             sample = lambda b, t, rng: generate_inputs(result.model, batch=b, seed=int(rng.integers(1 << 30)))  # noqa: E731
         save(result.model, out)
         console.print(f"exported {source} with {result.exporter} → {out} ({node_count(result.model)} nodes)")
@@ -333,12 +322,12 @@ def bench(
         runners = [Runner(a, backend, threads, precision)]
         if model_b is not None:
             b = load(model_b)
-            if [x[1] for x in interface(a) if x[0] == "input"] != [x[1] for x in interface(b) if x[0] == "input"]:
+            if _input_names(a) != _input_names(b):
                 raise CtroptError("the two models have different inputs; bench compares models of one interface")
             runners.append(Runner(b, backend, threads, precision))
         if inputs:
-            feeds_by_batch = {0: load_inputs(inputs, a)}
-            feeds_by_batch = {len(next(iter(feeds_by_batch[0].values()))): feeds_by_batch[0]}
+            feeds = load_inputs(inputs, a)
+            feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
         else:
             feeds_by_batch = {int(n): generate_inputs(a, batch=int(n)) for n in batch.split(",")}
         results = []

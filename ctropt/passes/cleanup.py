@@ -15,7 +15,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import renameable, replace_outputs
+from ..patterns.matcher import dtype_of, renameable, replace_outputs, shape_of
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -79,26 +79,17 @@ def _keeps_interface(cond=None):
     return check
 
 
-def _shape(t: gs.Tensor):
-    shape = t.shape if not isinstance(t, gs.Constant) else t.values.shape
-    return None if shape is None else list(shape)
-
-
 def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape)
 
 
-def _dtype(t: gs.Tensor):
-    return t.dtype if not isinstance(t, gs.Constant) else t.values.dtype
-
-
 def _cast_to_same_type(m) -> bool:
-    dtype = _dtype(m["x"])
+    dtype = dtype_of(m["x"])
     return dtype is not None and np.dtype(dtype) == onnx.helper.tensor_dtype_to_np_dtype(m.root.attrs["to"])
 
 
 def _reshape_to_same_shape(m) -> bool:
-    x, target = _shape(m["x"]), m.const("shape")
+    x, target = shape_of(m["x"]), m.const("shape")
     if target is None or target.ndim != 1 or x is None:
         return False
     if m.root.attrs.get("allowzero", 0) == 0:
@@ -150,8 +141,8 @@ def _neutral(value: float):
     """x op c == x when c is all `value` and c's broadcast cannot grow x's shape or change its dtype."""
 
     def check(m) -> bool:
-        c, x = m.const("c"), _shape(m["x"])
-        dtype = _dtype(m["x"])
+        c, x = m.const("c"), shape_of(m["x"])
+        dtype = dtype_of(m["x"])
         if x is None or dtype is None or np.dtype(dtype) != c.dtype or not np.all(c == value):
             return False
         if m.root.op in ("Sub", "Div") and m.root.inputs[0] is not m["x"]:

@@ -13,9 +13,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import iter_graphs
+from ..graph import iter_graphs, nodes_near
 from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import add_constant, add_node, replace_outputs
+from ..patterns.matcher import add_constant, add_node, replace_outputs, shape_of
 from .registry import PassContext, register_pass
 
 
@@ -32,7 +32,7 @@ class Lookup:
 
 
 def _rank(t: gs.Tensor) -> int | None:
-    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
+    shape = shape_of(t)
     return None if shape is None else len(shape)
 
 
@@ -309,9 +309,7 @@ def _shard_lookups(stitch: gs.Node) -> list[gs.Node]:
         for t in frontier:
             for node in t.inputs:
                 if node.op == "Gather" and (table := const_value(node.inputs[0])) is not None and table.ndim == 2:
-                    ids_above = {n.op for x in [node.inputs[1]] for n in x.inputs} | {
-                        n.op for x in [node.inputs[1]] for p in x.inputs for y in p.inputs for n in y.inputs}
-                    if "Compress" in ids_above:
+                    if any(n.op == "Compress" for n in nodes_near(node.inputs[1], 2, up=True)):
                         found.append(node)
                 else:
                     nxt.extend(node.inputs)

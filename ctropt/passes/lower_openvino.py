@@ -23,8 +23,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
-from ..patterns import const_value
-from ..patterns.matcher import unique_name
+from ..patterns.matcher import dtype_of, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -32,15 +31,6 @@ TARGETS = ("openvino",)
 
 def _opset(ctx: PassContext) -> int:
     return int(getattr(ctx.graph, "opset", None) or 13)
-
-
-def _shape(t: gs.Tensor):
-    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
-    return None if shape is None else list(shape)
-
-
-def _dtype(t: gs.Tensor):
-    return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
 
 
 def _annotate_if(ctx: PassContext, untyped) -> None:
@@ -85,7 +75,7 @@ def squeeze_explicit_axes(ctx: PassContext) -> None:
         for node in list(g.nodes):
             if node.op != "Squeeze" or _has_input(node, 1) or "axes" in node.attrs:
                 continue
-            shape = _shape(node.inputs[0])
+            shape = shape_of(node.inputs[0])
             if shape is None:
                 continue
             axes = [i for i, d in enumerate(shape) if _is_one(d)]
@@ -111,7 +101,7 @@ def compress_explicit_axis(ctx: PassContext) -> None:
                 continue
             ctx.matches += 1
             data = node.inputs[0]
-            shape = _shape(data)
+            shape = shape_of(data)
             if shape is None or len(shape) != 1:
                 flat = gs.Variable(unique_name(ctx.graph, f"{node.name}/flat"), dtype=data.dtype,
                                    shape=None if shape is None else [None])
@@ -252,7 +242,7 @@ def body_passthrough_identity(ctx: PassContext) -> None:
             changed = False
             for i, t in enumerate(list(body.outputs)):
                 if id(t) in inputs:
-                    copy = gs.Variable(unique_name(ctx.graph, f"{t.name}/out"), dtype=_dtype(t), shape=_shape(t))
+                    copy = gs.Variable(unique_name(ctx.graph, f"{t.name}/out"), dtype=dtype_of(t), shape=shape_of(t))
                     body.nodes.append(gs.Node("Identity", unique_name(ctx.graph, f"{t.name}/pass"), inputs=[t],
                                               outputs=[copy]))
                     body.outputs[i] = copy
@@ -287,7 +277,7 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     base = gru.name or "GRU"
     hidden = int(gru.attrs["hidden_size"])
     x, lens = gru.inputs[0], gru.inputs[4]
-    dtype = _dtype(x) or np.float32
+    dtype = dtype_of(x) or np.float32
     graph_outputs = {id(t) for t in g.outputs}
 
     def used(i):
@@ -316,11 +306,11 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     gru.outputs.clear()
     gru.outputs.append(y_full)
     zero = const("zero", np.zeros((), dtype=dtype))
-    lens64 = lens if _dtype(lens) is not None and np.dtype(_dtype(lens)) == np.int64 else \
+    lens64 = lens if dtype_of(lens) is not None and np.dtype(dtype_of(lens)) == np.int64 else \
         add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
     if y_out is not None:
         # mask[t, n] = t < lens[n]
-        steps = (_shape(x) or [None])[0]
+        steps = (shape_of(x) or [None])[0]
         if isinstance(steps, (int, np.integer)):
             t_col = const("t_col", np.arange(int(steps), dtype=np.int64)[:, None])
         else:
@@ -360,7 +350,7 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
                 continue
             x = node.inputs[0]
             producer = x.inputs[0] if len(x.inputs) == 1 else None
-            dtype = _dtype(x)
+            dtype = dtype_of(x)
             if producer is None or producer.op != "Split" or len(producer.outputs) < 2 or dtype is None:
                 continue
             if np.dtype(dtype) == np.bool_:
@@ -368,7 +358,7 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
             ctx.matches += 1
             base = node.name or "Cast"
             zero = _constant(ctx.graph, f"{base}/zero", np.zeros((), dtype=dtype))
-            eq = gs.Variable(unique_name(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=_shape(x))
+            eq = gs.Variable(unique_name(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=shape_of(x))
             out = node.outputs[0]
             node.outputs.clear()
             g.nodes.append(gs.Node("Equal", unique_name(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))

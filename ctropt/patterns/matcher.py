@@ -34,6 +34,16 @@ def const_value(t: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def shape_of(t: gs.Tensor) -> list | None:
+    """The (possibly symbolic) shape of a value or constant, None when unknown."""
+    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
+    return None if shape is None else list(shape)
+
+
+def dtype_of(t: gs.Tensor):
+    return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+
+
 # ----------------------------------------------------------------------------------------- state
 
 

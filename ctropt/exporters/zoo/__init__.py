@@ -78,24 +78,31 @@ def builder(name: str, framework: str):
     return getattr(models, name)
 
 
+def export_spec(spec: TFModel | TorchModel, *, exporter: str = "legacy", opset: int | None = None,
+                sequence_inputs: tuple[str, ...] | None = None, seq_len: int = SEQ_LENS[0]) -> Export:
+    """Export a framework model description to ONNX (sequence inputs: those with a dynamic axis 1 by default)."""
+    if sequence_inputs is None:
+        sequence_inputs = tuple(i.name for i in spec.inputs if len(i.shape) > 1 and i.shape[1] is None)
+    if isinstance(spec, TFModel):
+        from ..tf import from_graph_def
+
+        return from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs,
+                              opset=opset or DEFAULT_OPSET, sequence_inputs=sequence_inputs)
+    if isinstance(spec, TorchModel):
+        from ..torch import export_module
+
+        example = spec.sample(2, seq_len, np.random.default_rng(0))
+        return export_module(spec.module, example, spec.outputs, exporter=exporter, opset=opset,
+                             sequence_inputs=sequence_inputs)
+    raise CtroptError(f"expected a TFModel or TorchModel, got {type(spec).__name__}")
+
+
 def export(name: str, framework: str = "tf", *, exporter: str = "legacy", opset: int | None = None,
            seq_len: int | None = None) -> tuple[Export, TFModel | TorchModel]:
     """Build the entry in its framework and export it to ONNX."""
     build = builder(name, framework)
     spec = build() if seq_len is None else build(seq_len=seq_len)
-    sequence_inputs = tuple(i.name for i in spec.inputs if len(i.shape) > 1 and i.shape[1] is None)
-    if framework == "tf":
-        from ..tf import from_graph_def
-
-        result = from_graph_def(spec.graph_def, [i.name for i in spec.inputs], spec.outputs,
-                                opset=opset or DEFAULT_OPSET, sequence_inputs=sequence_inputs)
-    else:
-        from ..torch import export_module
-
-        example = spec.sample(2, seq_len or SEQ_LENS[0], np.random.default_rng(0))
-        result = export_module(spec.module, example, spec.outputs, exporter=exporter, opset=opset,
-                               sequence_inputs=sequence_inputs)
-    return result, spec
+    return export_spec(spec, exporter=exporter, opset=opset, seq_len=seq_len or SEQ_LENS[0]), spec
 
 
 def build_and_check(name: str, framework: str = "tf", **kw):
@@ -151,4 +158,5 @@ def refresh_shipped(names=None, frameworks=("tf", "torch")) -> list[tuple[str, s
 
 
 __all__ = ["ENTRIES", "Entry", "Input", "TFModel", "TorchModel", "build_and_check", "builder", "entry", "export",
+           "export_spec",
            "refresh_shipped", "shipped_path", "write"]
