@@ -262,14 +262,21 @@ def to_graph(model: onnx.ModelProto) -> gs.Graph:
 
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     """Export a graphsurgeon graph, keeping `like`'s model-level fields and opset imports."""
-    graph.toposort(recurse_subgraphs=True)
+    graph.toposort(recurse_subgraphs=True, mode="nodes")  # "full" also sorts functions: recursion bug in gs 0.6.1
     model = gs.export_onnx(graph, do_type_check=False)
     opsets = {o.domain: o.version for o in like.opset_import}
     for o in model.opset_import:
         opsets.setdefault(o.domain, o.version)
+    # Model-local functions (ai.ctropt fused ops) travel only while some node uses them.
+    used = {(n.domain, n.op_type) for g in iter_proto_graphs(model.graph) for n in g.node}
+    functions = [f for f in model.functions if (f.domain, f.name) in used]
+    del model.functions[:]
+    model.functions.extend(functions)
+    for domain in {d for d, _ in used} | {f.domain for f in functions}:
+        opsets.setdefault(domain, 1)
     del model.opset_import[:]
     model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in opsets.items())
-    model.ir_version = like.ir_version
+    model.ir_version = max(like.ir_version, 8) if functions else like.ir_version
     for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(model, field, getattr(like, field))
     del model.metadata_props[:]

@@ -10,6 +10,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .graph import iter_graphs, nodes_near, op_histogram, to_graph, to_model
+from .ops import DOMAIN
+from .ops.rnn import SequenceAttrs, is_sequence_node
 from .passes.registry import Pass, PassContext
 from .patterns import const_value, explain
 
@@ -58,7 +60,12 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
     out = []
     for g in iter_graphs(graph):
         for node in g.nodes:
-            if node.op in RECURRENT_OPS:
+            if is_sequence_node(node):
+                a = SequenceAttrs.of(node)
+                variant = f"{a.kind}, hidden {a.hidden_size}, linear_before_reset {a.linear_before_reset}" + \
+                    (f", att_keep {a.att_keep}" if a.kind == "AUGRU" else "")
+                out.append(Recurrent(f"fused {node.op} ({DOMAIN})", node.name, variant))
+            elif node.op in RECURRENT_OPS:
                 out.append(Recurrent(f"{node.op} op", node.name, f"hidden {node.attrs.get('hidden_size')}"))
             elif node.op in ("Loop", "Scan") and "body" in node.attrs:
                 body = node.attrs["body"]

@@ -223,7 +223,7 @@ def fold_constants(ctx: PassContext) -> None:
     saved = G_LOGGER.severity
     G_LOGGER.severity = G_LOGGER.ERROR
     try:
-        ctx.graph.toposort(recurse_subgraphs=True)
+        ctx.graph.toposort(recurse_subgraphs=True, mode="nodes")
         ctx.graph.fold_constants(size_threshold=cap, recurse_subgraphs=True, error_ok=True)
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
     finally:
@@ -283,7 +283,7 @@ def _attr_key(value):
 def eliminate_common_subexpressions(ctx: PassContext) -> None:
     """Compute once what several nodes compute identically (same op, attributes and inputs)."""
     for g in list(iter_graphs(ctx.graph)):
-        g.toposort(recurse_subgraphs=False)
+        g.toposort(recurse_subgraphs=False, mode="nodes")
         seen: dict = {}
         for node in list(g.nodes):
             if node.op in NONDETERMINISTIC or not node.outputs or any(

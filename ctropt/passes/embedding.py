@@ -154,7 +154,7 @@ def fuse_parallel_embeddings(ctx: PassContext) -> None:
             if runs and len(concat.inputs) == 1:
                 replace_outputs(graph, concat, [concat.inputs[0]])
     if ctx.rewrites:
-        ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
 
 
 # ----------------------------------------------------------------------------------------- embedding bags
@@ -293,7 +293,7 @@ def vectorize_embedding_bags(ctx: PassContext) -> None:
             replace_outputs(graph, bag.concat, [_vectorized_bags(graph, bag)])
             ctx.rewrites += 1
     if ctx.rewrites:
-        ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
 
 
 # ----------------------------------------------------------------------------------------- partitioned tables
@@ -407,7 +407,7 @@ def merge_partitioned_embeddings(ctx: PassContext) -> None:
         replace_outputs(graph, stitch, [out])
         ctx.rewrites += 1
     if ctx.rewrites:
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
 
 
 # ----------------------------------------------------------------------------------------- indicator columns

@@ -496,7 +496,7 @@ def apply_rewrites(graph: gs.Graph, rules: list[Rewrite], *, max_rounds: int = 2
                     changed += 1
                     break
         rewrites += changed
-        graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
         if not changed:
             break
     return matches, rewrites

@@ -1,0 +1,81 @@
+"""Which standard-ONNX form of a fused recurrent layer runs fastest: paired ratios in one run.
+
+    python benchmarks/rnn_forms.py                      # B=256, T=100, H=I=36, 1 thread, onnxruntime
+    python benchmarks/rnn_forms.py --batch 32 --seconds 3
+
+One ai.ctropt sequence node per kind is lowered by `lower_sequence_node` to each candidate form; every form
+is timed interleaved against the lean Scan on the same inputs; > 1 means the form is slower than the Scan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ctropt.graph import to_model  # noqa: E402
+from ctropt.ops.rnn import SequenceAttrs, add_sequence_node  # noqa: E402
+from ctropt.passes.rnn import lower_sequence_node  # noqa: E402
+from ctropt.runtime import Runner  # noqa: E402
+from ctropt.runtime.bench import bench  # noqa: E402
+from tests.helpers import make_model  # noqa: E402
+
+
+def layer(kind: str, H: int, I: int, want_y: bool, form: str, lbr: int):
+    rng = np.random.default_rng(0)
+    g = gs.Graph(opset=17)
+    X = gs.Variable("X", np.float32, ["batch", "T", I])
+    L = gs.Variable("lens", np.int64, ["batch"])
+    A = gs.Variable("att", np.float32, ["batch", "T"])
+    g.inputs = [X, L] + ([A] if kind != "GRU" else [])
+    ins = {"X": X, "W": gs.Constant("W", (rng.normal(size=(I, 3 * H)) * 0.2).astype(np.float32)),
+           "R": gs.Constant("R", (rng.normal(size=(H, 3 * H)) * 0.2).astype(np.float32)),
+           "B": gs.Constant("B", (rng.normal(size=6 * H) * 0.1).astype(np.float32)), "sequence_lens": L}
+    if kind != "GRU":
+        ins["att"] = A
+    outs = {"Y_h": gs.Variable("Y_h", np.float32, ["batch", H])}
+    if want_y:
+        outs["Y"] = gs.Variable("Y", np.float32, ["batch", "T", H])
+    node = add_sequence_node(g, SequenceAttrs(kind, H, lbr), ins, outs, "layer")
+    lower_sequence_node(g, node, form)
+    g.functions.clear()
+    g.outputs = list(outs.values())
+    g.cleanup()
+    return to_model(g, make_model([], [], []))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--hidden", type=int, default=36)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    rng = np.random.default_rng(1)
+    B, T, H = args.batch, args.steps, args.hidden
+    feeds = {"X": rng.normal(size=(B, T, H)).astype(np.float32), "lens": rng.integers(0, T + 1, B).astype(np.int64),
+             "att": rng.uniform(size=(B, T)).astype(np.float32)}
+    print(f"B={B} T={T} H=I={H}, onnxruntime CPU, {args.threads} thread(s); cell = median time(form)/time(scan) "
+          f"[p10-p90]")
+    for kind in ("GRU", "AUGRU"):
+        for want_y in (False, True):
+            for lbr in (0, 1):
+                f = {k: v for k, v in feeds.items() if kind != "GRU" or k != "att"}
+                scan = Runner(layer(kind, H, H, want_y, "scan", lbr), threads=args.threads)
+                cells = []
+                for form in ("gru-op",) if kind == "GRU" else ():
+                    other = Runner(layer(kind, H, H, want_y, form, lbr), threads=args.threads)
+                    r = bench([other, scan], f, B, seconds=args.seconds)
+                    cells.append(f"{form} {r.ratio:.2f} [{r.ratio_p10:.2f}-{r.ratio_p90:.2f}] "
+                                 f"(scan p50 {r.latency[1].p50_ms:.1f} ms)")
+                print(f"{kind:6s} {'Y+Y_h' if want_y else 'Y_h  '} lbr={lbr}: " + ("; ".join(cells) or "scan only"))
+
+
+if __name__ == "__main__":
+    main()

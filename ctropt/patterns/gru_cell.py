@@ -1,0 +1,277 @@
+"""Recognise a GRU-family cell by what it computes, whatever ops the exporter wrote it with.
+
+A cell is the subgraph from its step inputs (the previous state h, the step's input x and, for the
+attention kinds, the score a) to the new state. Exporters write it in many ways: one MatMul over
+concat[x, h] or separate ones, Gemm with transposed weights, a joint Sigmoid split in two or one per gate,
+gates in any order, biases split between input and hidden parts, the reset gate applied before or after
+the hidden MatMul. Instead of one pattern per dialect, :func:`identify_gru_cell` reads the cell by meaning:
+
+1. every Sigmoid input is an affine map of (x, h): probing it with the unit vectors recovers its weights;
+2. the reset gate r is the Sigmoid output that multiplies into the candidate's Tanh (the product q = r*o);
+   cutting the graph at q, the Tanh input is affine in (x, q): its weights give W_n and either R_n
+   (o is h: linear_before_reset=0) or the identity, with o = h R_n + Rb_n (linear_before_reset=1);
+3. the remaining gate block and the kind (GRU, AUGRU in both the paper's and DIEN's TF form, AGRU) are the
+   hypothesis whose canonical cell (``ctropt.ops.rnn.reference``) reproduces the subgraph's output on
+   random inputs. Nothing is accepted without that numeric check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..ops.rnn import SequenceAttrs, reference
+from .matcher import const_value
+
+TOL = 1e-4
+
+
+@dataclasses.dataclass
+class CellMatch:
+    attrs: SequenceAttrs  # kind, hidden_size, linear_before_reset, att_keep (padded_output is the caller's)
+    W: np.ndarray         # [I, 3H]
+    R: np.ndarray         # [H, 3H]
+    B: np.ndarray         # [6H]
+    x_columns: list[int]  # columns of the x leaf that are the cell's input
+    att_column: int | None  # column of the x leaf that carries the attention score, if packed there
+    nodes: list[gs.Node]  # the cell's nodes (from the leaves to the new state)
+
+
+class _Region:
+    """The nodes between some leaf tensors and an output, runnable on numpy values with onnxruntime."""
+
+    def __init__(self, out: gs.Tensor, leaves: list[gs.Tensor], opset: int):
+        self.leaves, self.opset, self.nodes, self.ok = leaves, opset, [], True
+        leaf_ids, seen, stack = {id(t) for t in leaves}, set(), [out]
+        while stack:
+            t = stack.pop()
+            if id(t) in leaf_ids or id(t) in seen or isinstance(t, gs.Constant):
+                continue
+            seen.add(id(t))
+            if not t.inputs:
+                self.ok = False  # a value from outside the cell that is not a leaf
+                continue
+            node = t.inputs[0]
+            if any(id(node) == id(n) for n in self.nodes):
+                continue
+            if any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+                self.ok = False
+                continue
+            self.nodes.append(node)
+            stack.extend(node.inputs)
+        self._sessions = {}
+
+    def uses(self, op: str) -> list[gs.Node]:
+        return [n for n in self.nodes if n.op == op]
+
+    def run(self, outputs: list[gs.Tensor], values: list[np.ndarray]) -> list[np.ndarray]:
+        import onnxruntime as ort
+
+        key = tuple(id(t) for t in outputs)
+        if key not in self._sessions:
+            inputs = [gs.Variable(f"leaf{i}", np.float32, None) for i in range(len(self.leaves))]
+            swap = {id(t): v for t, v in zip(self.leaves, inputs)}
+            for n in self.nodes:
+                swap.update({id(t): gs.Variable(f"o{id(t)}", t.dtype, None) for t in n.outputs})
+            nodes = [gs.Node(n.op, n.name, dict(n.attrs), [swap.get(id(t), t) for t in n.inputs],
+                             [swap[id(t)] for t in n.outputs], domain=n.domain) for n in self.nodes]
+            outs = [swap[id(t)] for t in outputs]
+            for t in outs:
+                t.dtype = t.dtype or np.float32
+            g = gs.Graph(nodes=nodes, inputs=inputs, outputs=outs, opset=self.opset)
+            g.toposort()
+            model = gs.export_onnx(g, do_type_check=False)
+            model.ir_version = 8
+            so = ort.SessionOptions()
+            so.log_severity_level = 4
+            so.intra_op_num_threads = 1
+            self._sessions[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        s = self._sessions[key]
+        feeds = {f"leaf{i}": v.astype(np.float32) for i, v in enumerate(values)}
+        return [np.asarray(v, np.float32).reshape(len(values[0]), -1) for v in s.run(None, feeds)]
+
+
+def _affine(region: _Region, out: gs.Tensor, base: list[np.ndarray], probe: list[int], widths: list[int], rng):
+    """Probe `out` as an affine map of the leaves listed in `probe` (others held at `base`): coefficients per
+    probed leaf and the bias, or None if it is not affine."""
+    n = 1 + sum(widths[i] for i in probe)
+    values = [np.zeros((n, b.shape[1]), np.float32) if i in probe else np.repeat(b[:1], n, axis=0)
+              for i, b in enumerate(base)]
+    row = 1
+    for i in probe:
+        for j in range(widths[i]):
+            values[i][row, j] = 1.0
+            row += 1
+    (y,) = region.run([out], values)
+    bias = y[0]
+    coefs, row = [], 1
+    for i in probe:
+        coefs.append(y[row:row + widths[i]] - bias)
+        row += widths[i]
+    # check on random points
+    test = [b.copy() for b in base]
+    for i in probe:
+        test[i] = rng.normal(size=base[i].shape).astype(np.float32)
+    (y2,) = region.run([out], test)
+    pred = bias + sum(test[i] @ c for i, c in zip(probe, coefs))
+    if not np.allclose(y2, pred, atol=TOL * 10, rtol=TOL * 10):
+        return None
+    return coefs, bias
+
+
+def _downstream_of(node: gs.Node, region_nodes: list[gs.Node]) -> set[int]:
+    ids = {id(n) for n in region_nodes}
+    seen, stack = set(), list(node.outputs)
+    while stack:
+        t = stack.pop()
+        for c in t.outputs:
+            if id(c) in ids and id(c) not in seen:
+                seen.add(id(c))
+                stack.extend(c.outputs)
+    return seen
+
+
+def identify_gru_cell(h_new: gs.Tensor, h: gs.Tensor, x: gs.Tensor, att: gs.Tensor | None = None, *,
+                      hidden: int | None = None, x_width: int | None = None, opset: int = 17,
+                      att_column: int | None = -2) -> CellMatch | None:
+    """The canonical GRU-family cell that `h_new = cell(h, x[, att])` computes, or None.
+
+    `h` [B, H] and `x` [B, I] (or [B, 1, I]) are leaf tensors of the cell; `att` [B, 1] or [B] a separate
+    attention leaf. When the score rides in `x` as a column (TF DIEN's VecAttGRUCell), pass no `att`:
+    the last then the first column are tried as the score (`att_column=-2`, the default); pass
+    `att_column=None` to forbid that.
+    """
+    H = hidden or _width(h)
+    I_in = x_width or _width(x)
+    if not H or not I_in:
+        return None
+    if att is None and att_column == -2:
+        for col in (None, I_in - 1, 0) if I_in > 1 else (None,):
+            found = identify_gru_cell(h_new, h, x, None, hidden=H, x_width=I_in, opset=opset, att_column=col)
+            if found is not None:
+                return found
+        return None
+    if att is not None:
+        att_column = None
+    leaves = [h, x] + ([att] if att is not None else [])
+    region = _Region(h_new, leaves, opset)
+    if not region.ok or not region.uses("Tanh") or not region.uses("Sigmoid"):
+        return None
+    rng = np.random.default_rng(0)
+    widths = [H, I_in] + ([1] if att is not None else [])
+    x_cols = [j for j in range(I_in) if att_column is None or j != att_column % I_in]
+
+    def leaves_at(hv, xv, av):
+        vals = [hv, xv.copy()]
+        if att_column is not None:
+            vals[1][:, att_column % I_in] = av[:, 0]
+        if att is not None:
+            vals.append(av)
+        return vals
+
+    a0 = np.full((1, 1), 0.37, np.float32)
+    base = leaves_at(np.zeros((1, H), np.float32), np.zeros((1, I_in), np.float32), a0)
+    try:
+        return _identify(region, leaves_at, base, widths, x_cols, H, I_in, att is not None or att_column is not None,
+                         rng, att_column, h_new)
+    except Exception:  # a region that does not run (shapes, dtypes) is not a cell we can read
+        return None
+
+
+def _width(t: gs.Tensor) -> int | None:
+    shape = t.shape
+    if shape and isinstance(shape[-1], (int, np.integer)) and shape[-1] > 0:
+        return int(shape[-1])
+    return None
+
+
+def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, att_column, h_new):
+    sigmoids = region.uses("Sigmoid")
+    tanhs = region.uses("Tanh")
+    if len(tanhs) != 1:
+        return None
+    tanh = tanhs[0]
+    # 1. gate pre-activations: affine in (h, x)
+    gate_cols = []   # (coef_h [H, k], coef_x [I, k], bias [k]) per sigmoid
+    for s in sigmoids:
+        aff = _affine(region, s.inputs[0], base, [0, 1], widths, rng)
+        if aff is None:
+            return None
+        (ch, cx), b = aff
+        gate_cols.append((ch, cx[x_cols], b))
+    Gh = np.concatenate([g[0] for g in gate_cols], axis=1)
+    Gx = np.concatenate([g[1] for g in gate_cols], axis=1)
+    Gb = np.concatenate([g[2] for g in gate_cols])
+    if Gh.shape[1] not in (H, 2 * H):
+        return None
+    # 2. the reset gate: the Sigmoid-fed operand of a Mul on the way to the Tanh
+    upstream_of_tanh = {id(n) for n in _Region(tanh.inputs[0], region.leaves, region.opset).nodes}
+    sig_down = set()
+    for s in sigmoids:
+        sig_down |= _downstream_of(s, region.nodes) | {id(s)}
+    mul = None
+    for n in region.nodes:
+        if n.op == "Mul" and id(n) in upstream_of_tanh and len(n.inputs) == 2:
+            fed = [bool(t.inputs) and id(t.inputs[0]) in sig_down for t in n.inputs]
+            if sum(fed) == 1:
+                mul = (n, n.inputs[fed.index(True)], n.inputs[fed.index(False)])
+    if mul is None:
+        return None
+    mul_node, r_t, o_t = mul
+    sample = leaves_at(rng.normal(size=(32, H)).astype(np.float32), rng.normal(size=(32, I_in)).astype(np.float32),
+                       rng.uniform(size=(32, 1)).astype(np.float32))
+    sig_vals = np.concatenate(region.run([s.outputs[0] for s in sigmoids], sample), axis=1)
+    r_val, o_val = region.run([r_t, o_t], sample)
+    if r_val.shape[1] != H:
+        return None
+    r_idx = []
+    for j in range(H):
+        hits = np.where(np.abs(sig_vals - r_val[:, j:j + 1]).max(axis=0) < 1e-6)[0]
+        if not len(hits):
+            return None
+        r_idx.append(int(hits[0]))
+    rest = [k for k in range(Gh.shape[1]) if k not in set(r_idx)]
+    # 3. the candidate: cut at q = r*o, the Tanh input is affine in (x, q)
+    cut = _Region(tanh.inputs[0], [region.leaves[0], region.leaves[1], mul_node.outputs[0]] + region.leaves[2:],
+                  region.opset)
+    if not cut.ok:
+        return None
+    cbase = [base[0], base[1], np.zeros((1, H), np.float32)] + base[2:]
+    aff = _affine(cut, tanh.inputs[0], cbase, [0, 1, 2], [H, I_in, H] + widths[2:], rng)
+    if aff is None:
+        return None
+    (ch, cx, cq), cb = aff
+    if np.abs(ch).max() > TOL:
+        return None
+    Wn, bn = cx[x_cols], cb
+    if np.allclose(o_val, sample[0], atol=1e-6):          # o is h: linear_before_reset = 0
+        lbr, Rn, Rbn = 0, cq, np.zeros(H, np.float32)
+    else:
+        aff_o = _affine(region, o_t, base, [0, 1], widths, rng)
+        if aff_o is None or np.abs(aff_o[0][1]).max() > TOL or not np.allclose(cq, np.eye(H), atol=TOL):
+            return None
+        lbr, Rn, Rbn = 1, aff_o[0][0], aff_o[1]
+    Wr, Rr, br = Gx[:, r_idx], Gh[:, r_idx], Gb[r_idx]
+    # 4. the update gate and the kind: the hypothesis that reproduces the cell
+    (want,) = region.run([h_new], sample)
+    hv, xv = sample[0], sample[1][:, x_cols]
+    av = sample[1][:, [att_column % I_in]] if att_column is not None else (sample[2] if len(sample) > 2 else None)
+    z_options = [(Gx[:, rest], Gh[:, rest], Gb[rest])] if len(rest) == H else [
+        (np.zeros((len(x_cols), H), np.float32), np.zeros((H, H), np.float32), np.zeros(H, np.float32))]
+    kinds = [("AUGRU", 0), ("AUGRU", 1), ("AGRU", 0)] if has_att else [("GRU", 0)]
+    for (Wz, Rz, bz) in z_options:
+        for sign in (1.0, -1.0):
+            W = np.concatenate([sign * Wz, Wr, Wn], axis=1).astype(np.float32)
+            R = np.concatenate([sign * Rz, Rr, Rn], axis=1).astype(np.float32)
+            B = np.concatenate([sign * bz, br, bn, np.zeros(2 * H, np.float32), Rbn]).astype(np.float32)
+            for kind, keep in kinds:
+                attrs = SequenceAttrs(kind, H, lbr, keep)
+                _, got = reference(attrs, xv[:, None, :], W, R, B, initial_h=hv,
+                                   att=None if av is None else av.reshape(-1, 1))
+                if np.allclose(got, want.reshape(got.shape), atol=TOL, rtol=TOL):
+                    return CellMatch(attrs, W, R, B, x_cols, att_column if att_column is None else att_column % I_in,
+                                     region.nodes)
+    return None
