@@ -17,6 +17,7 @@ from rich.table import Table
 from ..graph import CtroptError, check_output_path, interface, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
+from ..runtime.inputs import DEFAULT_SEQ_LEN
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
@@ -66,6 +67,16 @@ def _fmt_err(value) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
+def _pass_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise CtroptError(f"--option wants KEY=VALUE, got {item!r}")
+        options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return options
+
+
 @app.command()
 def optimize(
     model: Path = typer.Argument(..., help="Input .onnx model."),
@@ -80,10 +91,18 @@ def optimize(
     atol: float = ATOL,
     rtol: float = RTOL,
     plugin: Optional[List[str]] = PLUGIN,
+    static_seq_len: Optional[int] = typer.Option(
+        None, "--static-seq-len", min=1,
+        help="History length T to fix for OpenVINO, which fuses whole recurrent sequences only for a static T."),
+    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), "
+                                               "e.g. rnn_ort_form=gru-op."),
 ):
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
         _plugins(plugin)
+        options = _pass_options(option or [])
+        if static_seq_len is not None:
+            options["static_seq_len"] = static_seq_len
         out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
         m = load(model)
         feeds = load_inputs(inputs, m) if inputs else None
@@ -98,7 +117,7 @@ def optimize(
                               + (f": {escape(record.message)}" if record.message else ""))
 
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
-                              verify=verify, strict=strict, on_pass=progress)
+                              verify=verify, strict=strict, on_pass=progress, options=options)
         console.print(f"[bold]{model}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, target {target}")
         with status:
             result = manager.run(m)
@@ -307,6 +326,8 @@ def bench(
     inputs: Optional[Path] = INPUTS,
     seconds: float = typer.Option(3.0, "--seconds", min=0.1, help="Time per batch size (at least 10 runs)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="OpenVINO precision hint: f32, f16, bf16."),
+    seq_len: int = typer.Option(DEFAULT_SEQ_LEN, "--seq-len", min=1,
+                                help="History length of generated inputs where the model leaves it dynamic."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
 ):
     """Latency p50/p90/p99 and throughput; with two models, the median of paired time ratios (A/B)."""
@@ -329,7 +350,7 @@ def bench(
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
         else:
-            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n)) for n in batch.split(",")}
+            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n), seq_len=seq_len) for n in batch.split(",")}
         results = []
         with Progress(console=console, transient=True) as progress:
             for n, feeds in feeds_by_batch.items():

@@ -201,11 +201,20 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     x_in = X
     if kind == "AIGRU":
         x_in = e.op("Mul", [X, e.op("Unsqueeze", [att, e.const(np.array([2], np.int64))])])
-    x_t = e.op("Transpose", [x_in], {"perm": [1, 0, 2]})            # [T, B, I]: X is narrower than X·W
+    x_t = _time_major(e, x_in)                                        # [T, B, I]: X is narrower than X·W
     W_zr, W_n = e.op("Split", [Wf, e.const(np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
     b_zr, b_n = e.op("Split", [x_bias, e.const(np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
-    xw_zr = e.op("Add", [e.op("MatMul", [x_t, W_zr]), b_zr])       # [T, B, 2H]
-    xw_n = e.op("Add", [e.op("MatMul", [x_t, W_n]), b_n])          # [T, B, H]
+    # One Gemm (bias included) per gate group over all T*B rows, viewed back as [T, B, k].
+    if not isinstance(W, gs.Constant):  # function body: 3-D MatMul
+        xw_zr = e.op("Add", [e.op("MatMul", [x_t, W_zr]), b_zr])   # [T, B, 2H]
+        xw_n = e.op("Add", [e.op("MatMul", [x_t, W_n]), b_n])      # [T, B, H]
+    else:
+        tb = e.op("Shape", [x_t], {"end": 2})
+        x_2d = e.op("Reshape", [x_t, e.const(np.array([-1, W.shape[0]], np.int64))])
+        xw_zr = e.op("Reshape", [e.op("Gemm", [x_2d, W_zr, b_zr]),
+                                 e.op("Concat", [tb, e.const(np.array([2 * H], np.int64))], {"axis": 0})])
+        xw_n = e.op("Reshape", [e.op("Gemm", [x_2d, W_n, b_n]),
+                                e.op("Concat", [tb, e.const(np.array([H], np.int64))], {"axis": 0})])
 
     step_mask = None
     if lens is not None or mask is not None:
@@ -289,6 +298,15 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     if "Y" in outputs:
         graph.nodes.append(gs.Node("Transpose", e.name("Transpose"), attrs={"perm": [1, 0, 2]},
                                    inputs=[scan_outs[1]], outputs=[outputs["Y"]]))
+
+
+def _time_major(e: _Emitter, x: gs.Tensor) -> gs.Tensor:
+    """[B, T, I] -> [T, B, I]; when x is itself a batch-major view of a time-major value, that value."""
+    producer = x.inputs[0] if x.inputs else None
+    if producer is not None and producer.op == "Transpose" and list(producer.attrs.get("perm", [])) == [1, 0, 2] \
+            and not isinstance(e.graph, gs.Function):
+        return producer.inputs[0]
+    return e.op("Transpose", [x], {"perm": [1, 0, 2]})
 
 
 # ------------------------------------------------------------------------------------------ the node

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ops.rnn import MIN_OPSET, SequenceAttrs, build_sequence, is_sequence_node
+from ..graph import CtroptError
+from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
 from ..patterns.matcher import const_value, unique_name
 from .registry import PassContext, register_pass
 
@@ -34,11 +35,29 @@ def fuse_rnn(ctx: PassContext) -> None:
     if opset < MIN_OPSET:
         ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
         return
-    for reader in (fuse_gru_ops, fuse_recurrent_loops, fuse_unrolled_cells):
+    skipped: list[str] = []
+    for reader in (fuse_gru_ops, fuse_unrolled_cells):
         for line in reader(ctx.graph, opset):
             ctx.matches += 1
             ctx.rewrites += 1
             ctx.note(line)
+    for line in fuse_recurrent_loops(ctx.graph, opset, notes=skipped):
+        ctx.matches += 1
+        ctx.rewrites += 1
+        ctx.note(line)
+    for line in skipped:
+        ctx.note(f"left as is: {line}")
+    if ctx.rewrites:
+        _forget_intermediate_shapes(ctx.graph)
+
+
+def _forget_intermediate_shapes(graph: gs.Graph) -> None:
+    """Shapes annotated before the rewrite may name dims of values that now mean something else (a GRU over
+    packed rows becomes one over the batch); the manager re-infers them."""
+    keep = {id(t) for t in list(graph.inputs) + list(graph.outputs)}
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Variable) and id(t) not in keep:
+            t.shape = None
 
 
 def _gru_op_ok(node: gs.Node, attrs: SequenceAttrs) -> bool:
@@ -89,8 +108,6 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "scan") -> N
     if form == "gru-op" and _gru_op_ok(node, attrs) and all(const_value(t) is not None for t in node.inputs[1:4]):
         _lower_to_gru_op(graph, node, attrs)
     else:
-        from ..ops.rnn import INPUTS, OUTPUTS
-
         inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
         outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
         build_sequence(graph, attrs, inputs, outputs, prefix=unique_name(graph, node.name))
@@ -103,9 +120,21 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "scan") -> N
 def lower_rnn_ort(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → onnxruntime's fastest measured form: a lean Scan with X·W hoisted out of the loop."""
     form = ctx.options.get("rnn_ort_form", "scan")
+    if form not in ORT_FORMS:
+        raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
     for node in [n for n in ctx.graph.nodes if is_sequence_node(n)]:
         lower_sequence_node(ctx.graph, node, form)
         ctx.matches += 1
         ctx.rewrites += 1
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
+        tidy(ctx)
+
+
+def tidy(ctx: PassContext) -> None:
+    """What the cleanup passes would still find in lowered layers (casts to the same type, equal constants):
+    done here so that lowering is idempotent under `all`."""
+    from .registry import REGISTRY
+
+    for name in ("eliminate-identity", "dedup-initializers", "eliminate-common-subexpressions"):
+        REGISTRY[name](PassContext(ctx.graph, ctx.target, dict(ctx.options)))

@@ -1,0 +1,1041 @@
+"""Recurrent Scan/Loop layers (the tf2onnx dialects) → one ai.ctropt sequence op each.
+
+tf2onnx writes a recurrent layer as a Scan or a Loop whose body holds one step of the cell:
+- TF1 ``dynamic_rnn`` → Scan over the time-major input [T, B, I]; carried: two step counters and the state;
+  with ``sequence_length`` the body masks by ``GreaterOrEqual(t, seq_len)`` → Not/Cast/Mul/Add: the state is
+  kept and the step's output is the zero state past the length (DIEN's GRU and VecAttGRU, the score packed as
+  the last input column);
+- Keras/TF2 ``while_loop`` → Loop: carried time counter, state, and (Keras) the weights; x_t read by
+  ``Gather(x_time_major, t)``, attention scores by a strided Slice of a [B, T, 1] tensor at t; DeepCTR's
+  DIEN masks with SelectV2 like dynamic_rnn does (``_where`` exports); a Keras GRU behind a mask
+  (``mask_zero``) reads m_t = ``Gather(mask_time_major, t)`` and also carries its previous output, kept like the
+  state where m_t is false (padded_output "state", the ``mask`` input).
+
+Rather than one pattern per dialect, a layer is read by meaning on a throwaway copy of its body:
+1. roles of the carried values (counter: ``v + 1`` from a constant start; invariant: passed through; the
+   float state, and possibly a copy of it) and of the per-step inputs (Scan slices, or reads ``S[t]`` /
+   ``S[:, t]`` of an outer tensor, each checked numerically against numpy on random data);
+2. the cell: the first tensor after the Tanh that :func:`ctropt.patterns.gru_cell.identify_gru_cell` reads as
+   a GRU-family cell of (h, x_t[, a_t]); a one-wide per-step input is the score a_t, or else a 0/1 mask;
+3. the masking, by running the body step on random states, inputs, masks and lengths around t: with
+   valid = t < len (or m_t), the new state must be ``where(valid, cell, h)`` (``cell`` if neither), each stacked
+   output ``where(valid, cell, 0)`` (padded_output "zero") or ``where(valid, cell, h)`` ("state"); other values
+   the step uses must be constants or proven zeros (an integer or float one is tried as the lengths);
+4. for Loops, the trip count: M, the initial condition and the body's condition are folded (shapes of
+   static dims, or two hypothetical lengths for a dynamic time dim) and must give exactly T iterations.
+A layer that fails any check stays as it is (the reason goes to `notes`). Glue is minimal: X is taken from
+before the exporter's [T, B] Transpose, a packed score column from the Concat that packed it, and a GRU over
+``x * a`` (DIEN's AIGRU) becomes an AIGRUSequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..graph import iter_proto_graphs
+from ..ops.rnn import add_sequence_node, is_sequence_node
+from ..patterns.gru_cell import CellMatch, identify_gru_cell
+from ..patterns.matcher import const_value, redirect_consumers, replace_outputs, unique_name
+
+_PROBE_BATCH = 8
+_RESHAPES = ("Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity")
+_SAME_SHAPE = {"Identity", "Cast", "Relu", "Sigmoid", "Tanh", "Neg", "Abs", "Exp", "Log", "Sqrt", "Erf", "Softsign",
+               "Not", "Softmax"}
+_BROADCAST = {"Add", "Sub", "Mul", "Div", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or",
+              "Pow", "Max", "Min"}
+_MAX_CANDIDATES = 8
+
+
+class _Skip(Exception):
+    """This layer is not fused; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def fuse_recurrent_loops(graph: gs.Graph, opset: int, notes: list[str] | None = None) -> list[str]:
+    """Replace every recurrent Scan/Loop of the main graph whose body is a GRU-family cell by one sequence op.
+
+    Returns one line per fused layer; reasons for layers left as they are go to `notes` when given.
+    """
+    done: list[str] = []
+    candidates = [n for n in graph.nodes if n.op in ("Scan", "Loop") and n.domain in ("", "ai.onnx", None)
+                  and _looks_recurrent(n)]
+    if not candidates:
+        return done
+    shapes = _Shapes(graph)
+    shapes.infer()  # once, on the graph as it is
+    for node in candidates:
+        try:
+            plan = _analyze(graph, node, shapes, int(opset))
+        except _Skip as e:
+            if notes is not None:
+                notes.append(f"{node.op} {node.name} left as is: {e}")
+            continue
+        except Exception as e:  # a body this reader cannot handle stays as it is
+            if notes is not None:
+                notes.append(f"{node.op} {node.name} left as is: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        done.append(_rewrite(graph, node, plan, shapes))
+    if done:
+        graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
+    return done
+
+
+def _looks_recurrent(node: gs.Node) -> bool:
+    body = node.attrs.get("body")
+    if not isinstance(body, gs.Graph):
+        return False
+    ops = {n.op for n in body.nodes}
+    return "Tanh" in ops and "Sigmoid" in ops
+
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+class _Shapes:
+    """Shapes and dtypes: the graph's annotations, completed by onnx shape inference (run once, when needed)."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+        self._inferred: dict | None = None
+
+    def infer(self) -> dict:
+        if self._inferred is None:
+            self._inferred = {}
+            try:
+                model = gs.export_onnx(self.graph, do_type_check=False)
+                model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+            except Exception:  # best effort: annotations only
+                return self._inferred
+            for g in iter_proto_graphs(model.graph):
+                for vi in list(g.value_info) + list(g.input) + list(g.output):
+                    if not vi.type.HasField("tensor_type"):
+                        continue
+                    tt = vi.type.tensor_type
+                    dims = None
+                    if tt.HasField("shape"):
+                        dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim]
+                    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+                    self._inferred[vi.name] = (dims, dtype)
+        return self._inferred
+
+    def shape(self, t: gs.Tensor) -> list | None:
+        if isinstance(t, gs.Constant):
+            return list(t.values.shape)
+        own = None if t.shape is None else [d if isinstance(d, (int, np.integer)) and d >= 0 else None
+                                            for d in t.shape]
+        if own is not None and all(d is not None for d in own):
+            return [int(d) for d in own]
+        other = self.infer().get(t.name, (None, None))[0]
+        if other is None or (own is not None and len(own) != len(other)):
+            return own
+        if own is None:
+            return other
+        return [a if a is not None else b for a, b in zip(own, other)]
+
+    def dtype(self, t: gs.Tensor):
+        if isinstance(t, gs.Constant):
+            return t.values.dtype
+        if t.dtype is not None:
+            return np.dtype(t.dtype)
+        d = self.infer().get(t.name, (None, None))[1]
+        return None if d is None else np.dtype(d)
+
+    def dim(self, t: gs.Tensor, axis: int) -> int | None:
+        """The static size of dimension `axis` of `t` (or of a tensor it is known to equal), else None."""
+        for u, ax in _dim_chain(t, axis, self):
+            s = self.shape(u)
+            if s is not None and -len(s) <= ax < len(s) and s[ax] is not None:
+                return s[ax]
+        return None
+
+
+def _dim_chain(t: gs.Tensor, axis: int, shapes: "_Shapes | None" = None) -> list[tuple[gs.Tensor, int]]:
+    """(tensor, axis) pairs known to be the same dimension as `axis` of `t`: followed up through transposes,
+    same-shape ops and the sequence ops this pass writes."""
+    def rank(x):
+        s = shapes.shape(x) if shapes is not None else (None if x.shape is None else list(x.shape))
+        return None if s is None else len(s)
+
+    chain = [(t, axis)]
+    while len(chain) < 64 and len(t.inputs) == 1:
+        n = t.inputs[0]
+        if n.op == "Transpose" and n.attrs.get("perm") is not None and n.inputs:
+            perm = list(n.attrs["perm"])
+            if not -len(perm) <= axis < len(perm):
+                break
+            axis, t = perm[axis], n.inputs[0]
+        elif (n.op in _SAME_SHAPE or n.op == "ReverseSequence") and n.inputs:
+            t = n.inputs[0]
+        elif n.op in _BROADCAST and len(n.inputs) == 2 and any(_scalar(x) for x in n.inputs):
+            t = n.inputs[1] if _scalar(n.inputs[0]) else n.inputs[0]
+        elif n.op == "Gather" and int(n.attrs.get("axis", 0)) == 0 and const_value(n.inputs[0]) is not None \
+                and rank(n.inputs[1]) is not None and 0 <= axis < rank(n.inputs[1]):
+            t = n.inputs[1]     # an embedding lookup: ids [...] -> [..., D]
+        elif n.op in ("Unsqueeze", "Squeeze") and _axes(n) is not None and rank(n.inputs[0]) is not None:
+            r_in, axes = rank(n.inputs[0]), _axes(n)
+            if n.op == "Unsqueeze":
+                r_out = r_in + len(axes)
+                axes, axis = sorted(a % r_out for a in axes), axis % r_out
+                if axis in axes:
+                    break
+                axis -= sum(1 for a in axes if a < axis)
+            else:
+                axes, axis = sorted(a % r_in for a in axes), axis % max(r_in - len(axes), 1)
+                for a in axes:
+                    if a <= axis:
+                        axis += 1
+            t = n.inputs[0]
+        elif is_sequence_node(n) and n.inputs and axis in (0, 1) and (t is n.outputs[0] or axis == 0):
+            t = n.inputs[0]     # Y [B, T, H] and Y_h [B, H] share B (and Y its T) with X [B, T, I]
+        else:
+            break
+        chain.append((t, axis))
+    return chain
+
+
+def _scalar(t: gs.Tensor) -> bool:
+    """A constant that broadcasts without changing the other operand's shape."""
+    v = const_value(t)
+    return v is not None and v.size == 1 and v.ndim <= 1
+
+
+def _axes(n: gs.Node) -> list[int] | None:
+    v = const_value(n.inputs[1]) if len(n.inputs) > 1 and n.inputs[1].name else n.attrs.get("axes")
+    return None if v is None else [int(a) for a in np.ravel(v)]
+
+
+def _dim_key(t: gs.Tensor, axis: int, shapes: "_Shapes | None" = None):
+    """An identity for dimension `axis` of `t`: equal keys are equal dims."""
+    last, ax = _dim_chain(t, axis, shapes)[-1]
+    return (id(last), ax)
+
+
+# ------------------------------------------------------------------------------------------ zeros, probes
+
+
+def _is_zeros(t: gs.Tensor, depth: int = 0) -> bool:
+    """True if `t` is all zeros by construction (a constant, ConstantOfShape(0), or Expand/Reshape/... of one)."""
+    if depth > 12:
+        return False
+    v = const_value(t)
+    if v is not None:
+        return v.size == 0 or (np.issubdtype(v.dtype, np.number) and not np.any(v))
+    if len(t.inputs) != 1:
+        return False
+    n = t.inputs[0]
+    if n.op == "ConstantOfShape":
+        value = n.attrs.get("value")
+        if value is None:
+            return True
+        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
+        return not np.any(arr)
+    if n.op in ("Expand", "Tile", "Reshape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Transpose", "Flatten",
+                "Slice", "Neg", "Abs", "Relu") and n.inputs:
+        return _is_zeros(n.inputs[0], depth + 1)
+    return False
+
+
+def _collect(outputs: list, leaves: list) -> tuple[list[gs.Node], list[gs.Tensor]]:
+    """The nodes from `leaves` to `outputs`, and the values they use that are neither leaves nor constants nor
+    made by a node (values from outside)."""
+    leaf_ids = {id(t) for t in leaves}
+    nodes, node_ids, seen, unresolved = [], set(), set(), []
+    stack = list(outputs)
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or id(t) in leaf_ids or isinstance(t, gs.Constant) or not t.name:
+            continue
+        seen.add(id(t))
+        if not t.inputs:
+            unresolved.append(t)
+            continue
+        n = t.inputs[0]
+        if id(n) in node_ids:
+            continue
+        node_ids.add(id(n))
+        nodes.append(n)
+        stack.extend(n.inputs)
+    return nodes, unresolved
+
+
+class _Probe:
+    """Runs the nodes between some leaf tensors and some outputs (of a body copy) with onnxruntime."""
+
+    def __init__(self, outputs: list, leaves: list, opset: int, out_dtypes: list | None = None):
+        self.outputs, self.leaves, self.opset = outputs, leaves, opset
+        self.out_dtypes = out_dtypes or [t.dtype if t.dtype is not None else np.float32 for t in outputs]
+        self.nodes, self.unresolved = _collect(outputs, leaves)
+        self._session = None
+
+    def run(self, values: list) -> list[np.ndarray]:
+        if self._session is None:
+            self._session = self._build([np.asarray(v).dtype for v in values])
+        feeds = {f"leaf{i}": np.asarray(v) for i, v in enumerate(values)}
+        return self._session.run(None, feeds)
+
+    def _build(self, dtypes):
+        import onnxruntime as ort
+
+        ins = [gs.Variable(f"leaf{i}", d, None) for i, d in enumerate(dtypes)]
+        swap = {id(t): v for t, v in zip(self.leaves, ins)}
+        for n in self.nodes:
+            for t in n.outputs:
+                swap.setdefault(id(t), gs.Variable(f"v{len(swap)}", None, None))
+        nodes = [gs.Node(n.op, n.name, dict(n.attrs), [swap.get(id(t), t) for t in n.inputs],
+                         [swap[id(t)] for t in n.outputs], domain=n.domain) for n in self.nodes]
+        outs = []
+        for i, (t, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
+            out = gs.Variable(f"out{i}", np.dtype(dt), None)
+            nodes.append(gs.Node("Identity", f"out{i}", inputs=[swap.get(id(t), t)], outputs=[out]))
+            outs.append(out)
+        g = gs.Graph(nodes=nodes, inputs=ins, outputs=outs, opset=self.opset)
+        g.toposort()
+        model = gs.export_onnx(g, do_type_check=False)
+        model.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        so.intra_op_num_threads = 1
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+# ------------------------------------------------------------------------------------------ folding (trip count)
+
+
+class _Unknown(Exception):
+    pass
+
+
+class _Folder:
+    """Evaluates small integer/boolean computations (loop conditions, shapes) in numpy.
+
+    Shape reads static dims; a dynamic dim whose key is `time_key` reads the hypothetical length `T`."""
+
+    def __init__(self, shapes: _Shapes, time_key=None, T: int | None = None):
+        self.shapes, self.time_key, self.T = shapes, time_key, T
+
+    def value(self, t: gs.Tensor, env: dict, memo: dict) -> np.ndarray:
+        key = id(t)
+        if key in memo:
+            return memo[key]
+        if key in env:
+            v = env[key]
+            v = self.value(v, env, memo) if isinstance(v, gs.Tensor) else np.asarray(v)
+        else:
+            v = const_value(t)
+            if v is None:
+                if not t.inputs:
+                    raise _Unknown(t.name)
+                v = self._op(t.inputs[0], env, memo)
+            v = np.asarray(v)
+            if v.dtype == object and not any(x is None for x in v.ravel()):
+                v = np.array(v.tolist())
+        memo[key] = v
+        return v
+
+    def _dim(self, t, axis):
+        d = self.shapes.dim(t, axis)
+        if d is None and self.time_key is not None and _dim_key(t, axis, self.shapes) == self.time_key:
+            d = self.T
+        return d
+
+    def _op(self, n: gs.Node, env, memo):
+        def arg(i):
+            if i >= len(n.inputs) or not n.inputs[i].name:
+                return None
+            v = self.value(n.inputs[i], env, memo)
+            if v.dtype == object and any(x is None for x in v.ravel()):
+                if n.op not in ("Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Identity", "Reshape", "Cast") \
+                        or (i > 0 and n.op != "Concat"):
+                    raise _Unknown(n.name)
+            return v
+
+        op, a = n.op, n.attrs
+        if op == "Identity":
+            return arg(0)
+        if op == "Cast":
+            x, to = arg(0), onnx.helper.tensor_dtype_to_np_dtype(a["to"])
+            if x.dtype == object:  # a shape with unknown dims: cast the known ones
+                return np.array([None if v is None else to.type(v) for v in x.ravel()], dtype=object).reshape(x.shape)
+            return x.astype(to)
+        if op in ("Add", "Sub", "Mul", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Equal", "And", "Or",
+                  "Xor"):
+            f = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Less": np.less,
+                 "LessOrEqual": np.less_equal, "Greater": np.greater, "GreaterOrEqual": np.greater_equal,
+                 "Equal": np.equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor}[op]
+            x, y = arg(0), arg(1)
+            out = f(x, y)
+            return out.astype(x.dtype) if op in ("Add", "Sub", "Mul") else out
+        if op == "Not":
+            return np.logical_not(arg(0))
+        if op in ("Max", "Min"):
+            vals = [arg(i) for i in range(len(n.inputs))]
+            f = np.maximum if op == "Max" else np.minimum
+            out = vals[0]
+            for v in vals[1:]:
+                out = f(out, v)
+            return out
+        if op == "Shape":
+            rank = self.shapes.shape(n.inputs[0])
+            if rank is None:
+                raise _Unknown(n.name)
+            dims = [self._dim(n.inputs[0], i) for i in range(len(rank))]
+            start, end = a.get("start", 0), a.get("end", None)
+            dims = dims[start:end]
+            if any(d is None for d in dims):
+                return np.array(dims, dtype=object)
+            return np.array(dims, dtype=np.int64)
+        if op == "Gather":
+            return np.take(arg(0), arg(1).astype(np.int64), axis=a.get("axis", 0))
+        if op == "Slice":
+            data = arg(0)
+            starts, ends = arg(1).astype(np.int64), arg(2).astype(np.int64)
+            axes = arg(3)
+            steps = arg(4)
+            axes = list(range(len(starts))) if axes is None else [int(x) for x in axes]
+            steps = [1] * len(starts) if steps is None else [int(x) for x in steps]
+            index = [slice(None)] * data.ndim
+            for s, e, ax, st in zip(starts, ends, axes, steps):
+                index[ax] = slice(int(s), int(e), st)
+            return data[tuple(index)]
+        if op in ("Squeeze", "Unsqueeze"):
+            data = arg(0)
+            axes = arg(1) if len(n.inputs) > 1 else a.get("axes")
+            if op == "Squeeze":
+                if axes is None:
+                    return np.squeeze(data)
+                return np.squeeze(data, axis=tuple(int(x) % data.ndim for x in np.ravel(axes)))
+            out = data
+            rank = data.ndim + len(np.ravel(axes))
+            for ax in sorted(int(x) % rank for x in np.ravel(axes)):
+                out = np.expand_dims(out, ax)
+            return out
+        if op == "Concat":
+            return np.concatenate([np.atleast_1d(arg(i)) for i in range(len(n.inputs))], axis=a.get("axis", 0))
+        if op == "Reshape":
+            data, shape = arg(0), [int(x) for x in arg(1)]
+            shape = [data.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+            return data.reshape(shape)
+        raise _Unknown(op)
+
+
+# ------------------------------------------------------------------------------------------ analysis
+
+
+@dataclasses.dataclass
+class _Step:
+    """A per-step input of the cell: `leaf` (in the body copy) is `source` at step t along `time_axis`."""
+
+    leaf: gs.Tensor
+    source: gs.Tensor
+    time_axis: int
+    width: int
+    rank: int  # of the leaf's value: 2 ([B, w]) or 1 ([B])
+    dtype: np.dtype
+    scanned: bool = False  # a Scan slice (same length as the scan by construction)
+
+
+@dataclasses.dataclass
+class _Plan:
+    cell: CellMatch
+    x: _Step
+    att: _Step | None
+    mask: _Step | None
+    lens: gs.Tensor | None
+    lens_rank: int
+    h0: gs.Tensor | None
+    padded: str
+    stacked: list  # (node output, time axis of it)
+    finals: list   # node outputs that are the final state
+    passthrough: list  # (node output, outer init)
+    trim: list = dataclasses.field(default_factory=list)  # ids of steps whose [B, T'] input is cut to X's T
+
+
+def _used(graph: gs.Graph, t: gs.Tensor) -> bool:
+    return bool(t.outputs) or any(o is t for o in graph.outputs)
+
+
+def _strip_identity(t: gs.Tensor) -> gs.Tensor:
+    while len(t.inputs) == 1 and t.inputs[0].op == "Identity" and t.inputs[0].inputs:
+        t = t.inputs[0].inputs[0]
+    return t
+
+
+def _is_counter(vi: gs.Tensor, vo: gs.Tensor) -> bool:
+    vo = _strip_identity(vo)
+    if len(vo.inputs) != 1 or vo.inputs[0].op != "Add":
+        return False
+    a, b = vo.inputs[0].inputs
+    other = b if a is vi else (a if b is vi else None)
+    if other is None:
+        return False
+    v = const_value(other)
+    return v is not None and v.size == 1 and float(np.ravel(v)[0]) == 1.0
+
+
+def _interface(node: gs.Node, shapes: _Shapes, opset: int):
+    """(carried: inits, body inputs, body outputs; scan outputs and their time axes; Scan slices, sources, axes)."""
+    body: gs.Graph = node.attrs["body"]
+    if node.op == "Loop":
+        n = len(node.inputs) - 2
+        if n < 1 or len(body.inputs) != n + 2 or len(body.outputs) < n + 1:
+            raise _Skip("unexpected Loop interface")
+        scan_outs = list(body.outputs[1 + n:])
+        return (list(node.inputs[2:]), list(body.inputs[2:]), list(body.outputs[1:1 + n]), scan_outs,
+                [0] * len(scan_outs), [], [], [])
+    if opset < 9 or "num_scan_inputs" not in node.attrs:
+        raise _Skip("Scan-8 form")
+    m = int(node.attrs["num_scan_inputs"])
+    n = len(node.inputs) - m
+    if len(body.inputs) != len(node.inputs) or len(body.outputs) < n:
+        raise _Skip("unexpected Scan interface")
+    scan_outs, srcs = list(body.outputs[n:]), list(node.inputs[n:])
+    if any(int(d) != 0 for d in list(node.attrs.get("scan_input_directions", [])) +
+           list(node.attrs.get("scan_output_directions", []))):
+        raise _Skip("reverse scan")
+    in_axes = [int(x) for x in node.attrs.get("scan_input_axes", [0] * m)]
+    out_axes = [int(x) for x in node.attrs.get("scan_output_axes", [0] * len(scan_outs))]
+    in_axes = [a % len(shapes.shape(s) or [0, 0, 0]) if a < 0 else a for a, s in zip(in_axes, srcs)]
+    out_axes = [a % 3 if a < 0 else a for a in out_axes]
+    if any(a not in (0, 1) for a in in_axes + out_axes):
+        raise _Skip("scan axis other than time-major or batch-major")
+    return (list(node.inputs[:n]), list(body.inputs[:n]), list(body.outputs[:n]), scan_outs, out_axes,
+            list(body.inputs[n:]), srcs, in_axes)
+
+
+def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Plan:
+    body: gs.Graph = node.attrs["body"]
+    if any(isinstance(v, gs.Graph) or (isinstance(v, list) and any(isinstance(x, gs.Graph) for x in v))
+           for n in body.nodes for v in n.attrs.values()):
+        raise _Skip("nested subgraph in the body")
+    inits, b_in, b_out, scan_outs, out_axes, slices, slice_srcs, in_axes = _interface(node, shapes, opset)
+    n_carried = len(inits)
+    finals, stacked_outs = list(node.outputs[:n_carried]), list(node.outputs[n_carried:])
+
+    # ---- carried values: counters (v + 1 from a constant), invariants (passed through), float values
+    counters, invariants, floats = {}, {}, []
+    for k, (vi, vo) in enumerate(zip(b_in, b_out)):
+        if _strip_identity(vo) is vi:
+            invariants[k] = inits[k]
+        elif _is_counter(vi, vo):
+            start = const_value(inits[k])
+            if start is None or start.size != 1:
+                raise _Skip(f"counter {vi.name} starts at a value that is not constant")
+            counters[k] = int(np.ravel(start)[0])
+        elif vi.dtype is not None and np.issubdtype(np.dtype(vi.dtype), np.floating):
+            floats.append(k)
+        else:
+            raise _Skip(f"carried value {vi.name} has no known role")
+    if not floats:
+        raise _Skip("no recurrent state")
+    if len(floats) > 2:
+        raise _Skip(f"{len(floats)} recurrent values (not a GRU)")
+    for k in counters:
+        if _used(graph, finals[k]):
+            raise _Skip(f"the final value of counter {b_in[k].name} is used")
+    used_stacked = [j for j, t in enumerate(stacked_outs) if _used(graph, t)]
+
+    # ---- a copy of the body to probe: constants in place of constant invariants and outer values
+    orig = body.tensors()
+    bc = body.copy()
+    c_in = list(bc.inputs)
+    off = 2 if node.op == "Loop" else 0
+    c_b_in = c_in[off:off + n_carried]
+    outer_of = {id(c_b_in[k]): inits[k] for k in invariants}
+    for t in bc.tensors().values():
+        if not t.inputs and not isinstance(t, gs.Constant) and t.name and all(t is not x for x in c_in):
+            if t.name in orig:
+                outer_of[id(t)] = orig[t.name]
+    for t in list(c_b_in) + [t for t in bc.tensors().values() if id(t) in outer_of]:
+        if id(t) not in outer_of:
+            continue
+        v = const_value(outer_of[id(t)])
+        if v is not None:
+            redirect_consumers(t, gs.Constant(f"{t.name}/const", np.asarray(v)))
+    c_out = list(bc.outputs)
+    c_b_out = c_out[(1 if node.op == "Loop" else 0):][:n_carried]
+    c_scan_outs = c_out[(1 + n_carried if node.op == "Loop" else n_carried):]
+    # step-time sources: (tensor, offset) with value t + offset at step t
+    t_sources = [(c_b_in[k], counters[k]) for k in counters]
+    extra_leaves = []
+    if node.op == "Loop":
+        t_sources.append((c_in[0], 0))
+        extra_leaves.append(c_in[1])
+
+    def t_feeds(t):
+        feeds = []
+        for src, offset in t_sources:
+            dt = np.dtype(src.dtype) if src.dtype is not None else np.dtype(np.int64)
+            shape = tuple(d if isinstance(d, int) else 1 for d in (src.shape or []))
+            feeds.append(np.full(shape, t + offset, dtype=dt))
+        return feeds + [np.array(True)] * len(extra_leaves)
+
+    base_leaves = [s for s, _ in t_sources] + extra_leaves
+
+    # ---- per-step inputs: Scan slices and reads S[t] / S[:, t] of outer values
+    steps: list[_Step] = []
+    for sl, src, ax in zip(c_in[n_carried:] if node.op == "Scan" else [], slice_srcs, in_axes):
+        s = shapes.shape(src)
+        if s is None or len(s) not in (2, 3) or (len(s) == 3 and not s[2]):
+            raise _Skip(f"scanned input {src.name} of unknown rank or width")
+        steps.append(_Step(sl, src, ax, 1 if len(s) == 2 else int(s[2]), len(s) - 1,
+                           shapes.dtype(src) or np.dtype(np.float32), scanned=True))
+    rng = np.random.default_rng(0)
+    for rn in list(bc.nodes):
+        if rn.op not in ("Gather", "Slice") or not rn.inputs or id(rn.inputs[0]) not in outer_of:
+            continue
+        src = outer_of[id(rn.inputs[0])]
+        if const_value(src) is not None:
+            continue
+        step = _read_step(rn, src, base_leaves, t_feeds, shapes, opset, rng)
+        if step is not None:
+            steps.append(step)
+    wide = [s for s in steps if s.width > 1]
+    narrow = [s for s in steps if s.width == 1]
+    if len(wide) != 1 or len(narrow) > 1:
+        raise _Skip(f"{len(steps)} per-step inputs of widths {[s.width for s in steps]}")
+    x_step, extra = wide[0], (narrow[0] if narrow else None)
+    if x_step.dtype != np.float32 or any(np.dtype(b_in[k].dtype) != np.float32 for k in floats):
+        raise _Skip("not float32")
+
+    # ---- the cell: the first tensor after the Tanh that reads as a GRU-family cell of one float carried value,
+    # the narrow per-step input (if any) as the attention score, else as a mask
+    cell = None
+    options = [(k, a) for k in floats for a in ([extra] if extra is not None and extra.dtype != np.bool_ else [])
+               + [None]]
+    for state, att_step in options:
+        H = shapes.dim(b_in[state], -1) or shapes.dim(inits[state], -1)
+        if not H:
+            continue
+        for cand in _candidates(bc, c_b_out[state]):
+            cell = identify_gru_cell(cand, c_b_in[state], x_step.leaf, att_step.leaf if att_step else None,
+                                     hidden=H, x_width=x_step.width, opset=opset,
+                                     att_column=None if att_step else -2)
+            if cell is not None:
+                c_new = cand
+                break
+        if cell is not None:
+            break
+    if cell is None:
+        raise _Skip("no GRU-family cell found in the body")
+    mask_step = extra if extra is not None and att_step is None else None
+    if mask_step is not None and not _binary(mask_step.source, shapes):
+        raise _Skip(f"per-step value {mask_step.source.name} is neither an attention score nor a 0/1 mask")
+    h_in, h_out = c_b_in[state], c_b_out[state]
+    # A second float value (Keras' previous output) is a copy of the state if it starts equal and is updated alike.
+    aliases = [k for k in floats if k != state]
+    for k in aliases:
+        if not (inits[k] is inits[state] or (_is_zeros(inits[k]) and _is_zeros(inits[state]))):
+            raise _Skip(f"a second recurrent value {b_in[k].name} that does not start as the state")
+
+    # ---- masking and outputs, by running the step
+    step_leaves = [h_in] + [c_b_in[k] for k in aliases] + [x_step.leaf] + \
+        [s.leaf for s in (att_step, mask_step) if s is not None] + base_leaves
+    outs = [c_new, h_out] + [c_b_out[k] for k in aliases] + [c_scan_outs[j] for j in used_stacked]
+    probe = _Probe(outs, step_leaves, opset)
+    zeros, lens_c = [], []
+    for u in probe.unresolved:
+        outer = outer_of.get(id(u))
+        if outer is None:
+            raise _Skip(f"the step uses {u.name}, which is not an input of the loop")
+        dt = shapes.dtype(outer)
+        if _is_zeros(outer):
+            zeros.append((u, outer))
+        elif dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.floating)):
+            lens_c.append((u, outer))  # the lengths, if the probe below agrees
+        else:
+            raise _Skip(f"the step uses {outer.name}, neither lengths nor zeros")
+    if len({id(o) for _, o in lens_c}) > 1:
+        raise _Skip("more than one candidate for the sequence lengths")
+    lens = lens_c[0][1] if lens_c else None
+    if lens is not None and mask_step is not None:
+        raise _Skip("both lengths and a per-step mask")
+    lens_rank = len(shapes.shape(lens) or [0]) if lens is not None else 0
+    if lens is not None and lens_rank not in (1, 2):
+        raise _Skip("sequence lengths of rank other than 1 or [B, 1]")
+    probe = _Probe(outs, step_leaves + [u for u, _ in zeros] + [u for u, _ in lens_c], opset)
+    if probe.unresolved:
+        raise _Skip("the step uses values from outside")
+    B = _PROBE_BATCH
+    masked = lens is not None or mask_step is not None
+    padded = {j: {"zero", "state"} for j in used_stacked}
+    lens_float = lens is not None and np.issubdtype(shapes.dtype(lens), np.floating)
+    for t in (0, 3, 7):
+        hv = rng.normal(size=(B, H)).astype(np.float32)
+        feeds = [hv] + [hv] * len(aliases) + [rng.normal(size=(B, x_step.width)).astype(x_step.dtype)]
+        if att_step is not None:
+            feeds.append(rng.uniform(0.05, 0.95, size=(B, 1) if att_step.rank == 2 else (B,)).astype(att_step.dtype))
+        valid = np.ones((B, 1), bool)
+        if mask_step is not None:
+            mv = rng.random(B) < 0.5
+            mv[:2] = [True, False]
+            valid = mv[:, None]
+            feeds.append(mv.reshape((B, 1) if mask_step.rank == 2 else (B,)).astype(mask_step.dtype))
+        feeds += t_feeds(t)
+        for u, outer in zeros:
+            rank = len(shapes.shape(outer) or [0, 0])
+            feeds.append(np.zeros((B, H) if rank == 2 else (H,) if rank == 1 else (B,) + (1,) * (rank - 1),
+                                  dtype=shapes.dtype(outer) or np.float32))
+        if lens is not None:
+            lv = np.array([0, t, t + 1, t + 5, max(t - 1, 0), 1] + ([t + 0.5, t - 0.5] if lens_float else [t + 2, -1]))
+            valid = (t < lv)[:, None]
+            feeds += [lv.reshape((B,) if lens_rank == 1 else (B, 1)).astype(shapes.dtype(o)) for _, o in lens_c]
+        try:
+            vals = probe.run(feeds)
+        except Exception as e:
+            raise _Skip(f"the step does not run on probe values ({str(e).splitlines()[0][:120]})") from None
+        c = np.asarray(vals[0], np.float32).reshape(B, H)
+        kept = np.where(valid, c, hv)
+        for v in vals[1:2 + len(aliases)]:
+            if not np.allclose(np.asarray(v, np.float32).reshape(B, H), kept, atol=1e-6, rtol=1e-6):
+                raise _Skip("the new state is not where(valid step, cell, h)" if masked
+                            else "the new state is not the cell's output")
+        for j, y in zip(used_stacked, vals[2 + len(aliases):]):
+            y = np.asarray(y, np.float32).reshape(B, H)
+            if not np.allclose(y, np.where(valid, c, 0.0), atol=1e-6, rtol=1e-6):
+                padded[j].discard("zero")
+            if not np.allclose(y, kept, atol=1e-6, rtol=1e-6):
+                padded[j].discard("state")
+    kinds = set.intersection(*padded.values()) if padded else {"zero", "state"}
+    if not kinds:
+        raise _Skip("padded steps' outputs are neither zeros nor the kept state")
+    padded_output = "zero" if "zero" in kinds else "state"
+
+    # ---- all per-step inputs span the same steps; a Loop runs exactly that many
+    T_static = shapes.dim(x_step.source, x_step.time_axis)
+    trim = []  # per-step inputs read from a tensor that may be longer than the input: cut to its length
+    for other in (att_step, mask_step):
+        if other is None or (other.scanned and x_step.scanned):
+            continue
+        To = shapes.dim(other.source, other.time_axis)
+        if To is not None and T_static is not None:
+            if To < T_static:
+                raise _Skip(f"{other.source.name} is shorter than the input")
+            same = To == T_static
+        else:
+            same = _dim_key(other.source, other.time_axis, shapes) == _dim_key(x_step.source, x_step.time_axis,
+                                                                              shapes)
+        if not same:
+            trim.append(id(other))
+    if node.op == "Loop":
+        _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
+
+    h0 = None if _is_zeros(inits[state]) else inits[state]
+    passthrough = [(finals[k], inits[k]) for k in invariants if _used(graph, finals[k])]
+    return _Plan(cell, x_step, att_step, mask_step, lens, lens_rank, h0, padded_output,
+                 [(stacked_outs[j], out_axes[j]) for j in used_stacked],
+                 [finals[k] for k in [state] + aliases if _used(graph, finals[k])], passthrough, trim)
+
+
+def _binary(t: gs.Tensor, shapes: _Shapes, depth: int = 0) -> bool:
+    """True if `t` holds only 0/1 by construction: a boolean, or a Cast of one (through layout ops)."""
+    if shapes.dtype(t) == np.bool_:
+        return True
+    if depth > 12 or len(t.inputs) != 1:
+        return False
+    n = t.inputs[0]
+    if n.op in ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Expand", "Flatten", "Cast") and n.inputs:
+        return _binary(n.inputs[0], shapes, depth + 1)
+    return False
+
+
+def _read_step(rn: gs.Node, src: gs.Tensor, base_leaves, t_feeds, shapes: _Shapes, opset: int, rng) -> _Step | None:
+    """`rn` reads step t of `src`: the read (extended through reshapes) as a _Step, checked numerically."""
+    s = shapes.shape(src)
+    if s is None or len(s) not in (2, 3):
+        return None
+    r = rn.outputs[0]
+    while len(r.outputs) == 1 and r.outputs[0].op in _RESHAPES and r.outputs[0].inputs[0] is r and \
+            all(const_value(t) is not None for t in r.outputs[0].inputs[1:]):
+        r = r.outputs[0].outputs[0]
+    data = rn.inputs[0]
+    dtype = shapes.dtype(src) or np.dtype(np.float32)
+    probe = _Probe([r], [data] + base_leaves, opset, [dtype])
+    if probe.unresolved:
+        return None
+    free = iter((5, 7, 9))
+    dims = [d if d is not None else next(free) for d in s]
+    found = None
+    for t in (0, 1, 2):
+        if t >= min(dims[:2]):
+            break
+        value = rng.normal(size=dims)
+        value = (value > 0) if dtype == np.bool_ else value.astype(dtype)
+        try:
+            (got,) = probe.run([value] + t_feeds(t))
+        except Exception:
+            return None
+        matches = []
+        for axis in (0, 1):
+            want = np.take(value, t, axis=axis)
+            rows = want.shape[0]
+            if got.size == want.size and got.shape[:1] == (rows,) and np.array_equal(got.reshape(rows, -1),
+                                                                                     want.reshape(rows, -1)):
+                matches.append(axis)
+        if len(matches) != 1 or (found is not None and matches[0] != found):
+            return None
+        found = matches[0]
+        rank = got.ndim
+    if found is None or rank not in (1, 2):
+        return None
+    width = 1 if len(s) == 2 else s[2]
+    if not width:
+        return None
+    return _Step(r, src, found, int(width), rank, dtype)
+
+
+def _candidates(bc: gs.Graph, h_out: gs.Tensor) -> list[gs.Tensor]:
+    """Tensors after the Tanh on the way to the new state: the cell's output is one of them (Adds first)."""
+    nodes, _ = _collect([h_out], [])
+    upstream = {id(t) for n in nodes for t in n.outputs}
+    found, seen = [], set()
+    frontier = [n.outputs[0] for n in bc.nodes if n.op == "Tanh"]
+    for depth in range(6):
+        nxt = []
+        for t in frontier:
+            for c in t.outputs:
+                for o in c.outputs:
+                    if id(o) in seen:
+                        continue
+                    seen.add(id(o))
+                    nxt.append(o)
+                    if id(o) in upstream:
+                        found.append((c.op not in ("Add", "Sub", "Sum"), depth, o))
+        frontier = nxt
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [o for _, _, o in found[:_MAX_CANDIDATES]]
+
+
+def _check_trip_count(node, body, counters, invariants, inits, shapes: _Shapes, x_step: _Step, T_static):
+    """The Loop runs exactly T = (length of the read input) iterations: M, the initial and the body's condition."""
+    hyps = [int(T_static)] if T_static is not None else [7, 12]
+    time_key = _dim_key(x_step.source, x_step.time_axis, shapes)
+    b_in = body.inputs[2:]
+    for T in hyps:
+        folder = _Folder(shapes, time_key, T)
+        try:
+            M = int(np.ravel(folder.value(node.inputs[0], {}, {}))[0]) if node.inputs[0].name else None
+            run = bool(np.ravel(folder.value(node.inputs[1], {}, {}))[0]) if node.inputs[1].name else True
+            count, i = 0, 0
+            run = run and (M is None or M > 0)
+            while run and count <= T + 1:
+                count += 1
+                env = {id(body.inputs[0]): np.array(i, np.int64), id(body.inputs[1]): np.array(True)}
+                for k, start in counters.items():
+                    dt = np.dtype(b_in[k].dtype) if b_in[k].dtype is not None else np.int64
+                    env[id(b_in[k])] = np.array(start + i, dt)
+                for k in invariants:
+                    env[id(b_in[k])] = inits[k]
+                cond = bool(np.ravel(folder.value(body.outputs[0], env, {}))[0])
+                i += 1
+                run = cond and (M is None or i < M)
+        except (_Unknown, ValueError, TypeError, IndexError, KeyError, RecursionError) as e:
+            raise _Skip(f"cannot tell how many times the Loop runs ({type(e).__name__} {e})") from None
+        if count != T:
+            raise _Skip(f"the Loop runs {count} times over {T} steps")
+
+
+# ------------------------------------------------------------------------------------------ rewriting
+
+
+def _new(graph: gs.Graph, name: str, dtype=None, shape=None) -> gs.Variable:
+    return gs.Variable(unique_name(graph, name), dtype=dtype, shape=shape)
+
+
+def _op(graph: gs.Graph, op: str, inputs: list, attrs: dict | None, name: str, dtype=None, shape=None) -> gs.Variable:
+    out = _new(graph, f"{name}:0", dtype, shape)
+    graph.nodes.append(gs.Node(op, unique_name(graph, name), attrs=attrs or {}, inputs=inputs, outputs=[out]))
+    return out
+
+
+def _const(graph: gs.Graph, name: str, value) -> gs.Constant:
+    return gs.Constant(unique_name(graph, name), np.ascontiguousarray(value))
+
+
+def _swap01(shape):
+    return None if shape is None or len(shape) < 2 else [shape[1], shape[0]] + list(shape[2:])
+
+
+def _batch_major(graph: gs.Graph, src: gs.Tensor, time_axis: int, shapes: _Shapes, name: str) -> gs.Tensor:
+    """`src` with batch first: itself, what a [1, 0, ...] Transpose made it from, or a new Transpose."""
+    if time_axis == 1:
+        return src
+    rank = len(shapes.shape(src) or [0, 0, 0])
+    perm = [1, 0] + list(range(2, rank))
+    p = src.inputs[0] if len(src.inputs) == 1 else None
+    if p is not None and p.op == "Transpose" and list(p.attrs.get("perm", [])) == perm:
+        return p.inputs[0]
+    return _op(graph, "Transpose", [src], {"perm": perm}, f"{name}/batch_major", shapes.dtype(src),
+               _swap01(shapes.shape(src)))
+
+
+def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: _Shapes, name: str) -> gs.Tensor:
+    """A [B, T] view of a [B, T] or [B, T, 1] tensor (skipping an Unsqueeze that made the 1)."""
+    s = shapes.shape(t)
+    if s is not None and len(s) == 2:
+        return t
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is not None and p.op == "Unsqueeze" and _axes(p) in ([2], [-1]) and \
+            len(shapes.shape(p.inputs[0]) or [0, 0, 0]) == 2:
+        return p.inputs[0]
+    return _op(graph, "Reshape", [t, _const(graph, f"{name}/bt", np.array([0, 0], np.int64))], None,
+               f"{name}/bt", shapes.dtype(t), None if s is None else s[:2])
+
+
+def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: _Shapes, name: str) -> gs.Tensor:
+    """Columns `cols` (last axis) of a [B, T, I] tensor: a piece of the Concat that made it, or a Slice/Gather."""
+    p = X.inputs[0] if len(X.inputs) == 1 else None
+    if p is not None and p.op == "Concat" and int(p.attrs.get("axis", 0)) in (2, -1):
+        start = 0
+        for piece in p.inputs:
+            w = shapes.dim(piece, -1)
+            if w is None:
+                break
+            if cols == list(range(start, start + w)):
+                return piece
+            start += w
+    s = shapes.shape(X)
+    out_shape = None if s is None else list(s[:2]) + [len(cols)]
+    if cols == list(range(cols[0], cols[-1] + 1)):
+        return _op(graph, "Slice", [X, _const(graph, f"{name}/starts", np.array([cols[0]], np.int64)),
+                                    _const(graph, f"{name}/ends", np.array([cols[-1] + 1], np.int64)),
+                                    _const(graph, f"{name}/axes", np.array([2], np.int64))], None,
+                   f"{name}/x_columns", np.float32, out_shape)
+    return _op(graph, "Gather", [X, _const(graph, f"{name}/cols", np.array(cols, np.int64))], {"axis": 2},
+               f"{name}/x_columns", np.float32, out_shape)
+
+
+def _column(graph: gs.Graph, X: gs.Tensor, col: int, shapes: _Shapes, name: str) -> gs.Tensor:
+    """Column `col` of a [B, T, I] tensor as [B, T]."""
+    piece = _columns(graph, X, [col], shapes, name)
+    return _as_bt(graph, piece, shapes, name)
+
+
+def _trim(graph: gs.Graph, t: gs.Tensor, X: gs.Tensor, name: str) -> gs.Tensor:
+    """t[:, :T] with T = X's dim 1: the steps the loop read, when t is not known to be exactly that long."""
+    shape = _op(graph, "Shape", [X], None, f"{name}/shape", np.int64, [3])
+    steps = _op(graph, "Slice", [shape, _const(graph, f"{name}/one", np.array([1], np.int64)),
+                                 _const(graph, f"{name}/two", np.array([2], np.int64))], None, f"{name}/steps",
+                np.int64, [1])
+    return _op(graph, "Slice", [t, _const(graph, f"{name}/zero", np.array([0], np.int64)), steps,
+                                _const(graph, f"{name}/axis1", np.array([1], np.int64))], None, f"{name}/trimmed",
+               t.dtype, None)
+
+
+def _aigru_split(X: gs.Tensor, width: int, shapes: _Shapes):
+    """X = P * A with A [B, T, 1] (DIEN's AIGRU: a GRU over a*x): (P, A), else None."""
+    p = X.inputs[0] if len(X.inputs) == 1 else None
+    if p is None or p.op != "Mul" or len(p.inputs) != 2:
+        return None
+    for P, A in (p.inputs, p.inputs[::-1]):
+        sp, sa = shapes.shape(P), shapes.shape(A)
+        if sp is None or sa is None or len(sp) != 3 or len(sa) != 3 or sa[2] != 1 or sp[2] != width:
+            continue
+        if sp[0] == 1 or sp[1] == 1 or (sa[1] is not None and sp[1] is not None and sa[1] != sp[1]):
+            continue
+        if const_value(A) is not None:
+            continue
+        return P, A
+    return None
+
+
+def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> str:
+    cell = plan.cell
+    attrs = dataclasses.replace(cell.attrs, padded_output=plan.padded)
+    H = attrs.hidden_size
+    name = node.name
+    X = _batch_major(graph, plan.x.source, plan.x.time_axis, shapes, name)
+    att = None
+    if cell.att_column is not None:
+        att = _column(graph, X, cell.att_column, shapes, name)
+        X = _columns(graph, X, list(cell.x_columns), shapes, name)
+    elif plan.att is not None:
+        att = _as_bt(graph, _batch_major(graph, plan.att.source, plan.att.time_axis, shapes, f"{name}/att"),
+                     shapes, name)
+        if id(plan.att) in plan.trim:
+            att = _trim(graph, att, X, f"{name}/att")
+    elif attrs.kind == "GRU":
+        split = _aigru_split(X, len(cell.x_columns), shapes)
+        if split is not None:
+            X, A = split
+            att = _as_bt(graph, A, shapes, name)
+            attrs = dataclasses.replace(attrs, kind="AIGRU")
+    inputs = {"X": X, "W": _const(graph, f"{name}/W", cell.W.astype(np.float32)),
+              "R": _const(graph, f"{name}/R", cell.R.astype(np.float32)),
+              "B": _const(graph, f"{name}/B", cell.B.astype(np.float32))}
+    if plan.lens is not None:
+        lens = plan.lens
+        if plan.lens_rank == 2:
+            lens = _op(graph, "Reshape", [lens, _const(graph, f"{name}/flat", np.array([-1], np.int64))], None,
+                       f"{name}/lengths", shapes.dtype(lens), None)
+        if np.issubdtype(shapes.dtype(lens), np.floating):  # t < len  <=>  t < ceil(len) for integer t
+            lens = _op(graph, "Ceil", [lens], None, f"{name}/lengths_ceil", shapes.dtype(lens), None)
+        inputs["sequence_lens"] = lens
+    if plan.mask is not None:
+        mask = _as_bt(graph, _batch_major(graph, plan.mask.source, plan.mask.time_axis, shapes, f"{name}/mask"),
+                      shapes, f"{name}/mask")
+        inputs["mask"] = _trim(graph, mask, X, f"{name}/mask") if id(plan.mask) in plan.trim else mask
+    if plan.h0 is not None:
+        inputs["initial_h"] = plan.h0
+    if att is not None:
+        inputs["att"] = att
+    xs = shapes.shape(X)
+    batch, steps = (xs[0], xs[1]) if xs is not None and len(xs) == 3 else (None, None)
+    outputs = {}
+    if plan.stacked:
+        outputs["Y"] = _new(graph, f"{name}/{attrs.op_type}/Y", np.float32, [batch, steps, H])
+    if plan.finals:
+        outputs["Y_h"] = _new(graph, f"{name}/{attrs.op_type}/Y_h", np.float32, [batch, H])
+    add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{name}/{attrs.op_type}"))
+
+    new = [None] * len(node.outputs)
+    y_tm = None
+    for out, axis in plan.stacked:
+        Y = outputs["Y"]
+        if axis == 1:
+            new[node.outputs.index(out)] = Y
+            continue
+        for c in list(out.outputs):  # a Transpose back to batch-major reads Y directly
+            if c.op == "Transpose" and list(c.attrs.get("perm", [])) == [1, 0, 2] and c.inputs[0] is out \
+                    and not any(o is c.outputs[0] for o in graph.outputs):
+                redirect_consumers(c.outputs[0], Y)
+                c.inputs.clear()
+        if _used(graph, out):
+            if y_tm is None:
+                y_tm = _op(graph, "Transpose", [Y], {"perm": [1, 0, 2]}, f"{name}/time_major", np.float32,
+                           [steps, batch, H])
+            new[node.outputs.index(out)] = y_tm
+    for out in plan.finals:
+        new[node.outputs.index(out)] = outputs["Y_h"]
+    for out, init in plan.passthrough:
+        new[node.outputs.index(out)] = init
+    seen = set()
+    for i, (out, repl) in enumerate(zip(node.outputs, new)):  # graph outputs each need a tensor of their own
+        if repl is None:
+            continue
+        if id(repl) in seen and any(o is out for o in graph.outputs):
+            new[i] = _op(graph, "Identity", [repl], None, f"{name}/copy", repl.dtype, repl.shape)
+        seen.add(id(repl))
+    replace_outputs(graph, node, new)
+    node.inputs.clear()
+    for n in node.attrs["body"].nodes:  # the dead body no longer reads outer values
+        n.inputs.clear()
+    graph.nodes.remove(node)
+
+    details = [f"H {H}"]
+    if attrs.kind == "AUGRU":
+        details.append(f"att_keep {attrs.att_keep}")
+    if attrs.linear_before_reset:
+        details.append("linear_before_reset")
+    details.append(f"lengths {plan.lens.name}" if plan.lens is not None else
+                   f"mask {plan.mask.source.name}" if plan.mask is not None else "no lengths")
+    if (plan.lens is not None or plan.mask is not None) and plan.stacked:
+        details.append(f"padded {attrs.padded_output}")
+    if plan.h0 is not None:
+        details.append(f"initial_h {plan.h0.name}")
+    return f"{node.op} {node.name} → {attrs.op_type} ({', '.join(details)})"

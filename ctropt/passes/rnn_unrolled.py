@@ -1,0 +1,1127 @@
+"""Recurrent layers → one ai.ctropt sequence node: the ONNX GRU op, and GRU-family cells unrolled over time.
+
+:func:`fuse_gru_ops` turns each ONNX ``GRU`` node (forward, one layer, default activations, no clip) into a
+``GRUSequence``: weights in the canonical layout (W [I, 3H] = W_onnx[0].T, R = R_onnx[0].T, B = B_onnx[0]),
+``sequence_lens`` carried as is (the op's "zero" padded output is the GRU op's own meaning; with an initial_h,
+onnxruntime's GRU gives rows of length 0 the state 0, which a Where keeps). The time-major glue
+exporters write around the op (Transpose [B,T,I]→[T,B,I] before, Squeeze of the direction axis and Transpose
+back after, dynamo's Transpose/Reshape/Transpose) is absorbed; where it cannot be, a Transpose/Unsqueeze makes
+the value the old consumers expect.
+
+:func:`fuse_unrolled_cells` finds a GRU-family cell that PyTorch exported once per step of a Python loop:
+
+1. *step slices*: Gather(S, t, axis=1), Slice(S, t, t+1, axis 1) (+ Squeeze) or Split(S, axis 1) over every
+   t in 0..T-1 of a sequence tensor S; each slice is a step input (x_t, the attention a_t, the mask m_t);
+2. *levels*: each value gets the highest step whose slices it depends on; the state s_t that the cells pass on
+   is the one level-t value every level-t value that step t+2 reads derives from (the dominator of the chain);
+3. *same cell every step*: each step's subgraph (from s_t back to s_{t-1}, its step slices, constants and shared
+   values) is compared op by op, attribute by attribute and constant by constant with step 1's; step 0 binds
+   the initial state;
+4. *meaning*: the masking (``Where(m_t, h_new, s_{t-1})`` → ``mask`` = the mask's sequence tensor, padded output
+   "state") is peeled off and :func:`ctropt.patterns.gru_cell.identify_gru_cell` reads step 1's cell
+   (kind, linear_before_reset, att_keep, weights); a numeric check of the first steps (the exported nodes,
+   slices included, against :func:`ctropt.ops.rnn.reference`, rows masked fully, partly and not at all) guards
+   the rewrite.
+
+The chain becomes one sequence node over the slices' sources: the last state becomes Y_h, states stacked with
+Unsqueeze + Concat(axis 1) (or SequenceConstruct + ConcatFromSequence) become Y. A GRU cell over a_t * x_t is
+an AIGRU. A chain that is not read completely (other masking, other state readers, shapes unknown) stays as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
+from ..patterns.gru_cell import identify_gru_cell
+from ..patterns.matcher import const_value, unique_name
+
+MIN_STEPS = 3          # shorter unrolled loops are left alone
+MAX_STEP_NODES = 4000  # nodes one step's comparison may visit
+CHECK_STEPS = 3        # steps run in the numeric check
+CHECK_TOL = 1e-4
+
+
+# ----------------------------------------------------------------------------------------- shared helpers
+
+
+class _Shapes:
+    """Shapes and dtypes of values: the graph's annotations, else onnx shape inference (run once, lazily;
+    the graph itself is not annotated)."""
+
+    def __init__(self, graph: gs.Graph, opset: int = 17):
+        self.graph, self.opset = graph, opset
+        self._inferred: dict | None = None
+
+    def _load(self) -> dict:
+        if self._inferred is None:
+            self._inferred = {}
+            try:
+                model = gs.export_onnx(self.graph, do_type_check=False)
+                inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                             data_prop=True)
+            except Exception:  # inference is best effort
+                return self._inferred
+            g = inferred.graph
+            for vi in list(g.value_info) + list(g.input) + list(g.output):
+                if not vi.type.HasField("tensor_type"):
+                    continue
+                tt = vi.type.tensor_type
+                shape = None
+                if tt.HasField("shape"):
+                    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+                self._inferred[vi.name] = (shape, dtype)
+        return self._inferred
+
+    def shape(self, t: gs.Tensor) -> list | None:
+        v = const_value(t)
+        if v is not None:
+            return list(v.shape)
+        if t.shape is not None and all(d is not None for d in t.shape):
+            return list(t.shape)
+        return self._load().get(t.name, (None, None))[0] or (list(t.shape) if t.shape is not None else None)
+
+    def dtype(self, t: gs.Tensor):
+        v = const_value(t)
+        if v is not None:
+            return v.dtype
+        if t.dtype is not None:
+            return np.dtype(t.dtype)
+        d = self._load().get(t.name, (None, None))[1]
+        return None if d is None else np.dtype(d)
+
+    def rank(self, t: gs.Tensor) -> int | None:
+        s = self.shape(t)
+        return None if s is None else len(s)
+
+
+def _ints(t: gs.Tensor | None) -> list[int] | None:
+    if t is None:
+        return None
+    v = const_value(t)
+    if v is None or v.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in np.asarray(v).ravel()]
+
+
+def _axes_of(node: gs.Node) -> list[int] | None:
+    """The axes of a Squeeze/Unsqueeze (input from opset 13, attribute before)."""
+    if len(node.inputs) > 1 and node.inputs[1].name:
+        return _ints(node.inputs[1])
+    axes = node.attrs.get("axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
+def _present(t: gs.Tensor | None) -> bool:
+    return t is not None and bool(t.name)
+
+
+def _topo(nodes: list[gs.Node]) -> list[gs.Node]:
+    """The nodes in a topological order (iterative DFS: unrolled chains are thousands of nodes deep)."""
+    producer = {}
+    for n in nodes:
+        for o in n.outputs:
+            producer[id(o)] = n
+    order, state = [], {}
+    for root in nodes:
+        if id(root) in state:
+            continue
+        state[id(root)] = 1
+        stack = [(root, 0)]
+        while stack:
+            n, i = stack.pop()
+            ins = n.inputs
+            pushed = False
+            while i < len(ins):
+                p = producer.get(id(ins[i]))
+                i += 1
+                if p is not None and id(p) not in state:
+                    state[id(p)] = 1
+                    stack.append((n, i))
+                    stack.append((p, 0))
+                    pushed = True
+                    break
+            if not pushed:
+                state[id(n)] = 2
+                order.append(n)
+    return order
+
+
+def _is_zero(t: gs.Tensor, depth: int = 0) -> bool:
+    """True if `t` is all zeros whatever the inputs (constants, ConstantOfShape/Expand of 0 and reshapes of them)."""
+    if depth > 8:
+        return False
+    v = const_value(t)
+    if v is not None:
+        return v.size > 0 and not np.any(v)
+    if len(t.inputs) != 1:
+        return False
+    n = t.inputs[0]
+    if n.op == "ConstantOfShape":
+        value = n.attrs.get("value")
+        if value is None:
+            return True
+        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
+        return not np.any(arr)
+    if n.op in ("Expand", "Unsqueeze", "Squeeze", "Reshape", "Slice", "Transpose", "Identity", "Cast", "Tile",
+                "Flatten") and n.inputs:
+        return _is_zero(n.inputs[0], depth + 1)
+    return False
+
+
+class _Builder:
+    """Appends glue nodes to the graph."""
+
+    def __init__(self, graph: gs.Graph, opset: int, prefix: str):
+        self.graph, self.opset, self.prefix = graph, opset, prefix
+
+    def const(self, what: str, value) -> gs.Constant:
+        return gs.Constant(unique_name(self.graph, f"{self.prefix}/{what}"), np.ascontiguousarray(value))
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, out: gs.Tensor | None = None,
+           dtype=None, shape=None) -> gs.Tensor:
+        name = unique_name(self.graph, f"{self.prefix}/{op}")
+        if out is None:
+            out = gs.Variable(unique_name(self.graph, f"{name}:0"), dtype=dtype, shape=shape)
+        self.graph.nodes.append(gs.Node(op, name, attrs=attrs or {}, inputs=list(inputs), outputs=[out]))
+        return out
+
+    def axes_op(self, op: str, x: gs.Tensor, axes: list[int], out: gs.Tensor | None = None, **kw) -> gs.Tensor:
+        if self.opset >= 13:
+            return self.op(op, [x, self.const("axes", np.array(axes, np.int64))], out=out, **kw)
+        return self.op(op, [x], {"axes": list(axes)}, out=out, **kw)
+
+
+def _take_over(t: gs.Tensor) -> gs.Tensor:
+    """Detach `t` from its producer so a new node can write it (its name and readers stay)."""
+    t.inputs.clear()
+    return t
+
+
+# ----------------------------------------------------------------------------------------- the ONNX GRU op
+
+
+def fuse_gru_ops(graph: gs.Graph, opset: int) -> list[str]:
+    """ONNX GRU nodes (forward, one layer, default activations, no clip) → GRUSequence. Returns what was fused."""
+    done: list[str] = []
+    shapes = _Shapes(graph, opset)
+    for node in [n for n in _topo(list(graph.nodes)) if n.op == "GRU" and n.domain in (None, "", "ai.onnx")]:
+        what = _fuse_gru_op(graph, node, opset, shapes)
+        if what:
+            done.append(what)
+    if done:
+        graph.cleanup(remove_unused_graph_inputs=False)
+        graph.toposort(mode="nodes")  # "full" recurses forever on graphs with If/Loop plus functions (gs 0.6.1)
+    return done
+
+
+def _gru_op_weights(node: gs.Node):
+    a = node.attrs
+    if a.get("direction", "forward") not in ("forward", b"forward"):
+        return None
+    acts = a.get("activations")
+    if acts is not None and [str(x).lower() for x in acts] != ["sigmoid", "tanh"]:
+        return None
+    if a.get("clip") is not None or a.get("activation_alpha") or a.get("activation_beta"):
+        return None
+    if len(node.inputs) < 3:
+        return None
+    W, R = const_value(node.inputs[1]), const_value(node.inputs[2])
+    if W is None or R is None or W.ndim != 3 or R.ndim != 3 or W.shape[0] != 1 or R.shape[0] != 1:
+        return None
+    H = int(R.shape[2])
+    if int(a.get("hidden_size", H)) != H or W.shape[1] != 3 * H or R.shape[1] != 3 * H:
+        return None
+    B = np.zeros(6 * H, np.float32)
+    if len(node.inputs) > 3 and _present(node.inputs[3]):
+        b = const_value(node.inputs[3])
+        if b is None or b.shape != (1, 6 * H):
+            return None
+        B = b[0]
+    if W.dtype != np.float32 or R.dtype != np.float32:
+        return None
+    return H, np.ascontiguousarray(W[0].T), np.ascontiguousarray(R[0].T), np.asarray(B, np.float32)
+
+
+def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) -> str | None:
+    weights = _gru_op_weights(node)
+    if weights is None:
+        return None
+    H, W, R, B = weights
+    layout = int(node.attrs.get("layout", 0))
+    lbr = int(node.attrs.get("linear_before_reset", 0))
+    ins = list(node.inputs) + [gs.Variable.empty()] * (6 - len(node.inputs))
+    X, lens, h0 = ins[0], ins[4], ins[5]
+    outs = list(node.outputs) + [gs.Variable.empty()] * (2 - len(node.outputs))
+    graph_outputs = {id(t) for t in graph.outputs}
+    used = [_present(t) and (bool(t.outputs) or id(t) in graph_outputs) for t in outs]
+    if not any(used):
+        return None
+    b = _Builder(graph, opset, node.name or "gru")
+
+    # X, batch-major
+    if layout == 1:
+        Xb = X
+    elif len(X.inputs) == 1 and X.inputs[0].op == "Transpose" and list(X.inputs[0].attrs.get("perm", [])) == [1, 0, 2]:
+        Xb = X.inputs[0].inputs[0]
+    else:
+        Xb = b.op("Transpose", [X], {"perm": [1, 0, 2]}, dtype=np.float32)
+    # initial_h, [B, H]
+    hb = None
+    if _present(h0) and not _is_zero(h0):
+        axis = 0 if layout == 0 else 1
+        p = h0.inputs[0] if len(h0.inputs) == 1 else None
+        if p is not None and p.op == "Unsqueeze" and _axes_of(p) in ([axis], [axis - 3]):
+            hb = p.inputs[0]
+        else:
+            hb = b.axes_op("Squeeze", h0, [axis], dtype=np.float32)
+
+    attrs = SequenceAttrs("GRU", H, lbr, 0, "zero")
+    inputs = {"X": Xb, "W": b.const("W", W), "R": b.const("R", R), "B": b.const("B", B)}
+    if _present(lens):
+        inputs["sequence_lens"] = lens
+    if hb is not None:
+        inputs["initial_h"] = hb
+    Y, Y_h = outs[0], outs[1]
+    outputs = {}
+    y_labels = ["T", "D", "B", "H"] if layout == 0 else ["B", "T", "D", "H"]
+    yh_labels = ["D", "B", "H"] if layout == 0 else ["B", "D", "H"]
+    plans = []
+    if used[0]:
+        tgt, labels = _follow_layout(graph, Y, y_labels, shapes)
+        plans.append(("Y", tgt, labels, ["B", "T", "H"]))
+    if used[1]:
+        tgt, labels = _follow_layout(graph, Y_h, yh_labels, shapes)
+        plans.append(("Y_h", tgt, labels, ["B", "H"]))
+    glue = []
+    for key, tgt, labels, canon in plans:
+        if labels == canon:
+            outputs[key] = _take_over(tgt)
+        else:
+            fresh = gs.Variable(unique_name(graph, f"{node.name or 'gru'}/{key}"), dtype=np.float32)
+            outputs[key] = fresh
+            glue.append((fresh, tgt, labels, canon))
+    name = unique_name(graph, f"{node.name or 'gru'}/GRUSequence")
+    # the GRU node goes away now: its outputs may be taken over below
+    graph.nodes = [n for n in graph.nodes if n is not node]
+    node.inputs.clear()
+    node.outputs.clear()
+    final_h = None
+    if "Y_h" in outputs and _present(lens) and hb is not None:
+        # onnxruntime's GRU gives rows of length 0 the state 0, not initial_h: keep that
+        final_h, outputs["Y_h"] = outputs["Y_h"], gs.Variable(unique_name(graph, f"{name}/Y_h"), dtype=np.float32)
+    add_sequence_node(graph, attrs, inputs, outputs, name)
+    if final_h is not None:
+        some = b.op("Greater", [lens, b.const("zero_len", np.zeros((), shapes.dtype(lens) or np.int32))],
+                    dtype=np.bool_)
+        some = b.axes_op("Unsqueeze", some, [1], dtype=np.bool_)
+        b.op("Where", [some, outputs["Y_h"], b.const("zero_state", np.zeros((), np.float32))], out=final_h)
+    for fresh, tgt, labels, canon in glue:
+        _make_layout(b, fresh, canon, tgt, labels)
+    how = "absorbed" if not glue else "kept as Transpose/Unsqueeze for other readers"
+    lens_note = ", sequence_lens" if "sequence_lens" in inputs else ""
+    h0_note = ", initial_h" if hb is not None else ""
+    return (f"GRU '{node.name}' → GRUSequence (H={H}, linear_before_reset={lbr}{lens_note}{h0_note}; "
+            f"time-major layout {how})")
+
+
+def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: _Shapes):
+    """Walk from a GRU output through the ops that only drop the direction axis or permute axes (each value read
+    by that op alone, or by Shape nodes that feed only that op's shape): the furthest value and its axis labels."""
+    graph_outputs = {id(x) for x in graph.outputs}
+    canon = [x for x in ("B", "T", "H") if x in labels]
+    while labels != canon and id(t) not in graph_outputs:
+        users = list(t.outputs)
+        main = [u for u in users if u.op in ("Squeeze", "Transpose", "Reshape")]
+        if len(main) != 1:
+            break
+        u = main[0]
+        others = [x for x in users if x is not u]
+        if others and not (u.op == "Reshape" and _only_feed(others, u, 1)):
+            break
+        if u.inputs[0] is not t or len(u.outputs) != 1:
+            break
+        new = None
+        if u.op == "Squeeze":
+            axes = _axes_of(u)
+            if axes is not None and len(axes) == 1 and "D" in labels and axes[0] % len(labels) == labels.index("D"):
+                new = [x for x in labels if x != "D"]
+        elif u.op == "Transpose":
+            perm = u.attrs.get("perm")
+            if perm is not None and sorted(perm) == list(range(len(labels))):
+                new = [labels[p] for p in perm]
+        elif u.op == "Reshape" and "D" in labels and _drops_axis(t, u, labels.index("D"), shapes):
+            new = [x for x in labels if x != "D"]
+        if new is None:
+            break
+        t, labels = u.outputs[0], new
+    return t, labels
+
+
+def _drops_axis(t: gs.Tensor, reshape: gs.Node, d: int, shapes: _Shapes) -> bool:
+    """True if `reshape` only removes the size-1 axis `d` of `t`: by the annotated shapes, or else by running
+    the shape computation (from Shape(t) and constants) on a value of `t` with made-up sizes for unknown axes."""
+    s_in, s_out = shapes.shape(t), shapes.shape(reshape.outputs[0])
+    if s_in is None or len(s_in) <= d or s_in[d] not in (1, None):
+        return False
+    dropped = s_in[:d] + s_in[d + 1:]
+    if s_out is not None and len(s_out) == len(dropped) and all(
+            x is not None and x == y for x, y in zip(s_out, dropped)):
+        return s_in[d] == 1
+    primes = iter((7, 11, 13, 17, 19))
+    dims = [1 if i == d else (int(x) if isinstance(x, (int, np.integer)) and x > 0 else next(primes))
+            for i, x in enumerate(s_in)]
+    target = reshape.inputs[1]
+    v = const_value(target)
+    if v is None:
+        nodes, seen, stack = [], set(), [target]
+        while stack:
+            x = stack.pop()
+            if x is t or id(x) in seen or const_value(x) is not None:
+                continue
+            seen.add(id(x))
+            if len(x.inputs) != 1 or len(seen) > 64:
+                return False
+            n = x.inputs[0]
+            if n.op not in ("Shape", "Slice", "Gather", "Concat", "Mul", "Reshape", "Unsqueeze", "Squeeze", "Cast"):
+                return False
+            nodes.append(n)
+            stack.extend(n.inputs)
+        try:
+            (v,) = _run(nodes, [(t, np.zeros(dims, np.float32))], [target], shapes.opset)
+        except Exception:
+            return False
+    v = [int(x) for x in np.asarray(v).ravel()]
+    if not int(reshape.attrs.get("allowzero", 0)):
+        v = [dims[i] if x == 0 and i < len(dims) else x for i, x in enumerate(v)]
+    if v.count(-1) == 1:
+        known = int(np.prod([x for x in v if x != -1]))
+        v[v.index(-1)] = int(np.prod(dims)) // known if known else -1
+    return v == dims[:d] + dims[d + 1:]
+
+
+def _only_feed(nodes: list[gs.Node], target: gs.Node, index: int) -> bool:
+    """True if everything `nodes` compute flows only into input `index` of `target`."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > 64 or n.op not in ("Shape", "Slice", "Gather", "Concat", "Mul", "Reshape", "Unsqueeze",
+                                          "Squeeze", "Cast", "Constant"):
+            return False
+        for o in n.outputs:
+            if not o.outputs:
+                return False
+            for c in o.outputs:
+                if c is target:
+                    if target.inputs[index] is not o:
+                        return False
+                else:
+                    stack.append(c)
+    return True
+
+
+def _make_layout(b: _Builder, src: gs.Tensor, src_labels: list[str], out: gs.Tensor, labels: list[str]) -> None:
+    """Write `out` (axes `labels`, maybe with a size-1 direction axis D) from `src` (axes `src_labels`)."""
+    core = [x for x in labels if x != "D"]
+    perm = [src_labels.index(x) for x in core]
+    _take_over(out)
+    steps = []
+    if perm != list(range(len(perm))):
+        steps.append(("Transpose", perm))
+    if "D" in labels:
+        steps.append(("Unsqueeze", [labels.index("D")]))
+    if not steps:
+        b.op("Identity", [src], out=out)
+        return
+    v = src
+    for i, (op, arg) in enumerate(steps):
+        last = i == len(steps) - 1
+        if op == "Transpose":
+            v = b.op("Transpose", [v], {"perm": arg}, out=out if last else None, dtype=np.float32)
+        else:
+            v = b.axes_op("Unsqueeze", v, arg, out=out if last else None, dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------------------- unrolled cells
+
+
+@dataclasses.dataclass
+class _Group:
+    """Step slices of one sequence tensor: steps[t] are the values of step t."""
+
+    key: tuple
+    source: gs.Tensor
+    axis: int
+    squeezed: bool             # the slices drop the time axis
+    steps: dict                # t -> list of tensors
+    nodes: dict                # id(tensor) -> nodes from the source to it
+
+
+def _step_slices(graph: gs.Graph, shapes: _Shapes) -> list[_Group]:
+    """Every (source, step) slice along axis 1 of the main graph, grouped by source."""
+    groups: dict[tuple, _Group] = {}
+
+    def add(source, axis, t, out, squeezed, nodes):
+        if squeezed is False and len(out.outputs) == 1:
+            u = out.outputs[0]
+            if u.op == "Squeeze" and u.inputs[0] is out and _axes_of(u) is not None:
+                rank = shapes.rank(source)
+                axes = _axes_of(u)
+                if len(axes) == 1 and (axes[0] == axis or (rank is not None and axes[0] % rank == axis)):
+                    out, squeezed, nodes = u.outputs[0], True, nodes + [u]
+        key = (id(source), axis, squeezed)
+        g = groups.setdefault(key, _Group(key, source, axis, squeezed, {}, {}))
+        g.steps.setdefault(t, []).append(out)
+        g.nodes[id(out)] = nodes
+
+    for n in graph.nodes:
+        if not n.inputs or not n.outputs:
+            continue
+        src = n.inputs[0]
+        if const_value(src) is not None:
+            continue
+        if n.op == "Gather" and len(n.inputs) == 2:
+            axis = _norm_axis(int(n.attrs.get("axis", 0)), src, shapes)
+            idx = const_value(n.inputs[1])
+            if axis != 1 or idx is None or idx.dtype.kind not in "iu" or idx.size != 1 or int(idx.ravel()[0]) < 0:
+                continue
+            add(src, 1, int(idx.ravel()[0]), n.outputs[0], idx.ndim == 0, [n])
+        elif n.op == "Slice" and len(n.inputs) >= 4:
+            starts, ends, axes = _ints(n.inputs[1]), _ints(n.inputs[2]), _ints(n.inputs[3])
+            steps = _ints(n.inputs[4]) if len(n.inputs) > 4 and _present(n.inputs[4]) else [1]
+            if None in (starts, ends, axes, steps) or len(starts) != 1 or len(ends) != 1 or len(axes) != 1:
+                continue
+            if steps != [1] or _norm_axis(axes[0], src, shapes) != 1 or starts[0] < 0 or ends[0] != starts[0] + 1:
+                continue
+            add(src, 1, starts[0], n.outputs[0], False, [n])
+        elif n.op == "Split" and len(n.outputs) >= MIN_STEPS:
+            if _norm_axis(int(n.attrs.get("axis", 0)), src, shapes) != 1:
+                continue
+            k = len(n.outputs)
+            sizes = _ints(n.inputs[1]) if len(n.inputs) > 1 and _present(n.inputs[1]) else n.attrs.get("split")
+            if sizes is None:
+                shape = shapes.shape(src)
+                ok = shape is not None and len(shape) > 1 and shape[1] == k
+            else:
+                ok = list(sizes) == [1] * k
+            if ok:
+                for t, o in enumerate(n.outputs):
+                    add(src, 1, t, o, False, [n])
+    return list(groups.values())
+
+
+def _norm_axis(axis: int, t: gs.Tensor, shapes: _Shapes) -> int | None:
+    if axis >= 0:
+        return axis
+    rank = shapes.rank(t)
+    return None if rank is None else axis % rank
+
+
+@dataclasses.dataclass
+class _Chain:
+    T: int
+    states: list                # s_0 .. s_{T-1}
+    h0: gs.Tensor               # the state before step 0
+    nodes: list                 # per step, the nodes of its cell
+
+
+class _Unroller:
+    def __init__(self, graph: gs.Graph, opset: int, shapes: _Shapes):
+        self.graph, self.opset, self.shapes = graph, opset, shapes
+        self.failed: set[int] = set()
+
+    # ---- discovery
+
+    def scan(self):
+        """The complete step groups (every step 0..T-1 sliced) by their length T."""
+        groups = [g for g in _step_slices(self.graph, self.shapes) if self._complete(g)]
+        # slices that feed another group's sequence (feature columns cut from a flat input, a lower layer's
+        # steps) are not step inputs of a cell over that sequence: leave them out of the levels
+        feeding, stack = set(), [g.source for g in groups]
+        while stack:
+            t = stack.pop()
+            if id(t) in feeding:
+                continue
+            feeding.add(id(t))
+            for n in t.inputs:
+                stack.extend(n.inputs)
+        groups = [g for g in groups if not any(id(o) in feeding for outs in g.steps.values() for o in outs)]
+        by_T: dict[int, list[_Group]] = {}
+        for g in groups:
+            by_T.setdefault(len(g.steps), []).append(g)
+        return by_T
+
+    @staticmethod
+    def _complete(g: _Group) -> bool:
+        T = len(g.steps)
+        return T >= MIN_STEPS and set(g.steps) == set(range(T))
+
+    def prepare(self, T: int, groups: list[_Group]) -> None:
+        self.T, self.groups = T, groups
+        self.step_of: dict[int, tuple] = {}      # id(tensor) -> (t, role)
+        for gi, g in enumerate(groups):
+            for t, outs in g.steps.items():
+                for o in outs:
+                    self.step_of[id(o)] = (t, gi)
+        self.level: dict[int, int] = {}
+        for n in self.order:
+            lv = -1
+            for i in n.inputs:
+                x = self.level.get(id(i), -1)
+                if x > lv:
+                    lv = x
+            for o in n.outputs:
+                s = self.step_of.get(id(o))
+                self.level[id(o)] = s[0] if s is not None else lv
+
+    def lvl(self, t: gs.Tensor) -> int:
+        return self.level.get(id(t), -1)
+
+    def find(self) -> tuple | None:
+        """Rewrite the next chain that reads completely; its description, or None when none is left."""
+        self.order = _topo(list(self.graph.nodes))
+        for T, groups in sorted(self.scan().items()):
+            self.prepare(T, groups)
+            for tanh in self.order:
+                if tanh.op != "Tanh" or id(tanh) in self.failed or self.lvl(tanh.outputs[0]) != 2:
+                    continue
+                try:
+                    done = self._try(tanh)
+                except Exception:  # anything unexpected: leave the chain as it is
+                    done = None
+                if done:
+                    return done
+                self.failed.add(id(tanh))
+        return None
+
+    def _state_before(self, tanh: gs.Node, L: int) -> gs.Tensor | None:
+        """s_{L-2}: the level L-2 value that every level L-2 value read on the way to step L's Tanh derives from."""
+        want, boundary, seen = L - 2, [], set()
+        stack = list(tanh.inputs)
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if len(seen) > MAX_STEP_NODES:
+                return None
+            lv = self.lvl(t)
+            if lv < 0 or const_value(t) is not None:
+                continue
+            if id(t) in self.step_of:
+                if self.step_of[id(t)][0] < L - 1:
+                    return None
+                continue
+            if lv == want:
+                boundary.append(t)
+                continue
+            if lv < want or not t.inputs:
+                return None
+            stack.extend(t.inputs[0].inputs)
+        for r in boundary:
+            if all(b is r or self._derives(b, r) for b in boundary):
+                return r
+        return None
+
+    def _derives(self, b: gs.Tensor, r: gs.Tensor) -> bool:
+        seen, stack = set(), [b]
+        while stack:
+            t = stack.pop()
+            if t is r or id(t) in seen:
+                continue
+            seen.add(id(t))
+            if const_value(t) is not None or self.lvl(t) < 0:
+                continue
+            if id(t) in self.step_of or not t.inputs or len(seen) > MAX_STEP_NODES:
+                return False
+            stack.extend(t.inputs[0].inputs)
+        return True
+
+    def _path_to_step(self, out: gs.Tensor, step: int):
+        """The shortest producer path from a slice of `step` to `out`: (role tensor, hops)."""
+        from collections import deque
+
+        prev = {id(out): None}
+        queue = deque([out])
+        while queue:
+            t = queue.popleft()
+            s = self.step_of.get(id(t))
+            if s is not None:
+                if s[0] != step:
+                    continue
+                hops, cur = [], t
+                while prev[id(cur)] is not None:
+                    node, idx, nxt = prev[id(cur)]
+                    hops.append((node.op, idx, _index(node.outputs, nxt)))
+                    cur = nxt
+                return t, hops
+            if const_value(t) is not None or not t.inputs or len(prev) > MAX_STEP_NODES:
+                continue
+            node = t.inputs[0]
+            for i, x in enumerate(node.inputs):
+                if id(x) not in prev:
+                    prev[id(x)] = (node, i, t)
+                    queue.append(x)
+        return None
+
+    def _follow(self, start: gs.Tensor, hops) -> list[gs.Tensor]:
+        cur = [start]
+        for op, idx, out_idx in hops:
+            nxt = []
+            for t in cur:
+                for c in t.outputs:
+                    if c.op == op and idx < len(c.inputs) and c.inputs[idx] is t and out_idx < len(c.outputs):
+                        if all(c.outputs[out_idx] is not x for x in nxt):
+                            nxt.append(c.outputs[out_idx])
+            cur = nxt[:16]
+        return cur
+
+    # ---- comparing steps
+
+    def _match(self, ref_out, ref_step, ref_h, cand_out, cand_step, cand_h):
+        """Compare step `cand_step` (from cand_out back) with step `ref_step`: same ops, attributes, constants,
+        slices of the same sequences, shared outer values; the state before each step (ref_h, cand_h) is a leaf
+        (cand_h None: bound here). Returns (ref nodes, cand nodes, cand_h) or None."""
+        pairs, back, node_pairs = {}, {}, {}
+        ref_nodes, cand_nodes = [], []
+        stack = [(ref_out, cand_out)]
+        while stack:
+            r, c = stack.pop()
+            if id(r) in pairs:
+                if pairs[id(r)] is not c:
+                    return None
+                continue
+            if id(c) in back and back[id(c)] is not r:
+                return None
+            pairs[id(r)], back[id(c)] = c, r
+            if len(pairs) > MAX_STEP_NODES:
+                return None
+            if r is ref_h or (cand_h is not None and c is cand_h):
+                if r is not ref_h:
+                    return None
+                if cand_h is None:
+                    if id(c) in self.step_of or c is ref_out:
+                        return None
+                    cand_h = c
+                elif c is not cand_h:
+                    return None
+                continue
+            if r is c:  # a value from outside the steps, read by both
+                if id(r) in self.step_of or self.lvl(r) >= 0:
+                    return None
+                continue
+            sr, sc = self.step_of.get(id(r)), self.step_of.get(id(c))
+            if sr is not None or sc is not None:
+                if sr is None or sc is None or sr[0] != ref_step or sc[0] != cand_step or sr[1] != sc[1]:
+                    return None
+                continue
+            vr, vc = const_value(r), const_value(c)
+            if vr is not None or vc is not None:
+                if (vr is None or vc is None or vr.dtype != vc.dtype or vr.shape != vc.shape
+                        or not np.array_equal(vr, vc)):
+                    return None
+                continue
+            if not r.name or not c.name:
+                if r.name or c.name:
+                    return None
+                continue
+            if len(r.inputs) != 1 or len(c.inputs) != 1:
+                return None
+            pr, pc = r.inputs[0], c.inputs[0]
+            if id(pr) in node_pairs:
+                if node_pairs[id(pr)] is not pc or _index(pr.outputs, r) != _index(pc.outputs, c):
+                    return None
+                continue
+            if (pr.op != pc.op or pr.domain != pc.domain or len(pr.inputs) != len(pc.inputs)
+                    or len(pr.outputs) != len(pc.outputs) or _index(pr.outputs, r) != _index(pc.outputs, c)
+                    or not _same_attrs(pr.attrs, pc.attrs)):
+                return None
+            node_pairs[id(pr)] = pc
+            ref_nodes.append(pr)
+            cand_nodes.append(pc)
+            stack.extend(zip(pr.inputs, pc.inputs))
+        if cand_h is None:
+            return None
+        return ref_nodes, cand_nodes, cand_h
+
+    # ---- one chain
+
+    def _try(self, tanh2: gs.Node) -> str | None:
+        T = self.T
+        s0 = self._state_before(tanh2, 2)
+        if s0 is None:
+            return None
+        found = self._path_to_step(s0, 0)
+        if found is None:
+            return None
+        leaf0, hops = found
+        role = self.step_of[id(leaf0)][1]
+        g = self.groups[role]
+        states, nodes = [s0], [None] * T
+        h_init = None
+        for t in range(1, T):
+            hit = None
+            for start in g.steps[t]:
+                for cand in self._follow(start, hops):
+                    if t == 1:
+                        m = self._match(cand, 1, s0, s0, 0, None)
+                    else:
+                        m = self._match(states[1], 1, s0, cand, t, states[t - 1])
+                    if m is not None:
+                        hit = (cand, m)
+                        break
+                if hit:
+                    break
+            if hit is None:
+                return None
+            cand, (ref_nodes, cand_nodes, bound_h) = hit
+            if t == 1:
+                h_init = bound_h
+                nodes[0], nodes[1] = cand_nodes, ref_nodes
+            else:
+                nodes[t] = cand_nodes
+            states.append(cand)
+        chain = _Chain(T, states, h_init, nodes)
+        return self._rewrite(chain)
+
+    def _rewrite(self, chain: _Chain) -> str | None:
+        graph, shapes, T = self.graph, self.shapes, chain.T
+        s = chain.states
+        region = {}
+        for ns in chain.nodes:
+            for n in ns:
+                if id(n) in region:
+                    return None
+                region[id(n)] = n
+        # ---- masking: s_t = Where(m_t, h_new, s_{t-1})
+        mask_group, invert, h_new1 = None, False, s[1]
+        p = s[1].inputs[0] if len(s[1].inputs) == 1 else None
+        if p is not None and p.op == "Where" and len(p.inputs) == 3:
+            cond, a, b_ = p.inputs
+            not_node = None
+            if id(cond) not in self.step_of and len(cond.inputs) == 1 and cond.inputs[0].op == "Not":
+                not_node = cond.inputs[0]
+                cond = not_node.inputs[0]
+            st = self.step_of.get(id(cond))
+            if st is not None and st[0] == 1 and (b_ is s[0] or a is s[0]):
+                mask_group = self.groups[st[1]]
+                h_new1 = a if b_ is s[0] else b_
+                invert = (a is s[0]) != (not_node is not None)
+                if mask_group.squeezed or shapes.rank(mask_group.source) != 2:
+                    return None
+        # ---- step inputs of the cell (x, attention)
+        cell_leaves = self._leaves(h_new1, s[0], step=1)
+        if cell_leaves is None:
+            return None
+        x_group = att_group = x1 = att1 = None
+        for gi, leaf in cell_leaves.items():
+            g = self.groups[gi]
+            rank = shapes.rank(g.source)
+            if rank == 3 and g.squeezed and x_group is None:
+                x_group, x1 = g, leaf
+            elif rank == 2 and att_group is None:
+                att_group, att1 = g, leaf
+            else:
+                return None
+        if x_group is None or any(g is not None and shapes.dtype(g.source) != np.float32 for g in (x_group, att_group)):
+            return None  # the fused op computes in float32
+        H = _last_dim(shapes.shape(s[0])) or _last_dim(shapes.shape(s[1]))
+        I = _last_dim(shapes.shape(x_group.source))
+        if not H or not I:
+            return None
+        found = identify_gru_cell(h_new1, s[0], x1, att1, hidden=H, x_width=I, opset=self.opset, att_column=None)
+        if found is None and att1 is not None:
+            # AIGRU: the cell is a GRU over a_t * x_t
+            scaled = self._scaled_input(chain.nodes[1], x1, att1)
+            if scaled is not None:
+                found = identify_gru_cell(h_new1, s[0], scaled, None, hidden=H, x_width=I, opset=self.opset,
+                                          att_column=None)
+                if found is not None and found.attrs.kind == "GRU":
+                    found = dataclasses.replace(found, attrs=dataclasses.replace(found.attrs, kind="AIGRU"))
+        if found is None or list(found.x_columns) != list(range(I)):
+            return None
+        if (found.attrs.kind == "GRU") != (att_group is None):
+            return None
+        attrs = dataclasses.replace(found.attrs, padded_output="state" if mask_group is not None else "zero")
+        # ---- what the graph reads from the chain
+        graph_outputs = {id(t) for t in graph.outputs}
+        stacked = self._stacked(chain, region)
+        if stacked is False:
+            return None
+        stack_nodes = {id(n) for n in stacked[1]} if stacked else set()
+        last_readers = [u for u in s[-1].outputs if id(u) not in region and id(u) not in stack_nodes]
+        need_h = bool(last_readers) or id(s[-1]) in graph_outputs
+        for ns in chain.nodes:
+            for n in ns:
+                for o in n.outputs:
+                    if o is s[-1]:
+                        continue
+                    if id(o) in graph_outputs:
+                        return None
+                    for u in o.outputs:
+                        if id(u) in region:
+                            continue
+                        if id(u) in stack_nodes and any(o is x for x in s):
+                            continue
+                        return None
+        if not need_h and not stacked:
+            return None
+        h0 = chain.h0
+        h0_zero = _is_zero(h0)
+        if const_value(h0) is not None and not h0_zero:
+            return None
+        # ---- numeric check of the first steps
+        if not self._check(chain, attrs, found, x_group, att_group, mask_group, invert, h0_zero, H, I):
+            return None
+        # ---- rewrite
+        b = _Builder(graph, self.opset, unique_name(graph, f"rnn_{attrs.kind.lower()}"))
+        X = x_group.source
+        src_T = (shapes.shape(X) or [None, None])[1]
+        if src_T != T:
+            X = b.op("Slice", [X, b.const("starts", np.array([0], np.int64)), b.const("ends", np.array([T], np.int64)),
+                               b.const("axes", np.array([1], np.int64))], dtype=np.float32)
+        inputs = {"X": X, "W": b.const("W", found.W), "R": b.const("R", found.R), "B": b.const("B", found.B)}
+        if not h0_zero:
+            inputs["initial_h"] = h0
+        if att_group is not None:
+            inputs["att"] = self._time_prefix(b, att_group.source, T)
+        if mask_group is not None:
+            m = self._time_prefix(b, mask_group.source, T)
+            if invert:
+                m = b.op("Not", [m], dtype=np.bool_)
+            inputs["mask"] = m
+        outputs = {}
+        if need_h:
+            outputs["Y_h"] = _take_over(s[-1])
+        if stacked:
+            outputs["Y"] = _take_over(stacked[0])
+        add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{b.prefix}/{attrs.op_type}"))
+        mask_note = "" if mask_group is None else (", Where mask → mask" + (" (inverted)" if invert else ""))
+        outs = " and ".join(k for k in ("Y", "Y_h") if k in outputs)
+        return (f"{attrs.kind} cell unrolled over {T} steps ({len(region)} nodes) → {attrs.op_type} "
+                f"(linear_before_reset={attrs.linear_before_reset}, att_keep={attrs.att_keep}{mask_note}; {outs})")
+
+    def _time_prefix(self, b: _Builder, src: gs.Tensor, T: int) -> gs.Tensor:
+        shape = self.shapes.shape(src)
+        if shape is not None and len(shape) > 1 and shape[1] == T:
+            return src
+        return b.op("Slice", [src, b.const("starts", np.array([0], np.int64)), b.const("ends", np.array([T], np.int64)),
+                              b.const("axes", np.array([1], np.int64))])
+
+    def _leaves(self, out: gs.Tensor, h: gs.Tensor, step: int) -> dict | None:
+        """The step slices the cell from (h, step slices) to `out` reads: group index -> slice, in order of use."""
+        found, seen, stack = {}, set(), [out]
+        while stack:
+            t = stack.pop()
+            if t is h or id(t) in seen:
+                continue
+            seen.add(id(t))
+            st = self.step_of.get(id(t))
+            if st is not None:
+                if st[0] != step or (st[1] in found and found[st[1]] is not t):
+                    return None
+                found[st[1]] = t
+                continue
+            if const_value(t) is not None:
+                continue
+            if not t.inputs or len(seen) > MAX_STEP_NODES:
+                return None
+            stack.extend(t.inputs[0].inputs)
+        return found
+
+    @staticmethod
+    def _scaled_input(nodes: list[gs.Node], x: gs.Tensor, att: gs.Tensor) -> gs.Tensor | None:
+        """The output of Mul(x, a) (a = att, or att reshaped/unsqueezed) among a step's nodes, if x is read
+        by nothing else in the step."""
+        ids = {id(n) for n in nodes}
+        for n in nodes:
+            if n.op != "Mul" or len(n.inputs) != 2 or not any(i is x for i in n.inputs):
+                continue
+            other = n.inputs[1] if n.inputs[0] is x else n.inputs[0]
+            while other is not att and len(other.inputs) == 1 and other.inputs[0].op in (
+                    "Unsqueeze", "Reshape", "Identity", "Cast") and id(other.inputs[0]) in ids:
+                other = other.inputs[0].inputs[0]
+            if other is att and all(u is n for u in x.outputs if id(u) in ids):
+                return n.outputs[0]
+        return None
+
+    def _stacked(self, chain: _Chain, region: dict):
+        """States stacked as Y [B, T, H]: Concat(axis 1) of Unsqueeze(s_t, 1), or ConcatFromSequence(axis 1,
+        new_axis 1) of SequenceConstruct(s_t), t = 0..T-1 in order. Returns (Y, the stacking nodes), None if
+        only the last state is read, False if the states are read in another way."""
+        s = chain.states
+        outside = [[u for u in st.outputs if id(u) not in region] for st in s]
+        if not any(outside[:-1]):
+            return None
+        if any(len(o) != 1 for o in outside[:-1]):
+            return False
+        first = outside[0][0]
+        if first.op == "SequenceConstruct":
+            cfs = first.outputs[0].outputs
+            if (len(first.inputs) != len(s) or any(first.inputs[t] is not s[t] for t in range(len(s)))
+                    or len(cfs) != 1 or cfs[0].op != "ConcatFromSequence"
+                    or int(cfs[0].attrs.get("new_axis", 0)) != 1 or int(cfs[0].attrs.get("axis", 0)) not in (1, -2)):
+                return False
+            return cfs[0].outputs[0], [first, cfs[0]]
+        unsq = []
+        for t, st in enumerate(s):
+            us = [u for u in outside[t] if u.op == "Unsqueeze"]
+            if len(us) != 1 or _axes_of(us[0]) not in ([1], [-2]) or len(us[0].outputs[0].outputs) != 1:
+                return False
+            unsq.append(us[0])
+        concat = unsq[0].outputs[0].outputs[0]
+        if concat.op != "Concat" or int(concat.attrs.get("axis", 0)) not in (1, -2):
+            return False
+        if len(concat.inputs) != len(s) or any(concat.inputs[t] is not unsq[t].outputs[0] for t in range(len(s))):
+            return False
+        return concat.outputs[0], unsq + [concat]
+
+    def _check(self, chain, attrs, found, x_group, att_group, mask_group, invert, h0_zero, H, I) -> bool:
+        """Run the exported nodes of the first steps (slices included) on random sequences and compare the state
+        with the reference op's."""
+        K = min(CHECK_STEPS, chain.T)
+        T, batch = chain.T, 4
+        rng = np.random.default_rng(0)
+        nodes = {}
+        for ns in chain.nodes[:K]:
+            for n in ns:
+                nodes[id(n)] = n
+        produced = {id(o) for n in nodes.values() for o in n.outputs}
+        feeds = {}
+        X = rng.normal(size=(batch, T, I)).astype(np.float32)
+        feeds[id(x_group.source)] = (x_group.source, X)
+        att = mask = None
+        if att_group is not None:
+            att = rng.uniform(0.05, 1.0, size=(batch, T)).astype(np.float32)
+            dtype = self.shapes.dtype(att_group.source) or np.float32
+            feeds[id(att_group.source)] = (att_group.source, att.astype(dtype))
+        if mask_group is not None:
+            cond = np.ones((batch, T), bool)
+            cond[0, :] = False           # an empty row
+            cond[1, 1:] = False          # length 1
+            cond[3, 2:] = False          # partial
+            dtype = self.shapes.dtype(mask_group.source) or np.bool_
+            feeds[id(mask_group.source)] = (mask_group.source, cond.astype(dtype))
+            mask = ~cond if invert else cond
+        h0 = None if h0_zero else rng.normal(size=(batch, H)).astype(np.float32)
+        if const_value(chain.h0) is None:
+            feeds[id(chain.h0)] = (chain.h0, np.zeros((batch, H), np.float32) if h0 is None else h0)
+        # the slices that feed these steps
+        for g in (x_group, att_group, mask_group):
+            if g is None:
+                continue
+            for t in range(K):
+                for o in g.steps[t]:
+                    for n in g.nodes[id(o)]:
+                        nodes[id(n)] = n
+        produced = {id(o) for n in nodes.values() for o in n.outputs}
+        for n in nodes.values():
+            for i in n.inputs:
+                if (_present(i) and id(i) not in produced and id(i) not in feeds and const_value(i) is None):
+                    return False  # a value from elsewhere: not a chain we can run alone
+        out = chain.states[K - 1]
+        try:
+            (got,) = _run(list(nodes.values()), list(feeds.values()), [out], self.opset)
+        except Exception:
+            return False
+        _, want = reference(attrs, X[:, :K], found.W, found.R, found.B, initial_h=h0,
+                            att=None if att is None else att[:, :K], mask=None if mask is None else mask[:, :K])
+        return got.shape == want.shape and np.allclose(got, want, atol=CHECK_TOL, rtol=CHECK_TOL)
+
+
+def _index(items, x) -> int:
+    return next(i for i, y in enumerate(items) if y is x)
+
+
+def _last_dim(shape) -> int | None:
+    if shape and isinstance(shape[-1], (int, np.integer)) and shape[-1] > 0:
+        return int(shape[-1])
+    return None
+
+
+def _same_attrs(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, (gs.Graph,)) or isinstance(y, gs.Graph):
+            return False
+        if isinstance(x, gs.Constant) or isinstance(y, gs.Constant):
+            if not (isinstance(x, gs.Constant) and isinstance(y, gs.Constant)):
+                return False
+            if x.values.dtype != y.values.dtype or not np.array_equal(x.values, y.values):
+                return False
+            continue
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not np.array_equal(np.asarray(x), np.asarray(y)):
+                return False
+            continue
+        if x != y:
+            return False
+    return True
+
+
+def _run(nodes: list[gs.Node], feeds: list[tuple], outputs: list[gs.Tensor], opset: int) -> list[np.ndarray]:
+    """Run a copy of `nodes` with onnxruntime: `feeds` are (tensor, value) pairs, constants are inlined."""
+    import onnxruntime as ort
+
+    swap, inputs, values = {}, [], {}
+    for i, (t, v) in enumerate(feeds):
+        var = gs.Variable(f"in{i}", v.dtype, list(v.shape))
+        swap[id(t)] = var
+        inputs.append(var)
+        values[var.name] = v
+    for n in nodes:
+        for o in n.outputs:
+            if id(o) not in swap:
+                swap[id(o)] = gs.Variable(f"v{len(swap)}", o.dtype, None)
+
+    def get(t):
+        if not _present(t):
+            return t
+        if id(t) in swap:
+            return swap[id(t)]
+        v = const_value(t)
+        if v is not None:
+            swap[id(t)] = gs.Constant(f"c{len(swap)}", np.asarray(v))
+            return swap[id(t)]
+        raise ValueError(f"unfed value {t.name}")
+
+    copies = [gs.Node(n.op, n.name, dict(n.attrs), [get(t) for t in n.inputs], [swap[id(t)] for t in n.outputs],
+                      domain=n.domain) for n in nodes]
+    outs = [swap[id(t)] for t in outputs]
+    for t in outs:
+        t.dtype = t.dtype or np.float32
+    g = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=opset)
+    g.toposort()
+    model = gs.export_onnx(g, do_type_check=False)
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, values)
+
+
+def fuse_unrolled_cells(graph: gs.Graph, opset: int) -> list[str]:
+    """GRU-family cells unrolled over time steps → one sequence node. Returns what was fused."""
+    done: list[str] = []
+    shapes = _Shapes(graph, opset)
+    unroller = _Unroller(graph, opset, shapes)
+    for _ in range(32):
+        what = unroller.find()
+        if not what:
+            break
+        done.append(what)
+        graph.cleanup(remove_unused_graph_inputs=False)
+    if done:
+        graph.toposort(mode="nodes")  # "full" recurses forever on graphs with If/Loop plus functions (gs 0.6.1)
+    return done

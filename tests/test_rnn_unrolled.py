@@ -1,0 +1,416 @@
+"""fuse_gru_ops / fuse_unrolled_cells: the ONNX GRU op and GRU-family cells unrolled by PyTorch exporters
+become one ai.ctropt sequence node with the raw model's outputs (empty, partial and full histories)."""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from ctropt.graph import check_model, load, to_graph, to_model
+from ctropt.ops.rnn import SequenceAttrs, reference
+from ctropt.passes.rnn_unrolled import fuse_gru_ops, fuse_unrolled_cells
+from ctropt.runtime import Runner
+from helpers import F, init, make_model, node, vi
+
+DATA = Path(__file__).parent / "data" / "thirdparty"
+ZOO = Path(__file__).parent.parent / "ctropt" / "exporters" / "zoo" / "data"
+DOMAIN = "ai.ctropt"
+RNG = np.random.default_rng(0)
+
+
+def onnx_opset(model) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def fuse(model):
+    """Both passes, as the pipeline runs them; returns (fused model, what was fused)."""
+    graph = to_graph(model)
+    opset = onnx_opset(model)
+    done = fuse_gru_ops(graph, opset) + fuse_unrolled_cells(graph, opset)
+    out = to_model(graph, like=model)
+    check_model(out)
+    return out, done
+
+
+INPUTS = ("X", "W", "R", "B", "sequence_lens", "initial_h", "att", "mask")
+
+
+def sequence_nodes(model) -> list[dict]:
+    """The ai.ctropt nodes: attributes, `inputs` by name of the op's input ("" = not given), `node` itself."""
+    return [{"op": n.op_type, **{a.name: helper.get_attribute_value(a) for a in n.attribute},
+             "inputs": dict(zip(INPUTS, list(n.input) + [""] * 8)), "node": n}
+            for n in model.graph.node if n.domain == DOMAIN]
+
+
+def kinds(model) -> list[tuple]:
+    return sorted((_s(n["kind"]), n["linear_before_reset"], n["att_keep"], _s(n["padded_output"]))
+                  for n in sequence_nodes(model))
+
+
+def _s(v):
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def ops(model) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def assert_close(a: dict, b: dict, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=atol, rtol=1e-5, err_msg=k)
+
+
+def assert_idempotent(fused):
+    again, done = fuse(fused)
+    assert done == [] and sorted(ops(again)) == sorted(ops(fused))
+
+
+# ----------------------------------------------------------------------------------------- hand-built GRU ops
+
+
+def gru_op_model(lbr: int, lens: bool, h0: bool, layout: int = 0, T=5, I=3, H=4):
+    """Batch-major X → Transpose → GRU → Squeeze + Transpose (Y) and Squeeze (Y_h), as torch writes nn.GRU."""
+    W = RNG.normal(size=(1, 3 * H, I)).astype(np.float32)
+    R = RNG.normal(size=(1, 3 * H, H)).astype(np.float32) * 0.5
+    B = RNG.normal(size=(1, 6 * H)).astype(np.float32) * 0.3
+    inits = [init("W", W), init("R", R), init("B", B), init("ax0", np.array([0])), init("ax1", np.array([1]))]
+    inputs = [vi("X", F, ["batch", T, I])]
+    nodes = []
+    if layout == 0:
+        nodes.append(node("Transpose", ["X"], ["Xt"], perm=[1, 0, 2]))
+    gru_in = ["Xt" if layout == 0 else "X", "W", "R", "B", "lens" if lens else "", "h0u" if h0 else ""]
+    if lens:
+        inputs.append(vi("lens", TensorProto.INT32, ["batch"]))
+    if h0:
+        inputs.append(vi("h0", F, ["batch", H]))
+        nodes.append(node("Unsqueeze", ["h0", "ax0" if layout == 0 else "ax1"], ["h0u"]))
+    while gru_in and not gru_in[-1]:
+        gru_in.pop()
+    nodes.append(node("GRU", gru_in, ["Y4", "Yh3"], hidden_size=H, linear_before_reset=lbr, layout=layout))
+    if layout == 0:
+        nodes += [node("Squeeze", ["Y4", "ax1"], ["Ytb"]), node("Transpose", ["Ytb"], ["Y"], perm=[1, 0, 2]),
+                  node("Squeeze", ["Yh3", "ax0"], ["Yh"])]
+        outputs = [vi("Y", F, ["batch", T, H]), vi("Yh", F, ["batch", H])]
+    else:  # layout 1: Y [B, T, 1, H] squeezed; Y_h [B, 1, H] is a graph output as it is
+        nodes += [node("Squeeze", ["Y4", init("ax2", np.array([2])).name], ["Y"]), node("Identity", ["Yh3"], ["Yh"])]
+        inits.append(init("ax2", np.array([2])))
+        outputs = [vi("Y", F, ["batch", T, H]), vi("Yh", F, ["batch", 1, H])]
+    return make_model(nodes, inputs, outputs, inits, opset=17)
+
+
+def gru_op_feeds(model, T=5, I=3, H=4):
+    feeds = {"X": RNG.normal(size=(4, T, I)).astype(np.float32)}
+    names = [i.name for i in model.graph.input]
+    if "lens" in names:
+        feeds["lens"] = np.array([0, T, 2, 1], np.int32)  # empty, full, partial rows
+    if "h0" in names:
+        feeds["h0"] = RNG.normal(size=(4, H)).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("lbr", [0, 1])
+@pytest.mark.parametrize("lens, h0", [(False, False), (True, False), (False, True), (True, True)])
+def test_gru_op_becomes_gru_sequence(lbr, lens, h0):
+    model = gru_op_model(lbr, lens, h0)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "absorbed" in done[0]
+    # Transpose, Squeezes, Unsqueeze of h0 absorbed; onnxruntime's zero state for empty rows given an initial_h kept
+    assert sorted(ops(fused)) == ["GRUSequence"] + (["Greater", "Unsqueeze", "Where"] if lens and h0 else [])
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["linear_before_reset"], _s(seq["padded_output"])) == ("GRU", lbr, "zero")
+    assert seq["inputs"]["X"] == "X" and (seq["inputs"]["sequence_lens"] == "lens") == lens
+    assert (seq["inputs"]["initial_h"] == "h0") == h0
+    feeds = gru_op_feeds(model)
+    assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+def test_batch_major_gru_op_with_its_state_as_output():
+    """layout=1 and Y_h read as [B, 1, H]: the fused op's [B, H] is unsqueezed back. onnxruntime does not run
+    layout=1, so the expected values come from the ONNX GRU's definition (with its zero state for empty rows)."""
+    model = gru_op_model(1, lens=True, h0=True, layout=1)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "GRU" not in ops(fused)
+    assert sorted(ops(fused)) == ["GRUSequence", "Greater", "Identity", "Unsqueeze", "Unsqueeze", "Where"]
+    feeds = gru_op_feeds(model)
+    w = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    Y, Yh = reference(SequenceAttrs("GRU", 4, 1), feeds["X"], w["W"][0].T, w["R"][0].T, w["B"][0],
+                      sequence_lens=feeds["lens"], initial_h=feeds["h0"])
+    Yh[feeds["lens"] == 0] = 0
+    assert_close({"Y": Y, "Yh": Yh[:, None]}, Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+def test_gru_ops_the_fused_op_cannot_express_stay():
+    model = gru_op_model(0, lens=False, h0=False)
+    gru = next(n for n in model.graph.node if n.op_type == "GRU")
+    gru.attribute.append(helper.make_attribute("clip", 1.0))
+    assert fuse(model)[1] == []
+    bidi = gru_op_model(0, lens=False, h0=False)
+    gru = next(n for n in bidi.graph.node if n.op_type == "GRU")
+    del gru.attribute[:]
+    gru.attribute.extend([helper.make_attribute("hidden_size", 4), helper.make_attribute("direction", "reverse")])
+    assert fuse(bidi)[1] == []
+
+
+# ----------------------------------------------------------------------------------------- hand-built unrolled cell
+
+
+def unrolled_cell_model(T=5, I=3, H=4, masked=True, stacked=True, h0_input=True, tamper_step=None, kind="GRU",
+                        inverted=False):
+    """nn.GRUCell in a Python loop as the legacy exporter writes it: x_t = Gather(X, t, axis 1), Gemm per gate
+    block, Split, torch gate order (r, z, n), state kept past the length with Where(mask[:, t:t+1]), states
+    stacked with Unsqueeze + Concat; the last state is a graph output too. kind AUGRU: deepctr-torch's
+    AUGRUCell (u = a_t * sigmoid(..), h' = (1-u) h + u n); AIGRU: a GRUCell over a_t * x_t."""
+    Wih = RNG.normal(size=(3 * H, I)).astype(np.float32) * 0.6
+    Whh = RNG.normal(size=(3 * H, H)).astype(np.float32) * 0.6
+    bih, bhh = (RNG.normal(size=3 * H).astype(np.float32) * 0.2 for _ in range(2))
+    inits = [init("Wih", Wih), init("Whh", Whh), init("bih", bih), init("bhh", bhh), init("one", np.float32(1.0)),
+             init("split", np.array([H, H, H])), init("ax1", np.array([1])), init("bhh_other", bhh + 0.5)]
+    inputs = [vi("X", F, ["batch", T, I])]
+    nodes = []
+    if masked:
+        inputs.append(vi("mask", TensorProto.BOOL, ["batch", T]))
+    if kind != "GRU":
+        inputs.append(vi("att", F, ["batch", T]))
+    if h0_input:
+        inputs.append(vi("h0", F, ["batch", H]))
+        h = "h0"
+    else:
+        nodes += [node("Shape", ["X"], ["shp"], start=0, end=1),
+                  node("Concat", ["shp", init("hdim", np.array([H])).name], ["hshape"], axis=0),
+                  node("ConstantOfShape", ["hshape"], ["hzero"])]
+        inits.append(init("hdim", np.array([H])))
+        h = "hzero"
+    for t in range(T):
+        inits += [init(f"t{t}", np.array(t)), init(f"s{t}", np.array([t])), init(f"e{t}", np.array([t + 1]))]
+        p = f"c{t}_"
+        bias = "bhh_other" if t == tamper_step else "bhh"
+        nodes.append(node("Gather", ["X", f"t{t}"], [p + "x"], axis=1))
+        x = p + "x"
+        if kind != "GRU":
+            nodes.append(node("Slice", ["att", f"s{t}", f"e{t}", "ax1"], [p + "a"]))
+        if kind == "AIGRU":
+            nodes.append(node("Mul", [p + "x", p + "a"], [p + "ax"]))
+            x = p + "ax"
+        nodes += [node("Gemm", [x, "Wih", "bih"], [p + "gi"], transB=1),
+                  node("Gemm", [h, "Whh", bias], [p + "gh"], transB=1),
+                  helper.make_node("Split", [p + "gi", "split"], [p + "ir", p + "iz", p + "in"], axis=1),
+                  helper.make_node("Split", [p + "gh", "split"], [p + "hr", p + "hz", p + "hn"], axis=1),
+                  node("Add", [p + "ir", p + "hr"], [p + "ar"]), node("Sigmoid", [p + "ar"], [p + "r"]),
+                  node("Add", [p + "iz", p + "hz"], [p + "az"]), node("Sigmoid", [p + "az"], [p + "z"]),
+                  node("Mul", [p + "r", p + "hn"], [p + "rh"]), node("Add", [p + "in", p + "rh"], [p + "an"]),
+                  node("Tanh", [p + "an"], [p + "n"])]
+        if kind == "AUGRU":
+            nodes += [node("Mul", [p + "a", p + "z"], [p + "u"]), node("Sub", ["one", p + "u"], [p + "k"]),
+                      node("Mul", [p + "k", h], [p + "kh"]), node("Mul", [p + "u", p + "n"], [p + "un"]),
+                      node("Add", [p + "kh", p + "un"], [p + "new"])]
+        else:
+            nodes += [node("Sub", ["one", p + "z"], [p + "u"]), node("Mul", [p + "u", p + "n"], [p + "un"]),
+                      node("Mul", [p + "z", h], [p + "zh"]), node("Add", [p + "un", p + "zh"], [p + "new"])]
+        out = "h_last" if t == T - 1 else p + "h"
+        if masked:
+            nodes.append(node("Slice", ["mask", f"s{t}", f"e{t}", "ax1"], [p + "m"]))
+            if inverted:  # the mask marks the padding: Where(m, h, new)
+                nodes.append(node("Where", [p + "m", h, p + "new"], [out]))
+            else:
+                nodes.append(node("Where", [p + "m", p + "new", h], [out]))
+        else:
+            nodes.append(node("Identity", [p + "new"], [out]))
+        if stacked:
+            nodes.append(node("Unsqueeze", [out, "ax1"], [p + "y"]))
+        h = out
+    outputs = [vi("h_last", F, ["batch", H])]
+    if stacked:
+        nodes.append(node("Concat", [f"c{t}_y" for t in range(T)], ["Y"], axis=1))
+        outputs.insert(0, vi("Y", F, ["batch", T, H]))
+    return make_model(nodes, inputs, outputs, inits)
+
+
+def cell_feeds(model, T=5, I=3, H=4):
+    feeds = {"X": RNG.normal(size=(5, T, I)).astype(np.float32)}
+    names = [i.name for i in model.graph.input]
+    if "mask" in names:
+        lens = np.array([0, T, 2, 1, 3])
+        mask = np.arange(T)[None, :] < lens[:, None]
+        mask[4] = [True, False, True, True, False][:T]  # not a prefix: Where keeps the state wherever it is off
+        feeds["mask"] = mask
+    if "h0" in names:
+        feeds["h0"] = RNG.normal(size=(5, H)).astype(np.float32)
+    if "att" in names:
+        feeds["att"] = RNG.uniform(0, 1, size=(5, T)).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("masked, stacked, h0_input", [(True, True, True), (False, True, False),
+                                                        (True, False, False), (False, False, True)])
+def test_unrolled_cell_becomes_one_sequence_node(masked, stacked, h0_input):
+    model = unrolled_cell_model(masked=masked, stacked=stacked, h0_input=h0_input)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "unrolled over 5 steps" in done[0]
+    assert ops(fused) == ["GRUSequence"]
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["linear_before_reset"], _s(seq["padded_output"])) == (
+        "GRU", 1, "state" if masked else "zero")
+    assert seq["inputs"]["X"] == "X" and seq["inputs"]["mask"] == ("mask" if masked else "")
+    assert seq["inputs"]["initial_h"] == ("h0" if h0_input else "")
+    feeds = cell_feeds(model)
+    assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+@pytest.mark.parametrize("kind", ["AUGRU", "AIGRU"])
+def test_unrolled_attention_cells(kind):
+    model = unrolled_cell_model(kind=kind, inverted=kind == "AIGRU")
+    fused, done = fuse(model)
+    assert len(done) == 1 and f"{kind} cell" in done[0]
+    assert sorted(ops(fused)) == [f"{kind}Sequence"] + (["Not"] if kind == "AIGRU" else [])
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["att_keep"], _s(seq["padded_output"])) == (kind, 0, "state")
+    assert seq["inputs"]["att"] == "att" and seq["inputs"]["X"] == "X"
+    feeds = cell_feeds(model)
+    assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+def test_steps_with_other_weights_are_not_one_chain():
+    model = unrolled_cell_model(tamper_step=3)
+    fused, done = fuse(model)
+    assert done == [] and sorted(ops(fused)) == sorted(ops(model))
+
+
+# ----------------------------------------------------------------------------------------- exporters' models
+
+
+def length_edited(name: str, feeds: dict) -> dict:
+    """The stored feeds with history lengths set to 0 (empty), T (full), 1 and partial, padding ids zeroed."""
+    feeds = {k: v.copy() for k, v in feeds.items()}
+    if "X" in feeds:  # deepctr-torch: one float matrix, seq_length in column 17, histories in 7..16 and 18..27
+        X = feeds["X"]
+        lens = np.resize([0, 10, 1, 4, 10, 0, 7, 2], len(X))
+        if name == "deepctr_torch_DIEN_GRU_legacy.onnx":  # pack_padded_sequence drops empty rows: the raw
+            lens = np.maximum(lens, 1)                      # model fails on them (batch shrinks mid-graph)
+        X[:, 17] = lens
+        for cols in (slice(7, 17), slice(18, 28)):
+            block = X[:, cols]
+            block[np.arange(10)[None, :] >= lens[:, None]] = 0
+        return feeds
+    if "seq_length" in feeds:  # DeepCTR via tf2onnx: seq_length [B, 1]
+        lens = np.resize([0, 10, 1, 4, 10, 0, 7, 2], len(feeds["seq_length"]))
+        feeds["seq_length"] = lens.reshape(-1, 1).astype(feeds["seq_length"].dtype)
+        for k in ("hist_item_id", "hist_cate_id"):
+            feeds[k][np.arange(10)[None, :] >= lens[:, None]] = 0
+        return feeds
+    lens = np.resize([0, 100, 1, 37, 100, 0, 64, 2], len(feeds["hist_len"]))  # the zoo's dien_torch
+    feeds["hist_len"] = lens.astype(feeds["hist_len"].dtype)
+    for k in ("hist_item_id", "hist_cate_id"):
+        feeds[k][np.arange(100)[None, :] >= lens[:, None]] = 0
+    return feeds
+
+
+def check_export(path: Path, expected_kinds: list[tuple], sigmoids: int):
+    model = load(path)
+    fused, done = fuse(model)
+    assert len(done) == len(expected_kinds), done
+    assert kinds(fused) == sorted(expected_kinds)
+    names = ops(fused)
+    assert "GRU" not in names and "Tanh" not in names and names.count("Sigmoid") == sigmoids
+    assert len(fused.graph.node) < len(model.graph.node)
+    with np.load(path.with_suffix(".npz")) as data, np.load(str(path).replace(".onnx", ".ref.npz")) as ref:
+        feeds, refs = {k: data[k] for k in data.files}, {k: ref[k] for k in ref.files}
+    raw, new = Runner(model), Runner(fused)
+    assert_close(refs, new.run(feeds))
+    edited = length_edited(path.name, feeds)
+    assert_close(raw.run(edited), new.run(edited))
+    assert_idempotent(fused)
+    return fused, done
+
+
+GRU = ("GRU", 1, 0, "zero")
+TF_GRU = ("GRU", 0, 0, "zero")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("deepctr_torch_DIEN_GRU_legacy", [GRU, GRU]),            # pack_padded_sequence: sequence_lens
+    ("deepctr_torch_DIEN_GRU_padded_legacy", [GRU, GRU]),
+    ("deepctr_torch_DIEN_GRU_padded_dynamo", [GRU, GRU]),
+    ("deepctr_torch_DIEN_AIGRU_padded_legacy", [GRU, GRU]),   # AIGRU = a GRU op over keys * att
+    ("deepctr_torch_DIEN_AIGRU_padded_dynamo", [GRU, GRU]),
+    ("deepctr_torch_DIEN_AUGRU_padded_legacy", [GRU, ("AUGRU", 1, 0, "state")]),
+    ("deepctr_torch_DIEN_AUGRU_padded_dynamo", [GRU, ("AUGRU", 1, 0, "state")]),
+    ("deepctr_torch_DIEN_AGRU_padded_legacy", [GRU, ("AGRU", 1, 0, "state")]),
+    ("deepctr_torch_DIEN_AGRU_padded_dynamo", [GRU, ("AGRU", 1, 0, "state")]),
+    ("deepctr_DIEN_GRU_tf2onnx", [TF_GRU, TF_GRU]),             # tf2onnx: GRU ops masked by sequence_lens
+    ("deepctr_DIEN_AIGRU_tf2onnx", [TF_GRU, TF_GRU]),
+])
+def test_third_party_dien(name, expected):
+    fused, done = check_export(DATA / f"{name}.onnx", expected, sigmoids=1 if "torch" in name else 3)
+    seqs = sequence_nodes(fused)
+    if "tf2onnx" in name or name.endswith("GRU_legacy"):
+        assert all(s["inputs"]["sequence_lens"] for s in seqs)  # the lengths went to sequence_lens
+    for s in seqs:
+        if _s(s["kind"]) in ("AUGRU", "AGRU"):
+            assert s["inputs"]["att"] and s["inputs"]["mask"] and not s["inputs"]["sequence_lens"]
+
+
+def test_zoo_dien_torch():
+    """nn.GRU (GRU op) + an AUGRUCell unrolled over 100 steps, masked past the length with Where: 6258 nodes."""
+    fused, done = check_export(ZOO / "dien_torch.onnx", [GRU, ("AUGRU", 1, 0, "state")], sigmoids=3)
+    assert "100 steps" in done[1]
+    assert len(fused.graph.node) < 60
+    augru = next(s for s in sequence_nodes(fused) if _s(s["kind"]) == "AUGRU")
+    gru = next(s for s in sequence_nodes(fused) if _s(s["kind"]) == "GRU")
+    assert augru["inputs"]["X"] == gru["node"].output[0]  # the interest extractor's Y feeds the evolution as is
+    assert not augru["inputs"]["initial_h"]  # torch.zeros_like: the op's own zero state
+
+
+# ----------------------------------------------------------------------------------------- torch exporters
+
+
+@pytest.mark.parametrize("exporter, stack", [("legacy", "stack"), ("dynamo", "cat")])
+def test_torch_gru_cell_loop_with_stacked_states(exporter, stack):
+    """nn.GRUCell over the steps of a Python loop, kept past each row's length with torch.where, the states
+    stacked (torch.stack / torch.cat of unsqueezed) and the last one returned: Y and Y_h of one GRUSequence."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.cell = torch.nn.GRUCell(3, 4)
+
+        def forward(self, x, lens):
+            h = torch.zeros(x.shape[0], 4)
+            mask = torch.arange(x.shape[1]).unsqueeze(0) < lens.unsqueeze(1)
+            outs = []
+            for t in range(x.shape[1]):
+                h = torch.where(mask[:, t:t + 1], self.cell(x[:, t], h), h)
+                outs.append(h)
+            y = torch.stack(outs, 1) if stack == "stack" else torch.cat([o.unsqueeze(1) for o in outs], 1)
+            return y, h
+
+    module = Loop().eval()
+    x, lens = torch.randn(5, 6, 3), torch.tensor([0, 6, 2, 1, 4])
+    if exporter == "legacy":
+        f = io.BytesIO()
+        torch.onnx.export(module, (x, lens), f, dynamo=False, opset_version=17, input_names=["x", "lens"],
+                          output_names=["y", "h"], dynamic_axes={"x": {0: "b"}, "lens": {0: "b"}})
+        model = onnx.load_from_string(f.getvalue())
+    else:
+        batch = torch.export.Dim("batch", min=2)
+        model = torch.onnx.export(module, (x, lens), dynamo=True, opset_version=18, input_names=["x", "lens"],
+                                  output_names=["y", "h"], dynamic_shapes=({0: batch}, {0: batch}),
+                                  verbose=False).model_proto
+    fused, done = fuse(model)
+    assert len(done) == 1 and "Y and Y_h" in done[0]
+    assert kinds(fused) == [("GRU", 1, 0, "state")]
+    assert "Tanh" not in ops(fused) and "Sigmoid" not in ops(fused)
+    feeds = {"x": x.numpy(), "lens": lens.numpy()}
+    with torch.no_grad():
+        y, h = module(x, lens)
+    assert_close({"y": y.numpy(), "h": h.numpy()}, Runner(fused).run(feeds))
+    assert_idempotent(fused)
