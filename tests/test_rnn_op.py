@@ -9,7 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ctropt.graph import to_graph, to_model
 from ctropt.ops import DOMAIN

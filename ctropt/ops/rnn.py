@@ -246,19 +246,19 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
 
     # ---- the Scan body
     body = gs.Graph(name=e.name("gru_step"), opset=graph.opset or OPSET)
-    h = gs.Variable(e.name("h"), dtype=np.float32, shape=["batch", H])
-    x_zr = gs.Variable(e.name("x_zr"), dtype=np.float32, shape=["batch", 2 * H])
-    x_n = gs.Variable(e.name("x_n"), dtype=np.float32, shape=["batch", H])
+    h = gs.Variable(e.name("h"), dtype=np.float32, shape=[None, H])
+    x_zr = gs.Variable(e.name("x_zr"), dtype=np.float32, shape=[None, 2 * H])
+    x_n = gs.Variable(e.name("x_n"), dtype=np.float32, shape=[None, H])
     body.inputs = [h, x_zr, x_n]
     f_s = m_s = None
     if scan_factor is not None:
-        f_s = gs.Variable(e.name("factor_t"), dtype=np.float32, shape=["batch", 1])
+        f_s = gs.Variable(e.name("factor_t"), dtype=np.float32, shape=[None, 1])
         body.inputs.append(f_s)
     keep_masked = kind == "AUGRU" and attrs.att_keep and step_mask is not None
     if scan_factor is step_mask and step_mask is not None:
         m_s = f_s                                   # GRU/AIGRU: the factor is the mask itself
     elif keep_masked or (step_mask is not None and attrs.padded_output == "zero" and "Y" in outputs):
-        m_s = gs.Variable(e.name("mask_t"), dtype=np.float32, shape=["batch", 1])
+        m_s = gs.Variable(e.name("mask_t"), dtype=np.float32, shape=[None, 1])
         body.inputs.append(m_s)
 
     def b(op, ins, at=None, n=1):
@@ -286,7 +286,7 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
         y = b("Mul", [h_new, m_s]) if m_s is not None and attrs.padded_output == "zero" else b("Identity", [h_new])
         body.outputs.append(y)
     for t in body.outputs:
-        t.dtype, t.shape = np.float32, ["batch", H]
+        t.dtype, t.shape = np.float32, [None, H]
 
     scan_inputs = [xw_zr, xw_n] + ([scan_factor] if f_s is not None else []) + \
         ([step_mask] if m_s is not None and m_s is not f_s else [])

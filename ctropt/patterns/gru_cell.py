@@ -20,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import SequenceAttrs, reference
-from .matcher import const_value
 
 TOL = 1e-4
 
