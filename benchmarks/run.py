@@ -45,14 +45,14 @@ def ratio_cell(runners, feeds, batch, seconds) -> str:
     return f"{r.ratio:.2f} ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})"
 
 
-def measure(path: Path, seconds: float) -> dict:
+def measure(path: Path, seconds: float, seq_len: int) -> dict:
     raw = load(path)
     row = {"model": path.stem, "nodes": node_count(raw)}
     t0 = time.perf_counter()
     ort_opt = ctropt.optimize(raw, target="ort").model
     row["optimize_s"] = time.perf_counter() - t0
     row["nodes_ort"] = node_count(ort_opt)
-    feeds = {b: generate_inputs(raw, batch=b) for b in BATCHES}
+    feeds = {b: generate_inputs(raw, batch=b, seq_len=seq_len) for b in BATCHES}
     for threads in THREADS:
         runners = [Runner(raw, "ort-cpu", threads), Runner(ort_opt, "ort-cpu", threads)]
         row[f"ort{threads}"] = [ratio_cell(runners, feeds[b], b, seconds) for b in BATCHES]
@@ -107,13 +107,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of substrings of model file names")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per cell")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--seq-len", type=int, default=10, help="history length where the model leaves it dynamic")
     args = parser.parse_args()
     command = "python benchmarks/run.py" + "".join(f" {a}" for a in sys.argv[1:])
     rows = []
     for path in models([o for o in args.only.split(",") if o]):
         print(f"{path.stem} ...", flush=True)
         try:
-            rows.append(measure(path, args.seconds))
+            rows.append(measure(path, args.seconds, args.seq_len))
         except CtroptError as e:
             print(f"  skipped: {e}", flush=True)
             continue

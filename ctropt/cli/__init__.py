@@ -136,7 +136,8 @@ def optimize(
                       + ("" if verify else ", outputs NOT verified") + ")")
         if target == "openvino":
             try:
-                Runner(result.model, "openvino-cpu").run(feeds or generate_inputs(result.model, batch=batch))
+                Runner(result.model, "openvino-cpu").run(
+                    feeds or generate_inputs(result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
                 console.print("OpenVINO CPU: loads and runs")
             except CtroptError as e:
                 console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}")

@@ -45,13 +45,13 @@ def _is_one(d) -> bool:
 
 def _constant(root: gs.Graph, name: str, value) -> gs.Constant:
     """A constant with this value: an equal one of the main graph (or made before) is reused, as dedup-initializers would."""
-    value = np.ascontiguousarray(value)
+    value = np.asarray(value)
     pool = root.__dict__.get("_ctropt_ov_consts")
     if pool is None:
         pool = {}
         for t in root.tensors().values():
             if isinstance(t, gs.Constant) and t.values.size <= 1024:
-                v = np.ascontiguousarray(t.values)
+                v = np.asarray(t.values)  # not ascontiguousarray: it makes a scalar 1-D
                 pool.setdefault((v.dtype.str, v.shape, v.tobytes()), t)
         root.__dict__["_ctropt_ov_consts"] = pool
     key = (value.dtype.str, value.shape, value.tobytes())

@@ -67,11 +67,17 @@ class PassManager:
         self.options = options or {}
         self.on_pass = on_pass
 
+    def _input_options(self) -> dict:
+        """A static history length asked of the lowering is the one the generated inputs use."""
+        seq_len = self.options.get("static_seq_len")
+        return {"seq_len": int(seq_len)} if seq_len else {}
+
     def run(self, model: onnx.ModelProto) -> OptimizeResult:
         original_interface = interface(model)
         reference = feeds = None
         if self.verify:
-            feeds = self.feeds if self.feeds is not None else generate_inputs(model, batch=self.batch)
+            feeds = self.feeds if self.feeds is not None else generate_inputs(model, batch=self.batch,
+                                                                                  **self._input_options())
             try:
                 reference = Runner(model).run(feeds)
             except CtroptError as e:

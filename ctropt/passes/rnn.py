@@ -136,5 +136,5 @@ def tidy(ctx: PassContext) -> None:
     done here so that lowering is idempotent under `all`."""
     from .registry import REGISTRY
 
-    for name in ("eliminate-identity", "dedup-initializers", "eliminate-common-subexpressions"):
+    for name in ("fold-constants", "eliminate-identity", "dedup-initializers", "eliminate-common-subexpressions"):
         REGISTRY[name](PassContext(ctx.graph, ctx.target, dict(ctx.options)))
