@@ -1,6 +1,6 @@
 """Which standard-ONNX form of a fused recurrent layer runs fastest: paired ratios in one run.
 
-    python benchmarks/rnn_forms.py                      # B=256, T=100, H=I=36, 1 thread, onnxruntime
+    python benchmarks/rnn_forms.py                      # B=1,32,64,128,256, T=100, H=I=36, 1 thread, onnxruntime
     python benchmarks/rnn_forms.py --batch 32 --seconds 3
 
 One ai.ctropt sequence node per kind is lowered by `lower_sequence_node` to each candidate form; every form
@@ -51,30 +51,27 @@ def layer(kind: str, H: int, I: int, want_y: bool, form: str, lbr: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", default="1,32,64,128,256")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--hidden", type=int, default=36)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     rng = np.random.default_rng(1)
-    B, T, H = args.batch, args.steps, args.hidden
-    feeds = {"X": rng.normal(size=(B, T, H)).astype(np.float32), "lens": rng.integers(0, T + 1, B).astype(np.int64),
-             "att": rng.uniform(size=(B, T)).astype(np.float32)}
-    print(f"B={B} T={T} H=I={H}, onnxruntime CPU, {args.threads} thread(s); cell = median time(form)/time(scan) "
-          f"[p10-p90]")
-    for kind in ("GRU", "AUGRU"):
-        for want_y in (False, True):
-            for lbr in (0, 1):
-                f = {k: v for k, v in feeds.items() if kind != "GRU" or k != "att"}
-                scan = Runner(layer(kind, H, H, want_y, "scan", lbr), threads=args.threads)
-                cells = []
-                for form in ("gru-op",) if kind == "GRU" else ():
-                    other = Runner(layer(kind, H, H, want_y, form, lbr), threads=args.threads)
-                    r = bench([other, scan], f, B, seconds=args.seconds)
-                    cells.append(f"{form} {r.ratio:.2f} [{r.ratio_p10:.2f}-{r.ratio_p90:.2f}] "
-                                 f"(scan p50 {r.latency[1].p50_ms:.1f} ms)")
-                print(f"{kind:6s} {'Y+Y_h' if want_y else 'Y_h  '} lbr={lbr}: " + ("; ".join(cells) or "scan only"))
+    T, H = args.steps, args.hidden
+    print(f"T={T} H=I={H}, onnxruntime CPU, {args.threads} thread(s); cell = median time(GRU op)/time(lean Scan) "
+          f"[p10-p90], lengths given; > 1: the Scan is faster")
+    for want_y in (False, True):
+        for lbr in (0, 1):
+            scan = Runner(layer("GRU", H, H, want_y, "scan", lbr), threads=args.threads)
+            op = Runner(layer("GRU", H, H, want_y, "gru-op", lbr), threads=args.threads)
+            cells = []
+            for B in (int(b) for b in args.batch.split(",")):
+                feeds = {"X": rng.normal(size=(B, T, H)).astype(np.float32),
+                         "lens": rng.integers(0, T + 1, B).astype(np.int64)}
+                r = bench([op, scan], feeds, B, seconds=args.seconds)
+                cells.append(f"B={B}: {r.ratio:.2f} [{r.ratio_p10:.2f}-{r.ratio_p90:.2f}]")
+            print(f"GRU {'Y+Y_h' if want_y else 'Y_h  '} lbr={lbr}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":

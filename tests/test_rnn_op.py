@@ -14,6 +14,7 @@ from onnx import TensorProto
 from ctropt.graph import to_graph, to_model
 from ctropt.ops import DOMAIN
 from ctropt.ops.rnn import SequenceAttrs, add_sequence_node, reference
+from ctropt.passes import rnn as rnn_passes
 from ctropt.passes.rnn import lower_sequence_node
 from ctropt.patterns.gru_cell import identify_gru_cell
 from tests.helpers import init, make_model, node, vi
@@ -66,7 +67,7 @@ MASKING = [(1, 0), (0, 1), (0, 0)]  # lengths, mask, neither
 
 
 @pytest.mark.parametrize("kind,lbr,keep,pad", VARIANTS)
-@pytest.mark.parametrize("form", ["function", "scan", "gru-op"])
+@pytest.mark.parametrize("form", ["function", "scan", "gru-op", "auto"])
 def test_sequence_op_matches_reference(kind, lbr, keep, pad, form):
     rng = np.random.default_rng(0)
     for (with_lens, with_mask), with_h0, want_y in itertools.product(MASKING, (0, 1), (0, 1)):
@@ -78,9 +79,27 @@ def test_sequence_op_matches_reference(kind, lbr, keep, pad, form):
         onnx.checker.check_model(model)
         assert any(n.domain == DOMAIN for n in model.graph.node) == (form == "function")
         assert bool(model.functions) == (form == "function")
-        got = _run(model, feeds)
+        for rows in (slice(None), slice(0, 1)):  # auto: batch 5 takes the GRU op where it applies; check both
+            got = _run(model, {k: v[rows] for k, v in feeds.items()})
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a, b[rows], atol=1e-5)
+
+
+def test_auto_form_switches_on_the_batch(monkeypatch):
+    """auto = If(batch >= GRU_OP_MAX_BATCH, lean Scan, GRU op): both branches give the reference."""
+    monkeypatch.setattr(rnn_passes, "GRU_OP_MAX_BATCH", 3)
+    rng = np.random.default_rng(6)
+    g, n, feeds, want = _layer(SequenceAttrs("GRU", H, 1), 1, 0, 0, 1, rng)
+    lower_sequence_node(g, n, "auto")
+    g.cleanup()
+    model = to_model(g, make_model([], [], []))
+    assert [x.op_type for x in model.graph.node if x.op_type == "If"] == ["If"]
+    branch_ops = {b.name: {x.op_type for x in b.g.node} for b in next(x for x in model.graph.node if x.op_type == "If").attribute}
+    assert any("GRU" in ops for ops in branch_ops.values()) and any("Scan" in ops for ops in branch_ops.values())
+    for rows in (slice(0, 2), slice(None)):  # batch 2 < 3: GRU op; batch 5: Scan
+        got = _run(model, {k: v[rows] for k, v in feeds.items()})
         for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+            np.testing.assert_allclose(a, b[rows], atol=1e-5)
 
 
 def test_reference_is_the_onnx_gru_op():

@@ -18,7 +18,11 @@ from ..patterns.matcher import const_value, unique_name
 from .registry import PassContext, register_pass
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
-ORT_FORMS = ("scan", "gru-op")
+ORT_FORMS = ("auto", "scan", "gru-op")
+# onnxruntime's GRU op runs the whole sequence in one kernel but each step slower than the lean Scan's ops:
+# `python benchmarks/rnn_forms.py` (T=100, H=36, 1 thread), time(GRU op)/time(Scan): 0.03-0.10 at batch 1,
+# 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch.
+GRU_OP_MAX_BATCH = 192
 
 
 def _opset(graph: gs.Graph) -> int:
@@ -69,48 +73,80 @@ def _gru_op_ok(node: gs.Node, attrs: SequenceAttrs) -> bool:
         and not (has(4) and has(5))
 
 
-def _lower_to_gru_op(graph: gs.Graph, node: gs.Node, attrs: SequenceAttrs) -> None:
+def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dict, attrs: SequenceAttrs,
+                     base: str) -> None:
+    """The ONNX GRU op between batch-major views (names unique in `root`, nodes appended to `graph`)."""
     H = attrs.hidden_size
-    X, W, R, B = node.inputs[:4]
-    lens = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4].name else None
-    h0 = node.inputs[5] if len(node.inputs) > 5 and node.inputs[5].name else None
-    w, r, b = const_value(W), const_value(R), const_value(B)
-    name = unique_name(graph, f"{node.name}/gru")
-    c = lambda tag, v: gs.Constant(unique_name(graph, f"{name}/{tag}"), np.ascontiguousarray(v))  # noqa: E731
-    x_t = gs.Variable(unique_name(graph, f"{name}/x_time_major"), np.float32)
-    graph.nodes.append(gs.Node("Transpose", f"{name}/transpose_x", {"perm": [1, 0, 2]}, [X], [x_t]))
+    name = unique_name(root, f"{base}/gru")
+    var = lambda tag, dtype=np.float32: gs.Variable(unique_name(root, f"{name}/{tag}"), dtype)  # noqa: E731
+    c = lambda tag, v: gs.Constant(unique_name(root, f"{name}/{tag}"), np.ascontiguousarray(v))  # noqa: E731
+    w, r, b = (const_value(inputs[k]) for k in ("W", "R", "B"))
+    x_t = var("x_time_major")
+    graph.nodes.append(gs.Node("Transpose", f"{name}/transpose_x", {"perm": [1, 0, 2]}, [inputs["X"]], [x_t]))
     ins = [x_t, c("W", w.T[None]), c("R", r.T[None]), c("B", b[None]), gs.Variable.empty()]
-    if lens is not None:
-        ins[4] = gs.Variable(unique_name(graph, f"{name}/lens32"), np.int32)
+    if "sequence_lens" in inputs:
+        ins[4] = var("lens32", np.int32)
+        lens = var("lens_1d", None)
+        graph.nodes.append(gs.Node("Reshape", f"{name}/lens_1d", {}, [inputs["sequence_lens"],
+                                                                     c("minus1", np.array([-1], np.int64))], [lens]))
         graph.nodes.append(gs.Node("Cast", f"{name}/cast_lens", {"to": 6}, [lens], [ins[4]]))
-    if h0 is not None:
-        h0_3 = gs.Variable(unique_name(graph, f"{name}/h0"), np.float32)
-        graph.nodes.append(gs.Node("Unsqueeze", f"{name}/unsqueeze_h0", {}, [h0, c("axis0", np.array([0], np.int64))],
-                                   [h0_3]))
-        ins.append(h0_3)
-    Y, Y_h = node.outputs
-    y4 = gs.Variable(unique_name(graph, f"{name}/Y4"), np.float32) if Y.name else gs.Variable.empty()
-    yh3 = gs.Variable(unique_name(graph, f"{name}/Yh3"), np.float32) if Y_h.name else gs.Variable.empty()
+    if "initial_h" in inputs:
+        ins.append(var("h0"))
+        graph.nodes.append(gs.Node("Unsqueeze", f"{name}/unsqueeze_h0", {},
+                                   [inputs["initial_h"], c("axis0", np.array([0], np.int64))], [ins[-1]]))
+    y4 = var("Y4") if "Y" in outputs else gs.Variable.empty()
+    yh3 = var("Yh3") if "Y_h" in outputs else gs.Variable.empty()
     graph.nodes.append(gs.Node("GRU", name, {"hidden_size": H, "linear_before_reset": attrs.linear_before_reset},
                                ins, [y4, yh3]))
-    if Y.name:
-        y3 = gs.Variable(unique_name(graph, f"{name}/Y3"), np.float32)
+    if "Y" in outputs:
+        y3 = var("Y3")
         graph.nodes.append(gs.Node("Squeeze", f"{name}/squeeze_y", {}, [y4, c("axis1", np.array([1], np.int64))], [y3]))
-        graph.nodes.append(gs.Node("Transpose", f"{name}/transpose_y", {"perm": [1, 0, 2]}, [y3], [Y]))
-    if Y_h.name:
+        graph.nodes.append(gs.Node("Transpose", f"{name}/transpose_y", {"perm": [1, 0, 2]}, [y3], [outputs["Y"]]))
+    if "Y_h" in outputs:
         graph.nodes.append(gs.Node("Squeeze", f"{name}/squeeze_yh", {}, [yh3, c("axis0", np.array([0], np.int64))],
-                                   [Y_h]))
+                                   [outputs["Y_h"]]))
 
 
-def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "scan") -> None:
-    """Replace one sequence node by standard ONNX: the lean Scan of its function body, or the GRU op."""
+def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, base: str) -> None:
+    """If(batch >= GRU_OP_MAX_BATCH, lean Scan, GRU op): each form where it is the faster one."""
+    branches = []
+    for form in ("scan", "gru-op"):
+        branch = gs.Graph(name=unique_name(graph, f"{base}/{form}"), opset=graph.opset)
+        outs = {k: gs.Variable(unique_name(graph, f"{base}/{form}/{k}"), np.float32) for k in outputs}
+        if form == "scan":
+            build_sequence(branch, attrs, inputs, outs, prefix=unique_name(graph, f"{base}/{form}"))
+        else:
+            _lower_to_gru_op(branch, graph, inputs, outs, attrs, f"{base}/{form}")
+        branch.outputs = [outs[k] for k in OUTPUTS if k in outs]
+        branches.append(branch)
+    batch = gs.Variable(unique_name(graph, f"{base}/batch"), np.int64)
+    big = gs.Variable(unique_name(graph, f"{base}/large_batch"), np.bool_)
+    graph.nodes.append(gs.Node("Shape", f"{base}/shape", {"start": 0, "end": 1}, [inputs["X"]], [batch]))
+    graph.nodes.append(gs.Node("GreaterOrEqual", f"{base}/is_large_batch", {},
+                               [batch, gs.Constant(unique_name(graph, f"{base}/max_batch"),
+                                                   np.array([GRU_OP_MAX_BATCH], np.int64))], [big]))
+    cond = gs.Variable(unique_name(graph, f"{base}/cond"), np.bool_)
+    graph.nodes.append(gs.Node("Squeeze", f"{base}/cond", {}, [big, gs.Constant(unique_name(graph, f"{base}/ax0"),
+                                                                                 np.array([0], np.int64))], [cond]))
+    graph.nodes.append(gs.Node("If", unique_name(graph, f"{base}/by_batch"),
+                               {"then_branch": branches[0], "else_branch": branches[1]}, [cond],
+                               [outputs[k] for k in OUTPUTS if k in outputs]))
+
+
+def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> None:
+    """Replace one sequence node by standard ONNX: the lean Scan of its function body, the GRU op, or (auto)
+    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time."""
     attrs = SequenceAttrs.of(node)
-    if form == "gru-op" and _gru_op_ok(node, attrs) and all(const_value(t) is not None for t in node.inputs[1:4]):
-        _lower_to_gru_op(graph, node, attrs)
+    inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
+    outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
+    base = unique_name(graph, node.name)
+    gru_op = _gru_op_ok(node, attrs) and all(const_value(t) is not None for t in node.inputs[1:4])
+    if form == "gru-op" and gru_op:
+        _lower_to_gru_op(graph, graph, inputs, outputs, attrs, base)
+    elif form == "auto" and gru_op:
+        _by_batch(graph, attrs, inputs, outputs, base)
     else:
-        inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
-        outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
-        build_sequence(graph, attrs, inputs, outputs, prefix=unique_name(graph, node.name))
+        build_sequence(graph, attrs, inputs, outputs, prefix=base)
     node.outputs.clear()
     node.inputs.clear()
     graph.nodes.remove(node)
@@ -118,8 +154,8 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "scan") -> N
 
 @register_pass("lower-rnn-ort", group="lower", targets=("ort",), order=1)
 def lower_rnn_ort(ctx: PassContext) -> None:
-    """ai.ctropt sequence ops → onnxruntime's fastest measured form: a lean Scan with X·W hoisted out of the loop."""
-    form = ctx.options.get("rnn_ort_form", "scan")
+    """ai.ctropt sequence ops → onnxruntime's fastest measured form: lean Scan (X·W hoisted), GRU op at small batch."""
+    form = ctx.options.get("rnn_ort_form", "auto")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
     for node in [n for n in ctx.graph.nodes if is_sequence_node(n)]:
