@@ -224,8 +224,9 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
             steps = e.op("Gather", [e.op("Shape", [X]), e.const(np.array(1, np.int64))], {"axis": 0})
             rng = e.op("Range", [e.const(np.array(0, np.int64)), steps, e.const(np.array(1, np.int64))])
             # [-1]: exporters squeeze [B, 1] lengths without axes, which leaves a scalar at batch 1
-            lens64 = e.op("Reshape", [e.op("Cast", [lens], {"to": onnx.TensorProto.INT64}),
-                                      e.const(np.array([-1], np.int64))])
+            lens64 = e.op("Cast", [lens], {"to": onnx.TensorProto.INT64})
+            if lens.shape is None or len(lens.shape) != 1:
+                lens64 = e.op("Reshape", [lens64, e.const(np.array([-1], np.int64))])
             valid = e.op("Less", [e.op("Unsqueeze", [rng, e.const(np.array([0], np.int64))]),
                                   e.op("Unsqueeze", [lens64, e.const(np.array([1], np.int64))])])  # [B, T]
         step_mask = time_major(valid)

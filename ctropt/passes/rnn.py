@@ -86,9 +86,11 @@ def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dic
     ins = [x_t, c("W", w.T[None]), c("R", r.T[None]), c("B", b[None]), gs.Variable.empty()]
     if "sequence_lens" in inputs:
         ins[4] = var("lens32", np.int32)
-        lens = var("lens_1d", None)
-        graph.nodes.append(gs.Node("Reshape", f"{name}/lens_1d", {}, [inputs["sequence_lens"],
-                                                                     c("minus1", np.array([-1], np.int64))], [lens]))
+        lens = inputs["sequence_lens"]
+        if lens.shape is None or len(lens.shape) != 1:  # a [B, 1] squeezed without axes is a scalar at batch 1
+            lens = var("lens_1d", None)
+            graph.nodes.append(gs.Node("Reshape", f"{name}/lens_1d", {}, [inputs["sequence_lens"],
+                                                                         c("minus1", np.array([-1], np.int64))], [lens]))
         graph.nodes.append(gs.Node("Cast", f"{name}/cast_lens", {"to": 6}, [lens], [ins[4]]))
     if "initial_h" in inputs:
         ins.append(var("h0"))
