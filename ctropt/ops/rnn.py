@@ -157,7 +157,7 @@ class _Emitter:
 
     def const(self, value, into: gs.Graph | None = None) -> gs.Tensor:
         value = np.asarray(value)
-        if isinstance(into if into is not None else self.graph, gs.Function) and into is None:
+        if into is None and isinstance(self.graph, gs.Function):
             out = gs.Variable(self.name("const"), dtype=value.dtype, shape=value.shape)
             self.graph.nodes.append(gs.Node("Constant", self.name("Constant"),
                                             attrs={"value": gs.Constant(self.name("value"), value)}, outputs=[out]))

@@ -39,7 +39,8 @@ import onnx_graphsurgeon as gs
 from ..graph import iter_proto_graphs
 from ..ops.rnn import add_sequence_node, is_sequence_node
 from ..patterns.gru_cell import CellMatch, identify_gru_cell
-from ..patterns.matcher import const_value, redirect_consumers, replace_outputs, unique_name
+from ..patterns.matcher import const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
+from ..runtime.session import subgraph_session
 
 _PROBE_BATCH = 8
 _RESHAPES = ("Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity")
@@ -219,28 +220,6 @@ def _dim_key(t: gs.Tensor, axis: int, shapes: "_Shapes | None" = None):
 # ------------------------------------------------------------------------------------------ zeros, probes
 
 
-def _is_zeros(t: gs.Tensor, depth: int = 0) -> bool:
-    """True if `t` is all zeros by construction (a constant, ConstantOfShape(0), or Expand/Reshape/... of one)."""
-    if depth > 12:
-        return False
-    v = const_value(t)
-    if v is not None:
-        return v.size == 0 or (np.issubdtype(v.dtype, np.number) and not np.any(v))
-    if len(t.inputs) != 1:
-        return False
-    n = t.inputs[0]
-    if n.op == "ConstantOfShape":
-        value = n.attrs.get("value")
-        if value is None:
-            return True
-        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
-        return not np.any(arr)
-    if n.op in ("Expand", "Tile", "Reshape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Transpose", "Flatten",
-                "Slice", "Neg", "Abs", "Relu") and n.inputs:
-        return _is_zeros(n.inputs[0], depth + 1)
-    return False
-
-
 def _collect(outputs: list, leaves: list) -> tuple[list[gs.Node], list[gs.Tensor]]:
     """The nodes from `leaves` to `outputs`, and the values they use that are neither leaves nor constants nor
     made by a node (values from outside)."""
@@ -275,33 +254,9 @@ class _Probe:
 
     def run(self, values: list) -> list[np.ndarray]:
         if self._session is None:
-            self._session = self._build([np.asarray(v).dtype for v in values])
-        feeds = {f"leaf{i}": np.asarray(v) for i, v in enumerate(values)}
-        return self._session.run(None, feeds)
-
-    def _build(self, dtypes):
-        import onnxruntime as ort
-
-        ins = [gs.Variable(f"leaf{i}", d, None) for i, d in enumerate(dtypes)]
-        swap = {id(t): v for t, v in zip(self.leaves, ins)}
-        for n in self.nodes:
-            for t in n.outputs:
-                swap.setdefault(id(t), gs.Variable(f"v{len(swap)}", None, None))
-        nodes = [gs.Node(n.op, n.name, dict(n.attrs), [swap.get(id(t), t) for t in n.inputs],
-                         [swap[id(t)] for t in n.outputs], domain=n.domain) for n in self.nodes]
-        outs = []
-        for i, (t, dt) in enumerate(zip(self.outputs, self.out_dtypes)):
-            out = gs.Variable(f"out{i}", np.dtype(dt), None)
-            nodes.append(gs.Node("Identity", f"out{i}", inputs=[swap.get(id(t), t)], outputs=[out]))
-            outs.append(out)
-        g = gs.Graph(nodes=nodes, inputs=ins, outputs=outs, opset=self.opset)
-        g.toposort()
-        model = gs.export_onnx(g, do_type_check=False)
-        model.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
-        so = ort.SessionOptions()
-        so.log_severity_level = 4
-        so.intra_op_num_threads = 1
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            self._session = subgraph_session(self.nodes, [(t, np.asarray(v).dtype) for t, v in zip(self.leaves, values)],
+                                             list(zip(self.outputs, self.out_dtypes)), self.opset)
+        return self._session.run(None, {f"leaf{i}": np.asarray(v) for i, v in enumerate(values)})
 
 
 # ------------------------------------------------------------------------------------------ folding (trip count)
@@ -630,7 +585,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     # A second float value (Keras' previous output) is a copy of the state if it starts equal and is updated alike.
     aliases = [k for k in floats if k != state]
     for k in aliases:
-        if not (inits[k] is inits[state] or (_is_zeros(inits[k]) and _is_zeros(inits[state]))):
+        if not (inits[k] is inits[state] or (is_all_zeros(inits[k]) and is_all_zeros(inits[state]))):
             raise _Skip(f"a second recurrent value {b_in[k].name} that does not start as the state")
 
     # ---- masking and outputs, by running the step
@@ -644,7 +599,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
         if outer is None:
             raise _Skip(f"the step uses {u.name}, which is not an input of the loop")
         dt = shapes.dtype(outer)
-        if _is_zeros(outer):
+        if is_all_zeros(outer):
             zeros.append((u, outer))
         elif dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.floating)):
             lens_c.append((u, outer))  # the lengths, if the probe below agrees
@@ -725,7 +680,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     if node.op == "Loop":
         _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
 
-    h0 = None if _is_zeros(inits[state]) else inits[state]
+    h0 = None if is_all_zeros(inits[state]) else inits[state]
     passthrough = [(finals[k], inits[k]) for k in invariants if _used(graph, finals[k])]
     return _Plan(cell, x_step, att_step, mask_step, lens, lens_rank, h0, padded_output,
                  [(stacked_outs[j], out_axes[j]) for j in used_stacked],

@@ -38,7 +38,8 @@ import onnx_graphsurgeon as gs
 
 from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
 from ..patterns.gru_cell import identify_gru_cell
-from ..patterns.matcher import const_value, unique_name
+from ..patterns.matcher import const_value, is_all_zeros, unique_name
+from ..runtime.session import subgraph_session
 
 MIN_STEPS = 3          # shorter unrolled loops are left alone
 MAX_STEP_NODES = 4000  # nodes one step's comparison may visit
@@ -152,28 +153,6 @@ def _topo(nodes: list[gs.Node]) -> list[gs.Node]:
     return order
 
 
-def _is_zero(t: gs.Tensor, depth: int = 0) -> bool:
-    """True if `t` is all zeros whatever the inputs (constants, ConstantOfShape/Expand of 0 and reshapes of them)."""
-    if depth > 8:
-        return False
-    v = const_value(t)
-    if v is not None:
-        return v.size > 0 and not np.any(v)
-    if len(t.inputs) != 1:
-        return False
-    n = t.inputs[0]
-    if n.op == "ConstantOfShape":
-        value = n.attrs.get("value")
-        if value is None:
-            return True
-        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
-        return not np.any(arr)
-    if n.op in ("Expand", "Unsqueeze", "Squeeze", "Reshape", "Slice", "Transpose", "Identity", "Cast", "Tile",
-                "Flatten") and n.inputs:
-        return _is_zero(n.inputs[0], depth + 1)
-    return False
-
-
 class _Builder:
     """Appends glue nodes to the graph."""
 
@@ -273,7 +252,7 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) ->
         Xb = b.op("Transpose", [X], {"perm": [1, 0, 2]}, dtype=np.float32)
     # initial_h, [B, H]
     hb = None
-    if _present(h0) and not _is_zero(h0):
+    if _present(h0) and not is_all_zeros(h0):
         axis = 0 if layout == 0 else 1
         p = h0.inputs[0] if len(h0.inputs) == 1 else None
         if p is not None and p.op == "Unsqueeze" and _axes_of(p) in ([axis], [axis - 3]):
@@ -875,7 +854,7 @@ class _Unroller:
         if not need_h and not stacked:
             return None
         h0 = chain.h0
-        h0_zero = _is_zero(h0)
+        h0_zero = is_all_zeros(h0)
         if const_value(h0) is not None and not h0_zero:
             return None
         # ---- numeric check of the first steps
@@ -1071,44 +1050,9 @@ def _same_attrs(a: dict, b: dict) -> bool:
 
 def _run(nodes: list[gs.Node], feeds: list[tuple], outputs: list[gs.Tensor], opset: int) -> list[np.ndarray]:
     """Run a copy of `nodes` with onnxruntime: `feeds` are (tensor, value) pairs, constants are inlined."""
-    import onnxruntime as ort
-
-    swap, inputs, values = {}, [], {}
-    for i, (t, v) in enumerate(feeds):
-        var = gs.Variable(f"in{i}", v.dtype, list(v.shape))
-        swap[id(t)] = var
-        inputs.append(var)
-        values[var.name] = v
-    for n in nodes:
-        for o in n.outputs:
-            if id(o) not in swap:
-                swap[id(o)] = gs.Variable(f"v{len(swap)}", o.dtype, None)
-
-    def get(t):
-        if not _present(t):
-            return t
-        if id(t) in swap:
-            return swap[id(t)]
-        v = const_value(t)
-        if v is not None:
-            swap[id(t)] = gs.Constant(f"c{len(swap)}", np.asarray(v))
-            return swap[id(t)]
-        raise ValueError(f"unfed value {t.name}")
-
-    copies = [gs.Node(n.op, n.name, dict(n.attrs), [get(t) for t in n.inputs], [swap[id(t)] for t in n.outputs],
-                      domain=n.domain) for n in nodes]
-    outs = [swap[id(t)] for t in outputs]
-    for t in outs:
-        t.dtype = t.dtype or np.float32
-    g = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=opset)
-    g.toposort()
-    model = gs.export_onnx(g, do_type_check=False)
-    model.ir_version = 8
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, values)
+    sess = subgraph_session(nodes, [(t, v.dtype) for t, v in feeds], [(t, t.dtype or np.float32) for t in outputs],
+                            opset)
+    return sess.run(None, {f"leaf{i}": v for i, (_, v) in enumerate(feeds)})
 
 
 def fuse_unrolled_cells(graph: gs.Graph, opset: int) -> list[str]:

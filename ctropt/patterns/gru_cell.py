@@ -23,6 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import SequenceAttrs, reference
+from ..runtime.session import subgraph_session
 
 TOL = 1e-4
 
@@ -66,27 +67,10 @@ class _Region:
         return [n for n in self.nodes if n.op == op]
 
     def run(self, outputs: list[gs.Tensor], values: list[np.ndarray]) -> list[np.ndarray]:
-        import onnxruntime as ort
-
         key = tuple(id(t) for t in outputs)
         if key not in self._sessions:
-            inputs = [gs.Variable(f"leaf{i}", np.float32, None) for i in range(len(self.leaves))]
-            swap = {id(t): v for t, v in zip(self.leaves, inputs)}
-            for n in self.nodes:
-                swap.update({id(t): gs.Variable(f"o{id(t)}", t.dtype, None) for t in n.outputs})
-            nodes = [gs.Node(n.op, n.name, dict(n.attrs), [swap.get(id(t), t) for t in n.inputs],
-                             [swap[id(t)] for t in n.outputs], domain=n.domain) for n in self.nodes]
-            outs = [swap[id(t)] for t in outputs]
-            for t in outs:
-                t.dtype = t.dtype or np.float32
-            g = gs.Graph(nodes=nodes, inputs=inputs, outputs=outs, opset=self.opset)
-            g.toposort()
-            model = gs.export_onnx(g, do_type_check=False)
-            model.ir_version = 8
-            so = ort.SessionOptions()
-            so.log_severity_level = 4
-            so.intra_op_num_threads = 1
-            self._sessions[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            self._sessions[key] = subgraph_session(self.nodes, [(t, np.float32) for t in self.leaves],
+                                                   [(t, t.dtype or np.float32) for t in outputs], self.opset)
         s = self._sessions[key]
         feeds = {f"leaf{i}": v.astype(np.float32) for i, v in enumerate(values)}
         return [np.asarray(v, np.float32).reshape(len(values[0]), -1) for v in s.run(None, feeds)]

@@ -34,6 +34,28 @@ def const_value(t: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def is_all_zeros(t: gs.Tensor, depth: int = 0) -> bool:
+    """True if `t` is all zeros by construction (a constant, ConstantOfShape(0), or Expand/Reshape/... of one)."""
+    if depth > 12:
+        return False
+    v = const_value(t)
+    if v is not None:
+        return v.size == 0 or (np.issubdtype(v.dtype, np.number) and not np.any(v))
+    if len(t.inputs) != 1:
+        return False
+    n = t.inputs[0]
+    if n.op == "ConstantOfShape":
+        value = n.attrs.get("value")
+        if value is None:
+            return True
+        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
+        return not np.any(arr)
+    if n.op in ("Expand", "Tile", "Reshape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Transpose", "Flatten",
+                "Slice", "Neg", "Abs", "Relu") and n.inputs:
+        return is_all_zeros(n.inputs[0], depth + 1)
+    return False
+
+
 def shape_of(t: gs.Tensor) -> list | None:
     """The (possibly symbolic) shape of a value or constant, None when unknown."""
     shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
