@@ -329,6 +329,11 @@ def bench(
     precision: Optional[str] = typer.Option(None, "--precision", help="OpenVINO precision hint: f32, f16, bf16."),
     seq_len: int = typer.Option(DEFAULT_SEQ_LEN, "--seq-len", min=1,
                                 help="History length of generated inputs where the model leaves it dynamic."),
+    fill: Optional[float] = typer.Option(None, "--fill", min=0.0, max=1.0,
+                                         help="Mean history fill of generated inputs (0..1; default: lengths "
+                                              "uniform in 0..T)."),
+    one_user: bool = typer.Option(False, "--one-user",
+                                  help="Generated rows share row 0's history and user inputs (one request)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
 ):
     """Latency p50/p90/p99 and throughput; with two models, the median of paired time ratios (A/B)."""
@@ -351,7 +356,8 @@ def bench(
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
         else:
-            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n), seq_len=seq_len) for n in batch.split(",")}
+            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n), seq_len=seq_len, fill=fill, one_user=one_user)
+                              for n in batch.split(",")}
         results = []
         with Progress(console=console, transient=True) as progress:
             for n, feeds in feeds_by_batch.items():

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from ..graph import CtroptError
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
 from ..patterns.matcher import const_value, unique_name
-from .registry import PassContext, register_pass
+from .registry import PassContext, register_pass, tidy
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
 ORT_FORMS = ("auto", "scan", "gru-op")
@@ -167,12 +167,3 @@ def lower_rnn_ort(ctx: PassContext) -> None:
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
         tidy(ctx)
-
-
-def tidy(ctx: PassContext) -> None:
-    """What the cleanup passes would still find in lowered layers (casts to the same type, equal constants):
-    done here so that lowering is idempotent under `all`."""
-    from .registry import REGISTRY
-
-    for name in ("fold-constants", "eliminate-identity", "dedup-initializers", "eliminate-common-subexpressions"):
-        REGISTRY[name](PassContext(ctx.graph, ctx.target, dict(ctx.options)))

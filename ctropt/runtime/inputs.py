@@ -171,15 +171,20 @@ def _jagged_values(graph: gs.Graph, facts: dict[str, InputFacts]) -> list[tuple[
 
 
 def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
-                    seed: int = 0, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """One batch of inputs for every graph input, keyed by input name."""
+                    seed: int = 0, dims: dict[str, int] | None = None, fill: float | None = None,
+                    one_user: bool = False) -> dict[str, np.ndarray]:
+    """One batch of inputs for every graph input, keyed by input name.
+
+    Histories are 0..T long with a full and an empty one in the batch; with `fill` (0..1] they are fill*T long on
+    average (uniform in a band around it, none forced). `one_user`: every row has row 0's history, lengths, mask
+    and user-named inputs (one request ranking `batch` candidates for one user).
+    """
     graph = to_graph(model)
     facts = analyze_inputs(graph)
     rng = np.random.default_rng(seed)
     shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
     time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
-    lengths = rng.integers(0, time_len + 1, size=batch)
-    lengths[: min(batch, 2)] = [time_len, 0][: min(batch, 2)]  # a full and an empty history
+    lengths = _history_lengths(rng, batch, time_len, fill, one_user)
     has_lengths = any(f.is_length or f.is_mask for f in facts.values())
     feeds = {}
     jagged = dict(_jagged_values(graph, facts))
@@ -188,11 +193,42 @@ def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_l
         if inp.name in jagged:
             shape = [int(feeds[jagged[inp.name]].sum())]
         dtype = np.dtype(inp.dtype) if inp.dtype is not None else np.dtype(np.float32)
-        feeds[inp.name] = _one_input(rng, dtype, shape, f, lengths, time_len, has_lengths)
+        feeds[inp.name] = _one_input(rng, dtype, shape, f, lengths, time_len, has_lengths, (fill, one_user))
+        if one_user:
+            _same_user(feeds[inp.name], inp.name, f, batch, time_len, slice(None))
+        elif fill is None and batch >= 4:  # rows 0 and 3 are one user (full history): dedup must keep them apart
+            _same_user(feeds[inp.name], inp.name, f, batch, time_len, [3])
     return {i.name: feeds[i.name] for i in graph.inputs}
 
 
-def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths) -> np.ndarray:
+def _history_lengths(rng, batch: int, time_len: int, fill: float | None, one_user: bool) -> np.ndarray:
+    if fill is None:
+        lengths = rng.integers(0, time_len + 1, size=batch)
+        lengths[: min(batch, 2)] = [time_len, 0][: min(batch, 2)]  # a full and an empty history
+    else:
+        low, high = max(0.0, 2 * fill - 1) * time_len, min(1.0, 2 * fill) * time_len
+        lengths = rng.integers(int(round(low)), int(round(high)) + 1, size=batch)
+    if one_user:
+        lengths[:] = int(round(fill * time_len)) if fill is not None else lengths[0]
+    elif fill is None and batch >= 4:
+        lengths[3] = lengths[0]
+    return lengths
+
+
+def _same_user(values: np.ndarray, name: str, f: InputFacts, batch: int, time_len: int, rows) -> None:
+    """Row 0's user side in `rows`: histories, lengths, masks, user-named inputs (columns when packed)."""
+    if values.ndim == 0 or values.shape[0] != batch:
+        return
+    history = values.ndim >= 2 and values.shape[1] == time_len and time_len > 1 and not (f.columns or f.regions)
+    if f.is_length or f.is_mask or history or "user" in name.lower() or "uid" in name.lower():
+        values[rows] = values[0]
+        return
+    columns = sorted(f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)})
+    if columns and values.ndim == 2:
+        values[rows, columns] = values[0, columns]
+
+
+def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths, fill_user) -> np.ndarray:
     prefix = None
     if len(shape) >= 2 and shape[0] == len(lengths):
         prefix = np.arange(shape[1])[None, :] < lengths[:, None]
@@ -224,7 +260,7 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths)
             _both_ends(column.reshape(-1), bound, rng)
             values[..., col] = column
     if f.length_columns and len(shape) == 2:
-        _length_columns(values, f, lengths if f.history_len(time_len) == time_len else None, rng)
+        _length_columns(values, f, lengths if f.history_len(time_len) == time_len else None, rng, fill_user)
     return values
 
 
@@ -234,12 +270,11 @@ def _both_ends(flat: np.ndarray, high: int, rng) -> None:
         flat[rng.choice(flat.size, 2, replace=False)] = [0, high - 1]
 
 
-def _length_columns(values: np.ndarray, f: InputFacts, lengths, rng) -> None:
+def _length_columns(values: np.ndarray, f: InputFacts, lengths, rng, fill_user) -> None:
     """Length columns in [0, T], and the history columns of T ids zero past each row's length."""
     T = f.history_len(0)
     if lengths is None:
-        lengths = rng.integers(0, T + 1, size=values.shape[0])
-        lengths[: min(len(lengths), 2)] = [T, 0][: min(len(lengths), 2)]
+        lengths = _history_lengths(rng, values.shape[0], T, *fill_user)
     for c in f.length_columns:
         values[:, c] = lengths
     for start, end in f.regions:

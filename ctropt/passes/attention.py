@@ -1,0 +1,367 @@
+"""Attention over padded histories: `remove-attention-padding` scores the valid history positions only.
+
+DIN and DIEN score every history position with an MLP over [B, T, 4C] and then mask the padded positions away.
+The pass starts at the masking, in the exporters' forms:
+- ``Where(valid, s, fill)`` (or ``Where(padded, fill, s)``) with a fill that does not depend on the scores'
+  values (zeros_like, ones_like * -2^32+1, a constant);
+- ``Mul(s, mask)`` with the mask a Cast of booleans or a mask input (tf2onnx writes ``tf.where`` this way).
+From the scores it walks back over the nodes that work position by position. Which axis is the batch and which
+the history is measured, not guessed: the graph is run at two sizes (``runtime.probe``). The walk stops at the
+region's entries: values of shape [B, T, ...] made outside it (history embeddings, the tiled query, the GRU's
+outputs). The region is then rebuilt over the valid positions: each entry gathered (GatherND) to [1, N, ...], the
+same ops, the scores scattered back into zeros of [B, T, ...]. The masking op writes what it wrote before at
+padded positions, so the outputs are unchanged exactly. Each region is checked numerically before it is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..patterns.matcher import const_value, unique_name
+from ..runtime.inputs import analyze_inputs
+from ..runtime.probe import Probe, try_probe
+from ..runtime.session import subgraph_session
+from .registry import PassContext, register_pass, tidy
+
+LAYOUT_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
+HEAVY_OPS = {"MatMul", "Gemm", "Conv", "MatMulInteger", "QLinearMatMul"}
+OPAQUE_OPS = {"Loop", "Scan", "If"}  # their bodies are not read position by position
+
+
+@dataclasses.dataclass
+class Site:
+    """One masking of per-position scores: `mask_op` reads `scores` (through layout ops) and `cond`."""
+
+    mask_op: gs.Node
+    scores: gs.Tensor  # S, [B, T] or [B, T, 1, ...]: where the position-wise region ends
+    cond: gs.Tensor  # same shape as the masked value
+    negate: bool  # valid positions are where cond is false (Where(padded, fill, s))
+    chain: list[gs.Node]  # layout ops from S to the masked value
+
+
+# ----------------------------------------------------------------------------------------- finding sites
+
+
+def _depends_on(t: gs.Tensor, targets: set[int], depth: int = 0) -> bool:
+    """Whether `t`'s values depend on any of `targets` (reading only a shape does not count)."""
+    if id(t) in targets:
+        return True
+    if depth > 40 or not t.inputs:
+        return False
+    n = t.inputs[0]
+    if n.op == "Shape" or n.op == "Size":
+        return False
+    return any(_depends_on(u, targets, depth + 1) for u in n.inputs)
+
+
+def _bool_mask(m: gs.Tensor, mask_inputs: set[str]) -> bool:
+    """A mask input, or a Cast (of booleans: checked on the probe's values, `_site_sizes`)."""
+    if m.name in mask_inputs:
+        return True
+    n = m.inputs[0] if m.inputs else None
+    return n is not None and n.op == "Cast" and n.inputs[0].dtype in (np.bool_, None)
+
+
+def _walk_to_scores(x: gs.Tensor, mask_op: gs.Node) -> tuple[gs.Tensor, list[gs.Node]] | None:
+    """From the masked value back over layout ops whose values are read only by the next op (or by Shape)."""
+    chain, t, reader = [], x, mask_op
+    while True:
+        others = [c for c in t.outputs if c is not reader and c.op not in ("Shape", "Size")]
+        if others:
+            return None
+        n = t.inputs[0] if t.inputs else None
+        if n is None:
+            return None
+        if n.op not in LAYOUT_OPS:
+            return t, chain
+        chain.insert(0, n)
+        t, reader = n.inputs[0], n
+
+
+def find_sites(graph: gs.Graph) -> list[Site]:
+    mask_inputs = {name for name, f in analyze_inputs(graph).items() if f.is_mask}
+    sites = []
+    for n in graph.nodes:
+        candidates = []
+        if n.op == "Where" and len(n.inputs) == 3:
+            c, a, b = n.inputs
+            candidates = [(a, c, False, b), (b, c, True, a)]
+        elif n.op == "Mul" and len(n.inputs) == 2:
+            a, b = n.inputs
+            candidates = [(x, m, False, None) for x, m in ((a, b), (b, a)) if _bool_mask(m, mask_inputs)]
+        for x, cond, negate, fill in candidates:
+            if const_value(x) is not None:
+                continue
+            found = _walk_to_scores(x, n)
+            if found is None:
+                continue
+            scores, chain = found
+            region_values = {id(scores)} | {id(c.outputs[0]) for c in chain}
+            if fill is not None and _depends_on(fill, region_values):
+                continue
+            if _depends_on(cond, region_values):
+                continue
+            sites.append(Site(n, scores, cond, negate, chain))
+    return sites
+
+
+# ----------------------------------------------------------------------------------------- the region
+
+
+@dataclasses.dataclass
+class Region:
+    nodes: list[gs.Node]  # in graph order
+    entries: list[gs.Tensor]  # [B, T, ...] values made outside the region
+
+
+class _Axes:
+    """Which values carry the (batch, history) positions, by their shapes in both probe runs."""
+
+    def __init__(self, probe: Probe, bt: list[tuple[int, int]]):
+        self.probe, self.bt = probe, bt
+
+    def positional(self, t: gs.Tensor) -> bool:
+        shapes = self.probe.shapes(t)
+        return shapes is not None and all(len(s) >= 2 and tuple(s[:2]) == bt for s, bt in zip(shapes, self.bt))
+
+    def flat(self, t: gs.Tensor) -> bool:
+        shapes = self.probe.shapes(t)
+        return shapes is not None and all(len(s) >= 1 and s[0] == b * t for s, (b, t) in zip(shapes, self.bt))
+
+    def shape_like(self, t: gs.Tensor) -> bool:
+        v = self.probe.value(t)
+        return v is not None and v.ndim <= 1 and v.size <= 8 and np.issubdtype(v.dtype, np.integer)
+
+
+def _walk_region(scores: gs.Tensor, axes: _Axes, forced: set[int]) -> Region | None:
+    """The nodes between the entries and `scores` that work position by position (memoized backward walk)."""
+    state: dict[int, str] = {}  # id(tensor) -> "const" | "node" | "entry" | "fail"
+
+    def visit(t: gs.Tensor) -> bool:
+        key = id(t)
+        if key in state:
+            return state[key] != "fail"
+        if const_value(t) is not None:
+            state[key] = "const"
+            return True
+        n = t.inputs[0] if t.inputs else None
+        movable = n is not None and key not in forced and n.op not in OPAQUE_OPS and n.domain in ("", "ai.onnx", None)
+        kind = axes.positional(t) or axes.flat(t) or (axes.shape_like(t) and not axes.positional(t))
+        if movable and kind:
+            state[key] = "node"  # provisional: a cycle cannot occur in a DAG
+            if all(visit(u) for u in n.inputs if u.name):
+                for o in n.outputs:
+                    state.setdefault(id(o), "node")
+                return True
+        ok = axes.positional(t) and t is not scores
+        state[key] = "entry" if ok else "fail"
+        return ok
+
+    if not visit(scores) or state[id(scores)] != "node":
+        return None
+    nodes, entries, seen = {}, {}, set()
+    stack = [scores]
+    while stack:  # what S needs, through included nodes only (a failed branch leaves strays behind)
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        s = state.get(id(t))
+        if s == "entry":
+            entries[id(t)] = t
+        elif s == "node":
+            n = t.inputs[0]
+            nodes[id(n)] = n
+            stack.extend(u for u in n.inputs if u.name)
+    return Region(list(nodes.values()), list(entries.values()))
+
+
+def find_region(scores: gs.Tensor, axes: _Axes, graph_outputs: set[int]) -> Region | None:
+    """The region, with every value it makes that something outside reads turned into an entry."""
+    forced: set[int] = set()
+    while True:
+        region = _walk_region(scores, axes, forced)
+        if region is None:
+            return None
+        inside = {id(n) for n in region.nodes}
+        leaks = {id(t) for n in region.nodes for t in n.outputs if t is not scores and
+                 (id(t) in graph_outputs or any(id(c) not in inside for c in t.outputs))}
+        if not leaks - forced:
+            return region
+        forced |= leaks
+
+
+# ----------------------------------------------------------------------------------------- the rewrite
+
+
+class _Builder:
+    """New nodes collected in a list (added to the graph only once they are checked)."""
+
+    def __init__(self, graph: gs.Graph, base: str):
+        self.graph, self.base, self.nodes = graph, base, []
+
+    def const(self, name: str, value) -> gs.Constant:
+        return gs.Constant(unique_name(self.graph, f"{self.base}/{name}"), np.asarray(value))
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, name: str | None = None) -> gs.Variable:
+        node_name = unique_name(self.graph, f"{self.base}/{name or op}")
+        out = gs.Variable(unique_name(self.graph, f"{node_name}:0"))
+        self.nodes.append(gs.Node(op, node_name, attrs=attrs or {}, inputs=list(inputs), outputs=[out]))
+        return out
+
+
+def _graph_order(graph: gs.Graph, nodes: list[gs.Node]) -> list[gs.Node]:
+    ids = {id(n) for n in nodes}
+    return [n for n in graph.nodes if id(n) in ids]
+
+
+def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple | None
+                       ) -> tuple[_Builder, gs.Tensor, gs.Tensor]:
+    """Nodes computing the scores at the valid positions (and (0, 0), last) and scattering them back; returns
+    (builder, valid [B, T] tensor, scattered scores [B, T, ...])."""
+    b = _Builder(graph, f"{site.scores.name}/valid")
+    cond = b.op("Not", [site.cond]) if site.negate else site.cond
+    valid = b.op("Reshape", [cond, b.const("bt", np.array([0, -1], np.int64))], name="valid")  # [B, T]
+    nonzero = b.op("Transpose", [b.op("NonZero", [valid])], {"perm": [1, 0]})
+    # Position (0, 0) is always added, so the region never runs on zero rows (a Reshape to [-1, C] cannot infer
+    # -1 from zero elements); when it is padded the masking overwrites it, when valid it is written twice alike.
+    idx = b.op("Concat", [nonzero, b.const("origin", np.zeros((1, 2), np.int64))], {"axis": 0}, name="positions")
+    zero_axis = b.const("axis0", np.array([0], np.int64))
+    swap = {}
+    for e in region.entries:
+        rows = b.op("GatherND", [e, idx], name="gather")
+        swap[id(e)] = b.op("Unsqueeze", [rows, zero_axis], name="rows")  # [1, N, ...]
+    for n in _graph_order(graph, region.nodes):
+        inputs = [swap.get(id(u), u) for u in n.inputs]
+        outs = []
+        for o in n.outputs:
+            swap[id(o)] = gs.Variable(unique_name(graph, f"{o.name}/valid"), dtype=o.dtype)
+            outs.append(swap[id(o)])
+        b.nodes.append(gs.Node(n.op, unique_name(graph, f"{n.name}/valid"), dict(n.attrs), inputs, outs,
+                               domain=n.domain))
+    scores_valid = b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
+    if tail is None:  # the scores' dims after (B, T), when they are not the same at every size
+        tail = b.op("Slice", [b.op("Shape", [scores_valid]), b.const("one", np.array([1], np.int64)),
+                              b.const("end", np.array([np.iinfo(np.int64).max], np.int64))])
+    else:
+        tail = b.const("tail", np.array(tail, np.int64))
+    full_shape = b.op("Concat", [b.op("Shape", [valid]), tail], {"axis": 0})
+    dtype = np.dtype(site.scores.dtype or np.float32)
+    zeros = b.op("ConstantOfShape", [full_shape], {"value": gs.Constant("zero", np.zeros(1, dtype))})
+    scattered = b.op("ScatterND", [zeros, idx, scores_valid], name="scatter")
+    scattered.dtype = site.scores.dtype
+    b.scores_valid = scores_valid
+    return b, valid, scattered
+
+
+def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, probe: Probe, opset: int) -> str:
+    """Run the original region and the rebuilt one on the probe's values; '' if the valid scores agree."""
+    leaves = region.entries + [site.cond]
+    leaf_types = [(t, probe.value(t).dtype) for t in leaves]
+    try:
+        old = subgraph_session(region.nodes, leaf_types, [(site.scores, probe.value(site.scores).dtype)], opset)
+        new = subgraph_session(built.nodes, leaf_types,
+                               [(built.scores_valid, probe.value(site.scores).dtype), (valid, leaf_types[-1][1])], opset)
+    except Exception as e:  # an op that cannot be copied out (e.g. reads a value from an outer scope)
+        return f"cannot run the region on its own: {str(e).splitlines()[0][:160]}"
+    for run in range(len(probe.runs)):
+        feeds = {f"leaf{i}": probe.value(t, run) for i, t in enumerate(leaves)}
+        try:
+            (full,) = old.run(None, feeds)
+            got, mask = new.run(None, feeds)
+        except Exception as e:
+            return f"the rebuilt region does not run: {str(e).splitlines()[0][:160]}"
+        mask = mask != 0
+        want = full.reshape(mask.shape + full.shape[2:])[mask]
+        if want.shape != got[:-1].shape or not np.allclose(want, got[:-1], rtol=1e-5, atol=1e-6):
+            return "the region does not work position by position (scores differ when run on valid positions only)"
+    return ""
+
+
+def _site_sizes(site: Site, probe: Probe) -> list[tuple[int, int]] | None:
+    """(B, T) of each probe run, read off the mask; None when the mask is not [B, ...T...] like the scores."""
+    sizes = []
+    for run in range(len(probe.runs)):
+        cond, scores = probe.value(site.cond, run), probe.value(site.scores, run)
+        x = site.chain[-1].outputs[0] if site.chain else site.scores
+        x_value = probe.value(x, run)
+        if cond is None or scores is None or x_value is None or cond.shape != x_value.shape or cond.ndim < 2:
+            return None
+        cast = site.cond.inputs[0] if site.cond.inputs and site.cond.inputs[0].op == "Cast" else None
+        source = probe.value(cast.inputs[0], run) if cast is not None and site.mask_op.op == "Mul" else cond
+        if source is None or source.dtype not in (np.bool_, np.float32, np.float64):
+            return None
+        batch = cond.shape[0]
+        if batch == 0 or cond.size % batch or scores.ndim < 2 or scores.size != cond.size:
+            return None
+        steps = cond.size // batch
+        if tuple(scores.shape[:2]) != (batch, steps):
+            return None
+        sizes.append((batch, steps))
+    return sizes
+
+
+def _order_kept(chain: list[gs.Node], probe: Probe) -> bool:
+    """The layout ops keep the positions in row-major (batch, history) order: transposes move unit axes only."""
+    for n in chain:
+        if n.op != "Transpose":
+            continue
+        shape = probe.value(n.inputs[0]).shape
+        perm = n.attrs.get("perm", list(range(len(shape)))[::-1])
+        moved = [p for p in perm if shape[p] != 1]
+        if moved != sorted(moved):
+            return False
+    return True
+
+
+@register_pass("remove-attention-padding", group="fusion", order=40)
+def remove_attention_padding(ctx: PassContext) -> None:
+    """Attention MLPs over padded histories ([B, T, ...]) → the same MLP over the N valid positions only."""
+    graph = ctx.graph
+    sites = find_sites(graph)
+    if not sites:
+        return
+    probe, why = try_probe(graph)
+    if probe is None:
+        ctx.note(why)
+        return
+    opset = int(getattr(graph, "opset", None) or 0)
+    graph_outputs = {id(t) for t in graph.outputs}
+    done: set[int] = set()
+    for site in sites:
+        if id(site.scores) in done:
+            continue
+        where = f"{site.mask_op.op} {site.mask_op.name}"
+        sizes = _site_sizes(site, probe)
+        if sizes is None:
+            continue  # not a mask over per-position scores
+        if not _order_kept(site.chain, probe):
+            ctx.note(f"left as is: {where}: the scores reach the mask transposed")
+            continue
+        region = find_region(site.scores, _Axes(probe, sizes), graph_outputs)
+        if region is None or not any(n.op in HEAVY_OPS for n in region.nodes):
+            ctx.note(f"left as is: {where}: no position-wise MLP computes the masked scores")
+            continue
+        tails = {tuple(shape[2:]) for shape in probe.shapes(site.scores)}
+        built, valid, scattered = build_valid_region(graph, site, region, tails.pop() if len(tails) == 1 else None)
+        problem = check_region(site, region, built, valid, probe, opset)
+        ctx.matches += 1
+        if problem:
+            ctx.note(f"left as is: {where}: {problem}")
+            continue
+        graph.nodes.extend(built.nodes)
+        inside = {id(n) for n in region.nodes}
+        for consumer in list(site.scores.outputs):
+            if id(consumer) not in inside:
+                consumer.inputs[consumer.inputs.index(site.scores)] = scattered
+        done.add(id(site.scores))
+        ctx.rewrites += 1
+        ops = sum(n.op in HEAVY_OPS for n in region.nodes)
+        ctx.note(f"{where}: {len(region.nodes)} ops ({ops} matmuls) over [B, T, ...] now run on the valid positions "
+                 f"({len(region.entries)} entries gathered)")
+    if ctx.rewrites:
+        graph.cleanup()
+        tidy(ctx)

@@ -1,0 +1,289 @@
+"""Sample-aware dedup: `dedup-user-side` computes what depends only on the user once per distinct user.
+
+In ranking, one request scores B candidate items for one user, so everything that depends only on the user
+(history embeddings, the interest-extraction GRU, user towers) is the same in every row (DeepRec's sample-aware
+graph compression). The pass:
+- takes the user-side seeds: history id inputs ([B, T] ids), history lengths and masks, the history/length
+  columns deepctr-torch slices out of its one input, and inputs named in the ``user_inputs`` option;
+- finds the nodes that read only seeds and constants and whose values are per row (measured: ``runtime.probe``);
+- checks, by running them on a subset of rows with repeats, that no op mixes rows (batch statistics at
+  inference, reductions over the batch axis); such ops and what follows them stay per row, and the pass says so;
+- rewrites: Unique over the rows of the seeds → the nodes run on the distinct rows → Gather(inverse) where the
+  rest of the graph reads their results. Exact: equal seeds give equal results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..ops.rnn import is_sequence_node
+from ..patterns.matcher import const_value, unique_name
+from ..runtime.inputs import analyze_inputs
+from ..runtime.probe import Probe, try_probe
+from ..runtime.session import subgraph_session
+from .registry import PassContext, register_pass, tidy
+
+HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
+OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track
+SUBSET = [3, 0, 0, 7, 5]  # rows of the first probe run, reordered and repeated: a row-wise op maps them alike
+
+
+def _batches(probe: Probe) -> list[int]:
+    return [len(next(iter(f.values()))) if f else 0 for f in probe.feeds]
+
+
+def _per_row(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
+    shapes = probe.shapes(t)
+    return shapes is not None and all(len(s) >= 1 and s[0] == b for s, b in zip(shapes, batches))
+
+
+def _shape_like(t: gs.Tensor, probe: Probe) -> bool:
+    v = probe.value(t)
+    return v is not None and v.ndim <= 1 and v.size <= 8 and np.issubdtype(v.dtype, np.integer)
+
+
+def _column_seeds(inp: gs.Tensor, columns: set[int]) -> list[gs.Tensor]:
+    """Slices of `inp` along axis 1 that read only user columns (deepctr-torch packs features in one matrix)."""
+    seeds = []
+    for n in inp.outputs:
+        if n.op != "Slice" or len(n.inputs) < 4:
+            continue
+        starts, ends, axes = (const_value(t) for t in n.inputs[1:4])
+        if starts is None or ends is None or axes is None or list(axes.reshape(-1)) != [1]:
+            continue
+        s, e = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+        if e > s and set(range(s, e)) <= columns:
+            seeds.append(n.outputs[0])
+    return seeds
+
+
+def user_seeds(graph: gs.Graph, probe: Probe, named: set[str]) -> list[gs.Tensor]:
+    """The values that describe the user: history ids, lengths, masks (inputs or packed columns), named inputs."""
+    facts = analyze_inputs(graph)
+    batches = _batches(probe)
+    seeds = []
+    for inp in graph.inputs:
+        f = facts[inp.name]
+        if not _per_row(inp, probe, batches):
+            continue
+        shapes = probe.shapes(inp)
+        ids = inp.dtype is not None and np.issubdtype(np.dtype(inp.dtype), np.integer)
+        history = ids and all(len(s) == 2 and s[1] > 1 for s in shapes) and not (f.columns or f.regions)
+        if inp.name in named or f.is_length or f.is_mask or history:
+            seeds.append(inp)
+            continue
+        columns = f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)}
+        if columns:
+            seeds += _column_seeds(inp, columns)
+    return seeds
+
+
+def _closure(graph: gs.Graph, seeds: list[gs.Tensor], probe: Probe, excluded: set[int]) -> tuple[list, list]:
+    """Nodes (graph order) that read only seeds, constants and each other, with per-row or shape-like values;
+    and why nodes that read only those were left out (their value is not per row: a reduction over the batch)."""
+    batches = _batches(probe)
+    inside = {id(s) for s in seeds}
+    nodes, reasons = [], []
+    for n in graph.nodes:
+        values = [u for u in n.inputs if u.name and const_value(u) is None]
+        if id(n) in excluded or n.op in OPAQUE_OPS or not values or not all(id(u) in inside for u in values):
+            continue
+        if not all(_per_row(o, probe, batches) or _shape_like(o, probe) for o in n.outputs if o.name):
+            reasons.append(f"{n.op} {n.name} reduces over the batch (its value is not one per row)")
+            continue
+        nodes.append(n)
+        inside.update(id(o) for o in n.outputs)
+    return nodes, reasons
+
+
+def _explicit_squeeze_axes(nodes: list[gs.Node], probe: Probe, opset: int, changed: list) -> None:
+    """A Squeeze without axes drops the batch axis when one distinct user is left: name the axes it drops
+    (those of size 1 in both probe runs). `changed` gets (node, inputs, attrs) to undo it."""
+    for n in nodes:
+        if n.op != "Squeeze" or (len(n.inputs) > 1 and n.inputs[1].name) or "axes" in n.attrs:
+            continue
+        shapes = probe.shapes(n.inputs[0])
+        axes = [{i for i, d in enumerate(s) if d == 1} for s in shapes or []]
+        if not axes or any(a != axes[0] for a in axes):
+            continue
+        value = np.array(sorted(axes[0]), np.int64)
+        changed.append((n, list(n.inputs), dict(n.attrs)))
+        if opset >= 13:
+            axes_input = gs.Constant(f"{n.name}/axes", value)
+            if len(n.inputs) > 1:
+                n.inputs[1] = axes_input
+            else:
+                n.inputs.append(axes_input)
+        else:
+            n.attrs["axes"] = value.tolist()
+
+
+def _descendants(nodes: list[gs.Node], start: set[int]) -> set[int]:
+    """Ids of the nodes in `nodes` (graph order) that are in `start` or read a value made by one of them."""
+    out, made = set(), set()
+    for n in nodes:
+        if id(n) in start or any(id(u) in made for u in n.inputs):
+            out.add(id(n))
+            made.update(id(o) for o in n.outputs)
+    return out
+
+
+def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset: int, functions) -> tuple[set, str]:
+    """Nodes whose values for a row depend on other rows (measured on a reordered subset with repeats)."""
+    batches = _batches(probe)
+    values = [o for n in nodes for o in n.outputs if o.name and _per_row(o, probe, batches)]
+    leaves = [(s, probe.value(s).dtype) for s in seeds]
+    try:
+        sess = subgraph_session(nodes, leaves, [(v, probe.value(v).dtype) for v in values], opset, functions)
+        full = sess.run(None, {f"leaf{i}": probe.value(s) for i, s in enumerate(seeds)})
+    except Exception as e:
+        return {id(n) for n in nodes}, f"cannot run the user side on its own: {str(e).splitlines()[0][:160]}"
+    bad = []
+    for sel in ([r for r in SUBSET if r < batches[0]], [0]):  # one user per request: one distinct row
+        try:
+            part = sess.run(None, {f"leaf{i}": probe.value(s)[sel] for i, s in enumerate(seeds)})
+        except Exception as e:
+            return {id(n) for n in nodes}, f"the user side does not run on {len(sel)} rows: {str(e)[:160]}"
+        bad += [v for v, a, b in zip(values, full, part) if a[sel].shape != b.shape or
+                not np.allclose(a[sel], b, rtol=1e-5, atol=1e-6, equal_nan=True)]
+    producer = {id(o): n for n in nodes for o in n.outputs}
+    if not bad:
+        return set(), ""
+    first = producer[id(bad[0])]
+    return {id(producer[id(v)]) for v in bad}, f"{first.op} {first.name} mixes rows of the batch"
+
+
+@register_pass("dedup-user-side", group="fusion", order=35)
+def dedup_user_side(ctx: PassContext) -> None:
+    """Per-user work (history embeddings, interest GRU) → computed once per distinct user in the batch (Unique/Gather)."""
+    graph = ctx.graph
+    named = {s.strip() for s in str(ctx.options.get("user_inputs", "")).split(",") if s.strip()}
+    if not any(i.shape and len(i.shape) >= 2 for i in graph.inputs) and not named:
+        return
+    probe, why = try_probe(graph)
+    if probe is None:
+        ctx.note(why)
+        return
+    seeds = user_seeds(graph, probe, named)
+    if not seeds:
+        ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
+                 "--option user_inputs=a,b)")
+        return
+    opset = int(getattr(graph, "opset", None) or 0)
+    batches = _batches(probe)
+    excluded: set[int] = set()
+    reasons, squeezes = [], []
+    for _ in range(20):  # shrink until nothing mixes rows and no shape value is read outside
+        nodes, blocked = _closure(graph, seeds, probe, excluded)
+        _explicit_squeeze_axes(nodes, probe, opset, squeezes)
+        mixed, why = rows_mixed(nodes, seeds, probe, opset, graph.functions)
+        reasons += [r for r in blocked + [why] if r and r not in reasons]
+        inside = {id(n) for n in nodes}
+        leaked = {id(n) for n in nodes for o in n.outputs if o.name and not _per_row(o, probe, batches)
+                  and any(id(c) not in inside for c in o.outputs)}
+        drop = _descendants(nodes, mixed | leaked)
+        if not drop:
+            break
+        excluded |= drop
+    heavy = [n for n in nodes if n.op in HEAVY_OPS or is_sequence_node(n)]
+    reachable = len(nodes)
+    nodes = _around(nodes, heavy, seeds)
+    read = {id(u) for n in nodes for u in n.inputs}
+    seeds = [s for s in seeds if id(s) in read]
+    for why in reasons:
+        ctx.note(f"kept per row: {why}")
+    ctx.matches += 1
+    rewriting = {id(n) for n in nodes} if heavy and _key_dtype(seeds, probe) is not None else set()
+    for n, inputs, attrs in squeezes:  # what will not run on distinct rows stays as it was
+        if id(n) not in rewriting:
+            n.inputs.clear()
+            n.inputs.extend(inputs)
+            n.attrs.clear()
+            n.attrs.update(attrs)
+    if not heavy:
+        ctx.note(f"left as is: the user side ({reachable} ops, no matmul or recurrent layer) is too light to pay "
+                 "for deduplication")
+        return
+    if _key_dtype(seeds, probe) is None:
+        ctx.note("left as is: the user-side values mix int64 ids and floats, which no one key type holds exactly")
+        return
+    _rewrite(graph, seeds, nodes, probe)
+    ctx.rewrites += 1
+    tidy(ctx)
+    ctx.note(f"{len(nodes)} ops ({', '.join(sorted({n.op for n in heavy}))}) on {len(seeds)} user-side values run "
+             "once per distinct user")
+
+
+def _around(nodes: list[gs.Node], heavy: list[gs.Node], seeds: list[gs.Tensor]) -> list[gs.Node]:
+    """The heavy nodes, what they need and what follows from them alone: light side branches (masks, sums) stay
+    per row, so they need no Gather back."""
+    producer = {id(o): n for n in nodes for o in n.outputs}
+    keep, stack = set(), list(heavy)
+    while stack:
+        n = stack.pop()
+        if id(n) not in keep:
+            keep.add(id(n))
+            stack.extend(producer[id(u)] for u in n.inputs if id(u) in producer)
+    made = {id(s) for s in seeds} | {id(o) for n in nodes if id(n) in keep for o in n.outputs}
+    for n in nodes:
+        values = [u for u in n.inputs if u.name and const_value(u) is None]
+        if id(n) not in keep and any(id(u) in producer and id(producer[id(u)]) in keep for u in values) \
+                and all(id(u) in made for u in values):
+            keep.add(id(n))
+            made.update(id(o) for o in n.outputs)
+    return [n for n in nodes if id(n) in keep]
+
+
+def _key_dtype(seeds: list[gs.Tensor], probe: Probe):
+    """One dtype holding every seed exactly: int64 for integers, the float type for floats, float64 when mixed
+    (None when an int64 seed is mixed with floats: float64 would round ids above 2^53)."""
+    kinds = {np.dtype(probe.value(s).dtype) for s in seeds}
+    if all(np.issubdtype(k, np.integer) or k == np.bool_ for k in kinds):
+        return np.int64
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    if any(k.itemsize == 8 and np.issubdtype(k, np.integer) for k in kinds):
+        return None
+    return np.float64
+
+
+def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], probe: Probe) -> None:
+    base = unique_name(graph, "user_side")
+
+    def op(name, inputs, attrs=None, outputs=1):
+        node_name = unique_name(graph, f"{base}/{name}")
+        outs = [gs.Variable(unique_name(graph, f"{node_name}:{i}")) for i in range(outputs)]
+        graph.nodes.append(gs.Node(name.split("_")[0], node_name, attrs or {}, list(inputs), outs))
+        return outs if outputs > 1 else outs[0]
+
+    def const(name, value):
+        return gs.Constant(unique_name(graph, f"{base}/{name}"), np.asarray(value))
+
+    dtype = _key_dtype(seeds, probe)
+    flat = const("rows", np.array([0, -1], np.int64))
+    to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    parts = [op("Cast", [op("Reshape", [s, flat])], {"to": to}) for s in seeds]
+    key = op("Concat", parts, {"axis": 1}) if len(parts) > 1 else parts[0]
+    _, first, inverse, _ = op("Unique", [key], {"axis": 0, "sorted": 0}, outputs=4)
+    inside = {id(n) for n in nodes}
+    for s in seeds:
+        distinct = op("Gather", [s, first], {"axis": 0})
+        for n in list(s.outputs):
+            if id(n) in inside:
+                n.inputs[n.inputs.index(s)] = distinct
+    graph_outputs = {id(t) for t in graph.outputs}
+    for n in nodes:
+        for o in n.outputs:
+            o.shape = None  # one row per distinct user now: the batch dim's name no longer applies
+            outside = [c for c in o.outputs if id(c) not in inside]
+            if not outside and id(o) not in graph_outputs:
+                continue
+            full = op("Gather", [o, inverse], {"axis": 0})
+            for c in outside:
+                c.inputs[c.inputs.index(o)] = full
+            if id(o) in graph_outputs:  # the graph output keeps its name: the per-row value takes it
+                i = graph.outputs.index(o)
+                o.name, full.name = full.name, o.name
+                graph.outputs[i] = full

@@ -1,0 +1,248 @@
+"""remove-attention-padding and dedup-user-side: tiny graphs in several exporters' dialects, the zoo and
+third-party DIN/DIEN exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+
+import ctropt
+from ctropt.exporters import zoo
+from ctropt.runtime import generate_inputs, run_model
+
+THIRDPARTY = Path(__file__).parent / "data" / "thirdparty"
+C, H = 4, 6
+
+
+def _scores(rng, q_rows: str, keys: str = "keys", prefix: str = "") -> tuple[list, list]:
+    """concat[q, k, q-k, q*k] -> MatMul -> Add -> Sigmoid -> MatMul -> Add: per-position scores [B, T, 1]."""
+    nodes = [
+        node("Sub", [q_rows, keys], [f"{prefix}d"]),
+        node("Mul", [q_rows, keys], [f"{prefix}p"]),
+        node("Concat", [q_rows, keys, f"{prefix}d", f"{prefix}p"], [f"{prefix}cat"], axis=-1),
+        node("MatMul", [f"{prefix}cat", f"{prefix}w1"], [f"{prefix}h1"]),
+        node("Add", [f"{prefix}h1", f"{prefix}b1"], [f"{prefix}h1b"]),
+        node("Sigmoid", [f"{prefix}h1b"], [f"{prefix}a1"]),
+        node("MatMul", [f"{prefix}a1", f"{prefix}w2"], [f"{prefix}h2"]),
+        node("Add", [f"{prefix}h2", f"{prefix}b2"], [f"{prefix}s"]),
+    ]
+    inits = [init(f"{prefix}w1", rng.normal(size=(4 * C, H)).astype(np.float32)),
+             init(f"{prefix}b1", rng.normal(size=H).astype(np.float32)),
+             init(f"{prefix}w2", rng.normal(size=(H, 1)).astype(np.float32)),
+             init(f"{prefix}b2", rng.normal(size=1).astype(np.float32))]
+    return nodes, inits
+
+
+def din_attention(dialect: str, seed: int = 0):
+    """q [B, C], keys [B, T, C] and lengths [B] (or a float mask [B, T]) -> attention-pooled keys [B, C].
+
+    torch: mask from Range/Less, Where(mask, s, zeros_like), no softmax (deepctr-torch, DIN paper);
+    tf: tf2onnx's Where as Mul/Add with fill -2^32+1, softmax (the DIEN code's din_attention);
+    mask: a float mask input multiplied in.
+    """
+    rng = np.random.default_rng(seed)
+    nodes = [
+        node("Shape", ["keys"], ["kshape"]),
+        node("Unsqueeze", ["q", "ax1"], ["q1"]),
+        node("Expand", ["q1", "kshape"], ["qt"]),
+    ]
+    inits = [init("ax1", np.array([1], np.int64)), init("ax2", np.array([2], np.int64))]
+    mlp, mlp_inits = _scores(rng, "qt")
+    nodes += mlp
+    inits += mlp_inits
+    inputs = [vi("q", F, ["batch", C]), vi("keys", F, ["batch", "seq_len", C])]
+    nodes.append(node("Squeeze", ["s", "ax2"], ["s2"]))  # [B, T]
+    if dialect in ("torch", "tf"):
+        inputs.append(vi("hist_len", I64, ["batch"]))
+        nodes += [
+            node("Gather", ["kshape", "one"], ["t"], axis=0),
+            node("Range", ["zero", "t", "one"], ["steps"]),
+            node("Unsqueeze", ["hist_len", "ax1"], ["len1"]),
+            node("Less", ["steps", "len1"], ["valid"]),  # [B, T] (steps broadcast over rows)
+        ]
+        inits += [init("zero", np.array(0, np.int64)), init("one", np.array(1, np.int64))]
+    else:
+        inputs.append(vi("mask", F, ["batch", "seq_len"]))
+    if dialect == "torch":
+        nodes += [node("Shape", ["s2"], ["s2shape"]),
+                  node("ConstantOfShape", ["s2shape"], ["zeros"]),
+                  node("Where", ["valid", "s2", "zeros"], ["masked"])]
+        weights = "masked"
+    elif dialect == "tf":
+        nodes += [node("Shape", ["s2"], ["s2shape"]),
+                  node("ConstantOfShape", ["s2shape"], ["ones"], value=init("v", np.ones(1, np.float32))),
+                  node("Mul", ["ones", "big"], ["pads"]),
+                  node("Cast", ["valid"], ["validf"], to=F),
+                  node("Not", ["valid"], ["padded"]),
+                  node("Cast", ["padded"], ["paddedf"], to=F),
+                  node("Mul", ["validf", "s2"], ["kept"]),
+                  node("Mul", ["pads", "paddedf"], ["filled"]),
+                  node("Add", ["kept", "filled"], ["masked"]),
+                  node("Softmax", ["masked"], ["weights"], axis=-1)]
+        inits.append(init("big", np.array(-4294967295.0, np.float32)))
+        weights = "weights"
+    else:
+        nodes.append(node("Mul", ["s2", "mask"], ["weights"]))
+        weights = "weights"
+    nodes += [node("Unsqueeze", [weights, "ax1"], ["w3"]),  # [B, 1, T]
+              node("MatMul", ["w3", "keys"], ["pooled"]),
+              node("Squeeze", ["pooled", "ax1"], ["out"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", C])], inits)
+
+
+def _feeds(model, lengths, T=7, seed=1):
+    rng = np.random.default_rng(seed)
+    B = len(lengths)
+    lengths = np.asarray(lengths, np.int64)
+    feeds = {"q": rng.normal(size=(B, C)).astype(np.float32),
+             "keys": rng.normal(size=(B, T, C)).astype(np.float32)}
+    names = {i.name for i in model.graph.input}
+    if "hist_len" in names:
+        feeds["hist_len"] = lengths
+    if "mask" in names:
+        feeds["mask"] = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+    return feeds
+
+
+REWRITTEN_EXTRA = ["Reshape", "NonZero", "Transpose", "Concat", "GatherND", "Unsqueeze", "GatherND", "Unsqueeze",
+                   "Squeeze", "Shape", "Concat", "ConstantOfShape", "ScatterND"]
+
+
+@pytest.mark.parametrize("dialect", ["torch", "tf", "mask"])
+def test_attention_mlp_runs_on_valid_positions_only(dialect):
+    model = din_attention(dialect)
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1, ctx.notes
+    # The MLP's ops are the same, now over [1, N, 4C]; around them: positions, two gathers, one scatter. The
+    # tiled query's Expand and the keys stay (the keys are pooled afterwards).
+    assert sorted(ops(once)) == sorted(ops(model) + REWRITTEN_EXTRA), ops(once)
+    matmul_inputs = [n.input[0] for n in once.graph.node if n.op_type == "MatMul" and n.input[1] == "w1"]
+    assert matmul_inputs != ["cat"]  # the first layer no longer reads the padded concat
+    for lengths in ([7, 0, 3, 7, 1], [0], [7], [0, 0, 0], [2, 5, 7, 0, 4, 4, 1, 6]):
+        assert_same_outputs(model, once, _feeds(model, lengths), atol=1e-12, rtol=0)
+    twice, ctx2 = run_pass(once, "remove-attention-padding")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
+
+
+def test_scores_normalized_over_the_history_are_left_alone():
+    """s - mean over T of s is not position by position: the region check refuses it, saying why."""
+    model = din_attention("torch")
+    g = model.graph
+    add = next(n for n in g.node if n.output[0] == "s")
+    add.output[0] = "s_raw"
+    g.node.extend([node("ReduceMean", ["s_raw"], ["s_mean"], axes=[1], keepdims=1),
+                   node("Sub", ["s_raw", "s_mean"], ["s"])])
+    model = ctropt.graph.to_model(ctropt.graph.to_graph(model), like=model)  # topological order again
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 0
+    assert any("left as is" in n for n in ctx.notes), ctx.notes
+
+
+def test_a_fill_computed_from_the_scores_is_not_a_mask():
+    model = din_attention("torch")
+    where = next(n for n in model.graph.node if n.op_type == "Where")
+    where.input[2] = "s2"  # Where(valid, s, s): padded positions keep their scores
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(model))
+
+
+# ----------------------------------------------------------------------------------------- dedup-user-side
+
+
+def user_tower(batch_stats: str = "", seed: int = 0):
+    """hist ids [B, T] -> embeddings -> MatMul -> ReLU -> sum over T (the user vector); item ids [B] ->
+    embeddings; concat -> MatMul -> out. batch_stats "mean": the user vector is centred by the batch mean (a
+    Dice/BN with batch statistics at inference); "softmax": a softmax over the batch axis. Both mix rows."""
+    rng = np.random.default_rng(seed)
+    nodes = [node("Gather", ["table", "hist_ids"], ["hist_emb"]),
+             node("MatMul", ["hist_emb", "w_user"], ["hu"]),
+             node("Relu", ["hu"], ["hr"]),
+             node("ReduceSum", ["hr", "ax1"], ["user"], keepdims=0)]
+    if batch_stats == "mean":
+        nodes[-1].output[0] = "user_raw"
+        nodes += [node("ReduceMean", ["user_raw"], ["bmean"], axes=[0], keepdims=1),
+                  node("Sub", ["user_raw", "bmean"], ["user"])]
+    elif batch_stats == "softmax":
+        nodes[-1].output[0] = "user_raw"
+        nodes.append(node("Softmax", ["user_raw"], ["user"], axis=0))
+    nodes += [node("Gather", ["table", "item_id"], ["item"]),
+              node("Concat", ["user", "item"], ["both"], axis=1),
+              node("MatMul", ["both", "w_out"], ["out"])]
+    inits = [init("table", rng.normal(size=(50, C)).astype(np.float32)),
+             init("w_user", rng.normal(size=(C, C)).astype(np.float32)),
+             init("w_out", rng.normal(size=(2 * C, 1)).astype(np.float32)),
+             init("ax1", np.array([1], np.int64))]
+    inputs = [vi("hist_ids", I64, ["batch", "seq_len"]), vi("item_id", I64, ["batch"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", 1])], inits)
+
+
+def _user_feeds(users: list[int], T: int = 5, seed: int = 2):
+    rng = np.random.default_rng(seed)
+    histories = rng.integers(0, 50, size=(max(users) + 1, T))
+    return {"hist_ids": histories[users], "item_id": rng.integers(0, 50, size=len(users))}
+
+
+def test_user_side_runs_once_per_distinct_user():
+    model = user_tower()
+    once, ctx = run_pass(model, "dedup-user-side")
+    assert ctx.rewrites == 1, ctx.notes
+    # Unique over the history rows; the embedding lookup, MatMul, Relu and sum run on the distinct rows (the
+    # history ids gathered by Unique's first indices); the user vector is gathered back by the inverse indices.
+    assert sorted(ops(once)) == sorted(ops(model) + ["Reshape", "Cast", "Unique", "Gather", "Gather"]), ops(once)
+    for users in ([0, 0, 0, 0], [0, 1, 0, 2, 1], [3], [0, 1, 2, 3]):
+        assert_same_outputs(model, once, _user_feeds(users), atol=1e-12, rtol=0)
+    twice, ctx2 = run_pass(once, "dedup-user-side")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
+
+
+@pytest.mark.parametrize("stats,op,why", [("mean", "ReduceMean", "reduces over the batch"),
+                                          ("softmax", "Softmax", "mixes rows")])
+def test_batch_statistics_block_dedup_and_say_why(stats, op, why):
+    model = user_tower(batch_stats=stats)
+    once, ctx = run_pass(model, "dedup-user-side")
+    assert any(op in n and why in n for n in ctx.notes), ctx.notes
+    for users in ([0, 0, 0, 0], [0, 1, 0, 2, 1], [1, 2]):
+        assert_same_outputs(model, once, _user_feeds(users), atol=1e-6)
+    # What comes before the batch-wide op may still be deduplicated; the op itself reads every row.
+    mixer = next(n for n in once.graph.node if n.op_type == op)
+    assert mixer.input[0].startswith("user_side") and "Gather" in mixer.input[0]
+
+
+# ----------------------------------------------------------------------------------------- real exports
+
+
+@pytest.mark.parametrize("name", ["din_tf", "dien_tf", "din_torch", "dien_torch"])
+def test_zoo_din_dien(name):
+    raw = ctropt.load(zoo.DATA / f"{name}.onnx")
+    result = ctropt.optimize(raw)
+    status = {r.name: r.status for r in result.records}
+    assert status["remove-attention-padding"] == "applied"
+    if name.startswith("dien"):
+        assert status["dedup-user-side"] == "applied"  # the interest-extraction GRU
+    for kwargs in ({"fill": 0.5}, {"fill": 0.1, "one_user": True}, {"fill": 1.0, "one_user": True}, {}):
+        feeds = generate_inputs(raw, batch=9, seq_len=12, **kwargs)
+        assert_same_outputs(raw, result.model, feeds)
+    ref = dict(np.load(zoo.DATA / f"{name}.ref.npz"))
+    got = run_model(result.model, dict(np.load(zoo.DATA / f"{name}.npz")))
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stem", ["deepctr_DIN_tf2onnx", "deepctr_torch_DIN_legacy", "deepctr_torch_DIN_dynamo",
+                                  "deepctr_torch_DIEN_GRU_padded_dynamo", "deepctr_DIEN_GRU_where_tf2onnx"])
+def test_thirdparty_din_dien(stem):
+    raw = ctropt.load(THIRDPARTY / f"{stem}.onnx")
+    result = ctropt.optimize(raw)
+    status = {r.name: r.status for r in result.records}
+    assert status["remove-attention-padding"] == "applied", result.records
+    feeds = generate_inputs(raw, batch=8, fill=0.5, one_user=True)
+    assert_same_outputs(raw, result.model, feeds)
+    ref = dict(np.load(THIRDPARTY / f"{stem}.ref.npz"))
+    got = run_model(result.model, dict(np.load(THIRDPARTY / f"{stem}.npz")))
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5)
