@@ -131,10 +131,6 @@ class _Axes:
         shapes = self.probe.shapes(t)
         return shapes is not None and all(len(s) >= 1 and s[0] == b * t for s, (b, t) in zip(shapes, self.bt))
 
-    def shape_like(self, t: gs.Tensor) -> bool:
-        v = self.probe.value(t)
-        return v is not None and v.ndim <= 1 and v.size <= 8 and np.issubdtype(v.dtype, np.integer)
-
 
 def _walk_region(scores: gs.Tensor, axes: _Axes, forced: set[int]) -> Region | None:
     """The nodes between the entries and `scores` that work position by position (memoized backward walk)."""
@@ -149,7 +145,7 @@ def _walk_region(scores: gs.Tensor, axes: _Axes, forced: set[int]) -> Region | N
             return True
         n = t.inputs[0] if t.inputs else None
         movable = n is not None and key not in forced and n.op not in OPAQUE_OPS and n.domain in ("", "ai.onnx", None)
-        kind = axes.positional(t) or axes.flat(t) or (axes.shape_like(t) and not axes.positional(t))
+        kind = axes.positional(t) or axes.flat(t) or (axes.probe.shape_like(t) and not axes.positional(t))
         if movable and kind:
             state[key] = "node"  # provisional: a cycle cannot occur in a DAG
             if all(visit(u) for u in n.inputs if u.name):

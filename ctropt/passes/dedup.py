@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import is_sequence_node
-from ..patterns.matcher import const_value, unique_name
+from ..patterns.matcher import add_constant, add_node, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.session import subgraph_session
@@ -37,11 +37,6 @@ def _batches(probe: Probe) -> list[int]:
 def _per_row(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
     shapes = probe.shapes(t)
     return shapes is not None and all(len(s) >= 1 and s[0] == b for s, b in zip(shapes, batches))
-
-
-def _shape_like(t: gs.Tensor, probe: Probe) -> bool:
-    v = probe.value(t)
-    return v is not None and v.ndim <= 1 and v.size <= 8 and np.issubdtype(v.dtype, np.integer)
 
 
 def _column_seeds(inp: gs.Tensor, columns: set[int]) -> list[gs.Tensor]:
@@ -90,7 +85,7 @@ def _closure(graph: gs.Graph, seeds: list[gs.Tensor], probe: Probe, excluded: se
         values = [u for u in n.inputs if u.name and const_value(u) is None]
         if id(n) in excluded or n.op in OPAQUE_OPS or not values or not all(id(u) in inside for u in values):
             continue
-        if not all(_per_row(o, probe, batches) or _shape_like(o, probe) for o in n.outputs if o.name):
+        if not all(_per_row(o, probe, batches) or probe.shape_like(o) for o in n.outputs if o.name):
             reasons.append(f"{n.op} {n.name} reduces over the batch (its value is not one per row)")
             continue
         nodes.append(n)
@@ -253,16 +248,11 @@ def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], prob
     base = unique_name(graph, "user_side")
 
     def op(name, inputs, attrs=None, outputs=1):
-        node_name = unique_name(graph, f"{base}/{name}")
-        outs = [gs.Variable(unique_name(graph, f"{node_name}:{i}")) for i in range(outputs)]
-        graph.nodes.append(gs.Node(name.split("_")[0], node_name, attrs or {}, list(inputs), outs))
+        outs = add_node(graph, name, inputs, attrs, outputs=outputs, name=f"{base}/{name}")
         return outs if outputs > 1 else outs[0]
 
-    def const(name, value):
-        return gs.Constant(unique_name(graph, f"{base}/{name}"), np.asarray(value))
-
     dtype = _key_dtype(seeds, probe)
-    flat = const("rows", np.array([0, -1], np.int64))
+    flat = add_constant(graph, f"{base}/rows", np.array([0, -1], np.int64))
     to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     parts = [op("Cast", [op("Reshape", [s, flat])], {"to": to}) for s in seeds]
     key = op("Concat", parts, {"axis": 1}) if len(parts) > 1 else parts[0]

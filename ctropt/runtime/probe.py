@@ -47,6 +47,11 @@ class Probe:
             return None
         return [r[t.name].shape for r in self.runs]
 
+    def shape_like(self, t: gs.Tensor) -> bool:
+        """A small integer vector or scalar: a shape or an index computed from one."""
+        v = self.value(t)
+        return v is not None and v.ndim <= 1 and v.size <= 8 and np.issubdtype(v.dtype, np.integer)
+
     def value(self, t: gs.Tensor, run: int = 0) -> np.ndarray | None:
         if isinstance(t, gs.Constant):
             return t.values
