@@ -38,10 +38,10 @@ def ops(model) -> list[str]:
     return [n.op_type for n in model.graph.node]
 
 
-def run_pass(model, name, **options):
+def run_pass(model, name, target="ort", **options):
     """Run one registered pass without the manager; returns (new model, ctx)."""
     graph = to_graph(model)
-    ctx = ctropt.PassContext(graph, options=options)
+    ctx = ctropt.PassContext(graph, target=target, options=options)
     ctropt.REGISTRY[name](ctx)
     return to_model(ctx.graph, like=model), ctx
 

@@ -48,6 +48,7 @@ class Pass:
     description: str = ""
     order: int = 100
     default: bool = True  # part of `all`; opt-in passes (e.g. INT8) say False
+    exact: bool = True  # False: outputs change by design (INT8); the pass gates its own accuracy
     rules: tuple[Rewrite, ...] = ()  # the pattern rules, for explain/inspect
 
     def __post_init__(self):
@@ -74,11 +75,11 @@ REGISTRY: dict[str, Pass] = {}
 
 
 def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int = 100,
-                  description: str = "", default: bool = True, rules: tuple[Rewrite, ...] = ()):
+                  description: str = "", default: bool = True, rules: tuple[Rewrite, ...] = (), exact: bool = True):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`)."""
 
     def wrap(fn: Callable[[PassContext], None]) -> Pass:
-        p = Pass(name, fn, group, tuple(targets), description, order, default, tuple(rules))
+        p = Pass(name, fn, group, tuple(targets), description, order, default, exact, tuple(rules))
         REGISTRY[name] = p
         return p
 

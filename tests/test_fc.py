@@ -1,0 +1,111 @@
+"""fuse-fc: MatMul(+Add)(+activation) → Gemm at rank 2, flattened at rank 3 for onnxruntime, in the exporters'
+dialects (plain MatMul+Add, bias first, [1, N] bias, TF tensordot's Reshape before the bias, no bias)."""
+
+import numpy as np
+import pytest
+
+from ctropt.graph import interface
+from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
+
+RNG = np.random.default_rng(0)
+
+
+def _w(k, n):
+    return (RNG.normal(size=(k, n)) / np.sqrt(k)).astype(np.float32)
+
+
+def _b(*shape):
+    return RNG.normal(size=shape).astype(np.float32)
+
+
+def _feeds(shape):
+    return {"x": RNG.normal(size=shape).astype(np.float32)}
+
+
+def test_rank2_bias_and_relu_become_gemm_and_relu_in_either_operand_order():
+    model = make_model(
+        [node("MatMul", ["x", "w1"], ["m1"]), node("Add", ["b1", "m1"], ["a1"]), node("Relu", ["a1"], ["r1"]),
+         node("MatMul", ["r1", "w2"], ["m2"]), node("Add", ["m2", "b2"], ["y"])],
+        [vi("x", F, ["B", 8])], [vi("y", F, ["B", 3])],
+        [init("w1", _w(8, 16)), init("b1", _b(1, 16)), init("w2", _w(16, 3)), init("b2", _b(3))])
+    out, ctx = check_pass(model, "fuse-fc", ["Gemm", "Relu", "Gemm"], feeds=_feeds((5, 8)))
+    assert ctx.rewrites == 2
+    assert_same_outputs(model, out, _feeds((1, 8)), atol=0, rtol=0)
+
+
+def test_no_bias_with_activation_fuses_a_lone_matmul_does_not():
+    model = make_model(
+        [node("MatMul", ["x", "w1"], ["m1"]), node("Sigmoid", ["m1"], ["s"]), node("MatMul", ["s", "w2"], ["y"])],
+        [vi("x", F, ["B", 8])], [vi("y", F, ["B", 4])], [init("w1", _w(8, 6)), init("w2", _w(6, 4))])
+    check_pass(model, "fuse-fc", ["Gemm", "Sigmoid", "MatMul"], feeds=_feeds((3, 8)))
+
+
+def test_rank3_chain_is_flattened_once_for_ort_with_dynamic_dims():
+    """DIN's attention MLP on [B, T, 4C]: one Reshape in, Gemm+activation per layer, one Reshape out."""
+    model = make_model(
+        [node("MatMul", ["x", "w1"], ["m1"]), node("Add", ["m1", "b1"], ["a1"]), node("Relu", ["a1"], ["r1"]),
+         node("MatMul", ["r1", "w2"], ["m2"]), node("Add", ["m2", "b2"], ["a2"]), node("Sigmoid", ["a2"], ["r2"]),
+         node("MatMul", ["r2", "w3"], ["m3"]), node("Add", ["m3", "b3"], ["y"])],
+        [vi("x", F, ["B", "T", 12])], [vi("y", F, ["B", "T", 1])],
+        [init("w1", _w(12, 8)), init("b1", _b(8)), init("w2", _w(8, 4)), init("b2", _b(1, 1, 4)),
+         init("w3", _w(4, 1)), init("b3", _b(1))])
+    out, _ = check_pass(model, "fuse-fc", ["Reshape", "Gemm", "Relu", "Gemm", "Sigmoid", "Gemm", "Shape", "Slice",
+                                           "Concat", "Reshape"], feeds=_feeds((3, 5, 12)))
+    for shape in [(1, 1, 12), (7, 2, 12), (0, 4, 12)]:
+        assert_same_outputs(model, out, _feeds(shape))
+    assert interface(out) == interface(model)  # B and T stay symbolic
+
+
+def test_rank3_is_left_alone_for_openvino():
+    model = make_model([node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "b"], ["y"])],
+                       [vi("x", F, ["B", "T", 6])], [vi("y", F, ["B", "T", 4])], [init("w", _w(6, 4)), init("b", _b(4))])
+    out, ctx = run_pass(model, "fuse-fc", target="openvino")
+    assert ops(out) == ["MatMul", "Add"] and ctx.rewrites == 0
+
+
+def test_tensordot_reshape_between_product_and_bias():
+    """tf2onnx's Keras Dense (tensordot): MatMul → Reshape to the input's leading dims → Add bias → Relu."""
+    model = make_model(
+        [node("Shape", ["x"], ["s"]), node("Gather", ["s", "zero"], ["b0"], axis=0),
+         node("Unsqueeze", ["b0", "ax0"], ["b1"]), node("Concat", ["b1", "n"], ["shape"], axis=0),
+         node("MatMul", ["x", "w"], ["m"]), node("Reshape", ["m", "shape"], ["r"]), node("Add", ["r", "b"], ["a"]),
+         node("Relu", ["a"], ["y"])],
+        [vi("x", F, ["B", 6])], [vi("y", F, ["B", 5])],
+        [init("w", _w(6, 5)), init("b", _b(5)), init("zero", np.array(0, np.int64)), init("ax0", np.array([0])),
+         init("n", np.array([5], np.int64))])
+    out, _ = check_pass(model, "fuse-fc", ["Shape", "Gather", "Unsqueeze", "Concat", "Gemm", "Relu", "Reshape"],
+                        feeds=_feeds((4, 6)))
+
+
+@pytest.mark.parametrize("act", ["PRelu", "Dice"])
+def test_activation_a_gemm_cannot_absorb_stays_exact(act):
+    """PReLU and Dice (x·p + α·x·(1-p), p = sigmoid of the normalized x) follow the Gemm unchanged."""
+    tail = ([node("PRelu", ["a"], ["y"], )] if act == "PRelu" else
+            [node("Sub", ["a", "mean"], ["c"]), node("Mul", ["c", "inv_std"], ["z"]), node("Sigmoid", ["z"], ["p"]),
+             node("Mul", ["a", "p"], ["xp"]), node("Sub", ["one", "p"], ["q"]), node("Mul", ["q", "alpha"], ["aq"]),
+             node("Mul", ["aq", "a"], ["xq"]), node("Add", ["xp", "xq"], ["y"])])
+    if act == "PRelu":
+        tail[0].input.append("alpha")
+    model = make_model([node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "b"], ["a"])] + tail,
+                       [vi("x", F, ["B", 6])], [vi("y", F, ["B", 4])],
+                       [init("w", _w(6, 4)), init("b", _b(4)), init("alpha", _b(4)), init("mean", _b(4)),
+                        init("inv_std", np.abs(_b(4))), init("one", np.ones(1, np.float32))])
+    out, _ = check_pass(model, "fuse-fc", ["Gemm"] + [n.op_type for n in tail], feeds=_feeds((5, 6)))
+    assert_same_outputs(model, out, _feeds((9, 6)), atol=0, rtol=0)
+
+
+def test_not_a_per_column_bias_or_shared_product_is_left():
+    model = make_model(
+        [node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "rows"], ["y"]), node("Neg", ["m"], ["z"]),
+         node("MatMul", ["x", "w2"], ["m2"]), node("Add", ["m2", "col"], ["u"])],
+        [vi("x", F, ["B", 6])], [vi("y", F, ["B", 4]), vi("z", F, ["B", 4]), vi("u", F, [3, 4])],
+        [init("w", _w(6, 4)), init("rows", _b(3, 1)), init("w2", _w(6, 4)), init("col", _b(3, 4))])
+    out, ctx = run_pass(model, "fuse-fc")
+    assert ctx.rewrites == 0 and sorted(ops(out)) == sorted(ops(model))
+
+
+def test_integer_matmul_is_not_an_fc():
+    model = make_model([node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "b"], ["y"])],
+                       [vi("x", I64, ["B", 3])], [vi("y", I64, ["B", 2])],
+                       [init("w", np.ones((3, 2), np.int64)), init("b", np.ones(2, np.int64))])
+    assert run_pass(model, "fuse-fc")[1].rewrites == 0
