@@ -8,7 +8,7 @@ from onnx import numpy_helper
 
 import ctropt
 from ctropt.passes.quantize import auc, logloss
-from ctropt.runtime import run_model
+from ctropt.runtime import Runner, run_model
 from helpers import F, init, make_model, node, ops, vi
 
 RNG = np.random.default_rng(0)
@@ -64,6 +64,8 @@ def test_fc_layers_become_qdq_and_stay_close(rank, bias):
     feeds = _data(64, rank)
     assert np.abs(run_model(q, feeds)["prob"] - run_model(model, feeds)["prob"]).max() < 0.02
     assert any("gate" in n for n in rec.notes)
+    openvino = Runner(q, "openvino-cpu").run(feeds)["prob"]  # OpenVINO reads the QDQ form too
+    assert np.abs(openvino - run_model(model, feeds)["prob"]).max() < 0.02
 
 
 def test_seed003_scheme_asymmetric_first_fc_zero_point_0_after_relu_int8_per_channel_weights_int32_bias():
