@@ -284,6 +284,11 @@ def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def runnable_model(graph: gs.Graph) -> onnx.ModelProto:
+    """A graph being rewritten as a model onnxruntime runs (its own opsets, IR 10); the graph is not changed."""
+    return to_model(graph.copy(), like=onnx.helper.make_model(onnx.GraphProto(), ir_version=10, opset_imports=[]))
+
+
 def interface(model: onnx.ModelProto) -> list[tuple]:
     """(kind, name, elem type, dims) of every graph input and output, in order."""
 

@@ -39,10 +39,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import CtroptError, to_model
+from ..graph import CtroptError, runnable_model
 from ..patterns.matcher import const_value
 from ..runtime import Runner, generate_inputs
 from ..runtime.bench import bench
+from ..runtime.inputs import read_npz
 from ..runtime.probe import all_values
 from .registry import PassContext, register_pass
 
@@ -92,20 +93,11 @@ def cpu_has_vnni() -> bool:
 # ----------------------------------------------------------------------------------------- data
 
 
-def _read_npz(source) -> dict[str, np.ndarray]:
-    if isinstance(source, dict):
-        return {k: np.asarray(v) for k, v in source.items()}
-    try:
-        with np.load(source, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
-        raise CtroptError(f"{source}: cannot read calibration data ({e})") from None
-
-
 def split_data(model: onnx.ModelProto, source, rows_per_batch: int = 256):
     """Feeds in batches of `rows_per_batch` rows from an .npz/dict keyed by input names, and its labels by output
     name ("" = every output)."""
-    data = _read_npz(source)
+    data = ({k: np.asarray(v) for k, v in source.items()} if isinstance(source, dict)
+            else read_npz(source, "calibration data"))
     initializers = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in initializers]
     labels = {k.partition(":")[2]: data.pop(k) for k in list(data)
@@ -281,9 +273,7 @@ def quantize_int8(ctx: PassContext) -> None:
     min_speedup = float(opt.get("int8_min_speedup", 1.05))  # 0: no speed gate, every FC layer is a candidate
     reduce_range = str(opt.get("int8_reduce_range", "auto")).lower()
     reduce_range = not cpu_has_vnni() if reduce_range == "auto" else reduce_range in ("1", "true", "yes")
-    like = onnx.helper.make_model(onnx.GraphProto(), ir_version=8, opset_imports=[
-        onnx.helper.make_opsetid("", max(13, int(ctx.graph.opset or 13)))])
-    model = to_model(ctx.graph, like=like)
+    model = runnable_model(ctx.graph)
     opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 13:
         ctx.note(f"opset {opset}: per-channel QuantizeLinear needs opset 13 or newer; re-export with a newer opset")

@@ -282,13 +282,18 @@ def _length_columns(values: np.ndarray, f: InputFacts, lengths, rng, fill_user) 
             values[:, start:end] = np.where(np.arange(T)[None, :] < lengths[:, None], values[:, start:end], 0)
 
 
-def load_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """User inputs from an .npz whose keys are graph input names."""
+def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
+    """Every array of an .npz, or a one-line error naming what it was meant to hold."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files}
+            return {k: data[k] for k in data.files}
     except (OSError, ValueError) as e:
-        raise CtroptError(f"{path}: cannot read inputs ({e})") from None
+        raise CtroptError(f"{path}: cannot read {what} ({e})") from None
+
+
+def load_inputs(path: str | os.PathLike, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """User inputs from an .npz whose keys are graph input names."""
+    feeds = read_npz(path, "inputs")
     initializers = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in initializers]
     missing = [n for n in names if n not in feeds]

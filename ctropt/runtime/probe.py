@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import to_model
+from ..graph import runnable_model
 from .inputs import generate_inputs
 
 # Two (batch, history length) settings with different values, so a dim equal to the batch in both runs is it.
@@ -60,8 +60,7 @@ class Probe:
 
 def probe_graph(graph: gs.Graph) -> Probe:
     """Run `graph` (not modified) at PROBE_SIZES; raises what onnxruntime raises when it cannot."""
-    model = to_model(graph.copy(), like=onnx.helper.make_model(onnx.GraphProto(), ir_version=10, opset_imports=[]))
-    model.ir_version = 10
+    model = runnable_model(graph)
     runs, feeds = [], []
     for batch, seq_len in PROBE_SIZES:
         f = generate_inputs(model, batch=batch, seq_len=seq_len)
