@@ -188,7 +188,7 @@ def preview_passes(model: onnx.ModelProto, passes: list[Pass], target: str, expl
         misses = []
         if explain_misses and not ctx.rewrites:
             fresh = to_graph(model)
-            misses = [f"{r.name}: {explain(r.pattern, fresh)}" for r in p.rules]
+            misses = [f"{r.name}: {explain(r.pattern, fresh)}" for r in p.rules_for(target)]
         previews.append(PassPreview(p.name, ctx.matches, ctx.rewrites, notes, misses))
     return previews
 

@@ -9,6 +9,8 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
+import ctropt
+
 from ctropt.cli import app
 from ctropt.graph import MAX_ONNX_OPSET, save
 from helpers import F, I64, init, make_model, node, ops, vi
@@ -89,6 +91,25 @@ def test_plugin_pass_runs_from_the_cli(model_path, tmp_path):
                     "--plugin", plugin)
     assert result.exit_code == 0, result.output
     assert "Mul" not in ops(onnx.load(tmp_path / "p.onnx"))
+
+
+def test_plugin_by_dotted_module_name(tmp_path, monkeypatch):
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "passes.py").write_text(textwrap.dedent('''
+        import ctropt
+
+        @ctropt.register_pass("user-dotted-noop", group="fusion", default=False)
+        def noop(ctx):
+            """Does nothing."""
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        result = invoke("passes", "--plugin", "userpkg.passes")
+        assert result.exit_code == 0 and "user-dotted-noop" in result.output, result.output
+    finally:
+        ctropt.REGISTRY.pop("user-dotted-noop", None)
 
 
 def bad_files(tmp_path):

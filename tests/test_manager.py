@@ -137,6 +137,6 @@ def test_unrunnable_input_model_says_how_to_proceed():
 def test_records_hold_the_node_level_change():
     result = ctropt.optimize(model_with_noise(), passes=["eliminate-identity"])
     rec = result.records[0]
-    assert {op for op, _ in rec.removed} == {"Identity", "Mul"} and not rec.added
-    assert rec.ops_before["Identity"] == 1 and "Identity" not in rec.ops_after
+    assert {op for _, op, _ in rec.diff.removed} == {"Identity", "Mul"} and not rec.diff.added
+    assert rec.diff.ops_before["Identity"] == 1 and "Identity" not in rec.diff.ops_after
     assert isinstance(ctropt.patterns.const_value(gs.Constant("c", np.ones(2))), np.ndarray)

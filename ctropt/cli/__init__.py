@@ -16,6 +16,8 @@ from rich.table import Table
 
 from ..graph import CtroptError, check_output_path, interface, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
+from ..report import write_report
+from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
 from ..runtime.inputs import DEFAULT_SEQ_LEN
 
@@ -100,6 +102,12 @@ def optimize(
                               "faster, within the accuracy gate."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="INT8 calibration data: .npz of input arrays "
                                          "(batch first), optional `label` for AUC/logloss."),
+    show_diff: bool = typer.Option(False, "--show-diff", help="Print what each pass changed (a tree of changed "
+                                   "regions) and why the others did not fire."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write a self-contained HTML page: every pass "
+                                          "with before/after drawings of what it changed."),
+    bench_passes: bool = typer.Option(False, "--bench-passes", help="Time each applied pass's result against "
+                                      "its input (paired, ~1 s each, at --batch) on the target's runtime."),
 ):
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
@@ -116,6 +124,8 @@ def optimize(
         elif calib is not None:
             raise CtroptError("--calib is calibration data for --int8; add --int8")
         out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
+        if report is not None:
+            check_output_path(report, model, out)
         m = load(model)
         feeds = load_inputs(inputs, m) if inputs else None
         status = console.status("starting")
@@ -129,7 +139,8 @@ def optimize(
                               + (f": {escape(record.message)}" if record.message else ""))
 
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
-                              verify=verify, strict=strict, on_pass=progress, options=options)
+                              verify=verify, strict=strict, on_pass=progress, options=options,
+                              bench=_pass_bench(target, feeds, batch, static_seq_len) if bench_passes else None)
         console.print(f"[bold]{model}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, target {target}")
         with status:
             result = manager.run(m)
@@ -147,8 +158,17 @@ def optimize(
         for r in result.records:
             if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
                 console.print(f"[bold]{r.name}[/]:\n" + "\n".join(f"  {escape(n)}" for n in r.notes))
+        if show_diff:
+            print_pass_diffs(console, result.records)
         console.print(f"saved {out} ({node_count(m)} → {node_count(result.model)} nodes"
                       + ("" if verify else ", outputs NOT verified") + ")")
+        if report is not None:
+            applied = sum(r.status == "applied" for r in result.records)
+            write_report(report, result.records, title=f"ctropt: {model.name}",
+                         subtitle=f"{model} → {out.name} · target {target} · {node_count(m)} → "
+                                  f"{node_count(result.model)} nodes · {applied}/{len(result.records)} passes applied"
+                                  + ("" if verify else " · outputs NOT verified"))
+            console.print(f"report {report}")
         if target == "openvino":
             try:
                 Runner(result.model, "openvino-cpu").run(
@@ -156,6 +176,48 @@ def optimize(
                 console.print("OpenVINO CPU: loads and runs")
             except CtroptError as e:
                 console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}")
+
+
+def _pass_bench(target: str, feeds, batch: int, seq_len: Optional[int]):
+    """A PassManager bench hook: paired time ratio before/after on the target's CPU runtime."""
+    from ..runtime.bench import bench as run_bench
+
+    backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
+
+    def measure(before, after):
+        data = feeds or generate_inputs(before, batch=batch, seq_len=seq_len or DEFAULT_SEQ_LEN)
+        r = run_bench([Runner(before, backend), Runner(after, backend)], data, batch, seconds=1.0)
+        return r.ratio, r.ratio_p10, r.ratio_p90
+
+    return measure
+
+
+@app.command()
+def diff(
+    model_a: Path = typer.Argument(..., help="Model before."),
+    model_b: Path = typer.Argument(..., help="Model after."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Also write the diff as a self-contained HTML page."),
+):
+    """Show what changed between two models: op counts, and a tree of changed regions (all subgraphs too)."""
+    from ..report import diff_models
+    from ..report.terminal import print_model_diff
+
+    with _user_errors():
+        if report is not None:
+            check_output_path(report, model_a, model_b)
+        a, b = load(model_a), load(model_b)
+        d = diff_models(a, b)
+        if interface(a) != interface(b):
+            console.print("[yellow]the two models' inputs/outputs differ[/]")
+        print_model_diff(console, d, model_a.name, model_b.name)
+        if report is not None:
+            from ..passes import PassRecord
+
+            record = PassRecord(f"{model_a.name} → {model_b.name}", "applied" if not d.empty else "unchanged",
+                                nodes_before=node_count(a), nodes_after=node_count(b), diff=d)
+            write_report(report, [record], title=f"ctropt diff: {model_a.name} → {model_b.name}",
+                         subtitle=f"{model_a} → {model_b}")
+            console.print(f"report {report}")
 
 
 @app.command("passes")

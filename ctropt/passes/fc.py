@@ -126,7 +126,7 @@ def _chained(m: Match, flat_of: dict, condition) -> bool | str:
     return condition(m) if id(m["x"]) in flat_of else "a lone MatMul (nothing to fuse)"
 
 
-@register_pass("fuse-fc", group="fusion", order=60)
+@register_pass("fuse-fc", group="fusion", order=60, rules=_fc_rules)
 def fuse_fc(ctx: PassContext) -> None:
     """MatMul+Add(+activation) → Gemm(+activation), any rank: rank ≥ 3 flattened for onnxruntime, which fuses only 2-D."""
     if any(t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes if n.op == "MatMul"

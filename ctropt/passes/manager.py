@@ -10,8 +10,10 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, op_histogram, to_graph, to_model
+from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, to_graph, to_model
 from ..runtime import DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
+from ..patterns import explain, find_matches
+from ..report.diff import ModelDiff, diff_models
 from .registry import Pass, PassContext, resolve
 
 
@@ -29,10 +31,11 @@ class PassRecord:
     seconds: float = 0.0
     message: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
-    removed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (op, node name)
-    added: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
-    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    misses: list[str] = dataclasses.field(default_factory=list)  # a pass that did not fire: its closest attempts
+    diff: ModelDiff | None = None  # what it changed (also for a rolled-back pass: what it tried)
+    speedup: float | None = None  # time before / after, paired (PassManager(bench=...))
+    speedup_p10: float | None = None
+    speedup_p90: float | None = None
 
 
 @dataclasses.dataclass
@@ -55,17 +58,20 @@ class PassManager:
 
     feeds: inputs to verify with (default: generated, `batch` rows); verify=False skips the numeric check
     (the interface check still runs). strict=True raises PassFailed instead of rolling back.
+    bench(before, after) -> (median, p10, p90) of paired time ratios: measured for every applied pass (a
+    CtroptError from it becomes a "not timed" note).
     """
 
     def __init__(self, passes="all", *, skip=(), target: str = "ort", feeds: dict[str, np.ndarray] | None = None,
                  batch: int = DEFAULT_BATCH, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
                  strict: bool = False, options: dict | None = None,
-                 on_pass: Callable[[Pass, PassRecord | None], None] | None = None):
+                 on_pass: Callable[[Pass, PassRecord | None], None] | None = None,
+                 bench: Callable[[onnx.ModelProto, onnx.ModelProto], tuple[float, float, float]] | None = None):
         self.passes = resolve(passes, skip, target)
         self.target, self.feeds, self.batch = target, feeds, batch
         self.atol, self.rtol, self.verify, self.strict = atol, rtol, verify, strict
         self.options = options or {}
-        self.on_pass = on_pass
+        self.on_pass, self.bench = on_pass, bench
 
     def _input_options(self) -> dict:
         """A static history length asked of the lowering is the one the generated inputs use."""
@@ -113,7 +119,9 @@ class PassManager:
             return self._reject(record, before, t0, "failed", f"raised {type(e).__name__}: {e}"), before, reference
         if _fingerprint(after) == _fingerprint(before):
             record.status, record.seconds = "unchanged", time.perf_counter() - t0
+            record.misses = _misses(p, ctx.graph, self.target) if not ctx.rewrites and p.group != "cleanup" else []
             return record, before, reference
+        record.diff = diff_models(before, after)
         if interface(after) != original_interface:
             return self._reject(record, before, t0, "rolled back", "changed the model's inputs/outputs"), before, reference
         if reference is not None:
@@ -128,9 +136,12 @@ class PassManager:
             if not p.exact:  # the pass gated its own accuracy; later passes must keep these outputs
                 reference = outputs
         record.nodes_after = node_count(after)
-        record.removed, record.added = _node_delta(before, after)
-        record.ops_before, record.ops_after = dict(op_histogram(before)), dict(op_histogram(after))
         record.seconds = time.perf_counter() - t0
+        if self.bench is not None:
+            try:
+                record.speedup, record.speedup_p10, record.speedup_p90 = self.bench(before, after)
+            except CtroptError as e:  # e.g. OpenVINO cannot load the graph before lowering
+                record.notes = record.notes + [f"not timed: {str(e).splitlines()[0][:200]}"]
         return record, after, reference
 
     def _reject(self, record: PassRecord, before, t0, status: str, message: str) -> PassRecord:
@@ -159,12 +170,26 @@ def _has_big_attr(node: onnx.NodeProto) -> bool:
     return any(a.type == onnx.AttributeProto.TENSOR and len(a.t.raw_data) > 1 << 20 for a in node.attribute)
 
 
-def _node_delta(before: onnx.ModelProto, after: onnx.ModelProto):
-    def nodes(m):
-        return {(n.op_type, n.name) for g in iter_proto_graphs(m.graph) for n in g.node}
-
-    b, a = nodes(before), nodes(after)
-    return sorted(b - a), sorted(a - b)
+def _misses(p: Pass, graph, target: str) -> list[str]:
+    """For a pass that rewrote nothing: per pattern rule, the condition that declined a match, or how far the
+    best attempt got and the check that stopped it."""
+    misses = []
+    for rule in p.rules_for(target):
+        declined = []
+        if rule.condition is not None:
+            for m in find_matches(rule.pattern, graph):
+                try:
+                    verdict = rule.condition(m)
+                except Exception as e:  # a condition that cannot judge this match declines it
+                    verdict = f"condition raised {type(e).__name__}"
+                if verdict is not True:
+                    declined.append(f"'{m.root.name}'" + (f" ({verdict})" if isinstance(verdict, str) else ""))
+        if declined:
+            misses.append(f"{rule.name}: matched {len(declined)}, declined: {', '.join(declined[:5])}"
+                          + (f" and {len(declined) - 5} more" if len(declined) > 5 else ""))
+        else:
+            misses.append(f"{rule.name}: {explain(rule.pattern, graph)}")
+    return misses
 
 
 def optimize(model: onnx.ModelProto, passes="all", **kwargs) -> OptimizeResult:

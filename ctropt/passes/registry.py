@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import pathlib
+import sys
 from typing import Callable
 
 import onnx_graphsurgeon as gs
@@ -49,7 +52,11 @@ class Pass:
     order: int = 100
     default: bool = True  # part of `all`; opt-in passes (e.g. INT8) say False
     exact: bool = True  # False: outputs change by design (INT8); the pass gates its own accuracy
-    rules: tuple[Rewrite, ...] = ()  # the pattern rules, for explain/inspect
+    rules: "tuple[Rewrite, ...] | Callable[[str], list[Rewrite]]" = ()  # pattern rules (or target → rules), for explain
+
+    def rules_for(self, target: str) -> list[Rewrite]:
+        """The pattern rules this pass applies for `target` (to explain why it did not fire)."""
+        return list(self.rules(target) if callable(self.rules) else self.rules)
 
     def __post_init__(self):
         if self.group not in GROUPS:
@@ -75,11 +82,12 @@ REGISTRY: dict[str, Pass] = {}
 
 
 def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int = 100,
-                  description: str = "", default: bool = True, rules: tuple[Rewrite, ...] = (), exact: bool = True):
+                  description: str = "", default: bool = True, rules=(), exact: bool = True):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`)."""
 
     def wrap(fn: Callable[[PassContext], None]) -> Pass:
-        p = Pass(name, fn, group, tuple(targets), description, order, default, exact, tuple(rules))
+        p = Pass(name, fn, group, tuple(targets), description, order, default, exact,
+                 rules if callable(rules) else tuple(rules))
         REGISTRY[name] = p
         return p
 
@@ -102,10 +110,6 @@ def load_plugin(module: str) -> None:
     """Import a user module (dotted name or path to a .py file) whose passes register themselves."""
     try:
         if module.endswith(".py"):
-            import importlib.util
-            import pathlib
-            import sys
-
             path = pathlib.Path(module)
             spec = importlib.util.spec_from_file_location(path.stem, path)
             if spec is None or not path.exists():
