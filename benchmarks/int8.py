@@ -12,21 +12,17 @@ benchmark batch. Then both run interleaved on onnxruntime CPU, 1 thread (the med
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import THIRD, ZOO  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.passes.quantize import auc, logloss  # noqa: E402
 from ctropt.runtime import Runner, generate_inputs  # noqa: E402
 from ctropt.runtime.bench import bench  # noqa: E402
 
-ZOO = ROOT / "ctropt/exporters/zoo/data"
-THIRD = ROOT / "tests/data/thirdparty"
 MODELS = {
     "wdl_tf": ZOO / "wdl_tf.onnx", "deepfm_tf": ZOO / "deepfm_tf.onnx", "dlrm_tf": ZOO / "dlrm_tf.onnx",
     "mmoe_tf": ZOO / "mmoe_tf.onnx", "deepctr WDL": THIRD / "deepctr_WDL_tf2onnx.onnx",

@@ -220,6 +220,117 @@ def diff(
             console.print(f"report {report}")
 
 
+def _buckets(batch: str, output: Path) -> list[int]:
+    """--batch of the serving commands (positive integers), and -o must be a directory."""
+    if output.exists() and not output.is_dir():
+        raise CtroptError(f"output {output} is a file; -o wants a directory")
+    try:
+        sizes = [int(b) for b in batch.split(",") if b.strip()]
+    except ValueError:
+        raise CtroptError(f"--batch wants comma-separated integers, got {batch!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise CtroptError("--batch wants positive batch sizes, e.g. 1,32,128,512")
+    return sizes
+
+
+@app.command("specialize")
+def specialize_cmd(
+    model: Path = typer.Argument(..., help="Input .onnx model (dynamic batch)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory for the bucket models and manifest.json."),
+    batch: str = typer.Option("1,32,128,512", "--batch", help="Comma list of bucket batch sizes."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Also fix the history length (axis 1 of "
+                                          "sequence inputs); default: left dynamic."),
+    passes: str = typer.Option("all", "--passes", help="'all' or a comma list of pass names."),
+    target: str = TARGET,
+    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    plugin: Optional[List[str]] = PLUGIN,
+):
+    """One optimized static-shape model per batch bucket, each verified against the dynamic model; serve them
+    with ctropt.runtime.BucketedSession."""
+    from ..specialize import specialize
+
+    with _user_errors():
+        _plugins(plugin)
+        sizes = _buckets(batch, output)
+        m = load(model)
+        with console.status("specializing"):
+            manifest = specialize(m, output, sizes, seq_len=seq_len, passes=passes, target=target,
+                                  source=str(model), options=_pass_options(option or []))
+        table = Table(title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
+        for col in ("batch", "file", "nodes", "max abs err vs dynamic"):
+            table.add_column(col, justify="right")
+        for b in manifest["buckets"]:
+            table.add_row(str(b["batch"]), b["file"], f"{manifest['dynamic_nodes']}→{b['nodes']}",
+                          _fmt_err(b["max_abs_err"]))
+        console.print(table)
+        if manifest["rows_independent"]:
+            console.print("rows are independent: requests can be padded to a bucket")
+        else:
+            console.print(f"[yellow]requests cannot be padded:[/] {escape(manifest['why_not'])}")
+
+
+@app.command("repository")
+def repository_cmd(
+    model: Path = typer.Argument(..., help="Input .onnx model."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory: triton/ and ovms/ are written inside."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model name on the servers (default: file stem)."),
+    batch: str = typer.Option("1,32,128,512", "--batch", help="Buckets: Triton's preferred batch sizes; the "
+                              "largest is max_batch_size."),
+    static_seq_len: Optional[int] = typer.Option(None, "--static-seq-len", min=1,
+                                                 help="History length to fix for OpenVINO (as in optimize)."),
+    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+):
+    """A Triton model repository (onnxruntime backend, dynamic batching over the buckets) and an OpenVINO Model
+    Server config, each with the model optimized and checked for that server's runtime."""
+    from ..deploy import write_repositories
+
+    with _user_errors():
+        sizes = _buckets(batch, output)
+        m = load(model)
+        with console.status("optimizing for onnxruntime (Triton) and OpenVINO (OVMS)"):
+            summary = write_repositories(m, output, name or model.name.removesuffix(".onnx"), sizes,
+                                         static_seq_len=static_seq_len, options=_pass_options(option or []))
+        console.print(f"Triton: {summary['triton']}" + ("" if summary["batched"] else " (no dynamic batching)"))
+        console.print(f"OpenVINO Model Server: {summary['ovms']}")
+        if not summary["batched"]:
+            console.print(f"[yellow]requests are not batched together:[/] {escape(summary['why_not'])}")
+        for item in summary.get("rolled_back", []):
+            console.print(f"[yellow]rolled back[/] {escape(item)}")
+
+
+@app.command("pack-inputs")
+def pack_inputs_cmd(
+    model: Path = typer.Argument(..., help="Input .onnx model."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output path (default: IN.packed.onnx)."),
+    packing_out: Optional[Path] = typer.Option(None, "--packing", help="Where to write the feed adapter "
+                                               "(default: OUT with .pack.json)."),
+):
+    """Per-feature [B, 1] / [B] inputs → one [B, F] input per dtype (split inside the graph), verified through
+    the adapter that packs old feeds (Python: ctropt.packing.Packing.load(path).pack(feeds))."""
+    from ..packing import pack_inputs, verify_packing
+
+    with _user_errors():
+        out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".packed.onnx"), model)
+        adapter = check_output_path(packing_out or out.with_name(out.name.removesuffix(".onnx") + ".pack.json"),
+                                    model, out)
+        m = load(model)
+        packed, packing = pack_inputs(m)
+        if not packing.groups:
+            raise CtroptError("nothing to pack: no two per-feature inputs ([B, 1] or [B]) share a dtype")
+        err = verify_packing(m, packed, packing)
+        save(packed, out, protect=(model,))
+        packing.save(adapter)
+        table = Table(title=f"{model.name} → {out.name} (outputs verified through the adapter, max err {err:.1e})")
+        for col in ("packed input", "features", "holds"):
+            table.add_column(col)
+        for name, features in packing.groups.items():
+            shown = ", ".join(features[:6]) + (f", … {len(features) - 6} more" if len(features) > 6 else "")
+            table.add_row(name, str(len(features)), escape(shown))
+        console.print(table)
+        before = len(_input_names(m))
+        console.print(f"{before} → {len(_input_names(packed))} inputs; adapter {adapter}")
+
+
 @app.command("passes")
 def list_passes(plugin: Optional[List[str]] = PLUGIN):
     """List every registered pass."""
@@ -312,14 +423,21 @@ def verify(
     atol: float = ATOL,
     rtol: float = RTOL,
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
+    packing: Optional[Path] = typer.Option(None, "--packing", help="B was made by pack-inputs: feed it A's inputs "
+                                           "packed by this adapter (.pack.json)."),
 ):
     """Run two models on the same inputs; exit 0 iff every output matches."""
+    from ..packing import Packing
+
     with _user_errors():
         a, b = load(model_a), load(model_b)
-        if _input_names(a) != _input_names(b):
-            raise CtroptError(f"the models have different inputs: {_input_names(a)} vs {_input_names(b)}")
+        adapter = Packing.load(packing) if packing else None
         feeds = _feeds(inputs, a, batch)
-        diffs = compare_outputs(Runner(a, backend).run(feeds), Runner(b, backend).run(feeds), atol=atol, rtol=rtol)
+        feeds_b = adapter.pack(feeds) if adapter else feeds
+        if sorted(feeds_b) != sorted(_input_names(b)):
+            raise CtroptError(f"the models have different inputs: {_input_names(a)} vs {_input_names(b)}"
+                              + ("" if adapter else " (a packed model? give --packing)"))
+        diffs = compare_outputs(Runner(a, backend).run(feeds), Runner(b, backend).run(feeds_b), atol=atol, rtol=rtol)
         table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
         for col in ("output", "shape", "max abs err", "max rel err", "ok"):
             table.add_column(col)

@@ -1,0 +1,185 @@
+"""Serving a directory of batch buckets (`ctropt specialize`): run each request on the static model of a bucket
+that holds it (padded, then sliced), split requests larger than the largest bucket, optionally route large
+batches to a second backend (the GPU) above a threshold."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..graph import CtroptError, load
+from .inputs import generate_inputs
+from .session import Runner
+
+POLICIES = ("pad", "measured")
+MARGIN = 0.95  # a bucket is used by the measured policy only when timed at least 5 % faster
+
+
+class BucketedSession:
+    """`BucketedSession("buckets/").run(feeds)`: the dynamic model's outputs, from static-batch models.
+
+    policy "pad": every request runs on the smallest bucket that holds it (seed 002). policy "measured"
+    (default): each bucket and the optimized dynamic model are timed when the session starts (`calibrate_runs`
+    runs each, on this machine and these threads); a request then runs padded on its bucket only where that
+    was measured faster than the dynamic model unpadded (static shapes save most at small batches, padding
+    costs most at large ones). Splitting a request over several small buckets is not tried: per-run timings
+    are too noisy to trust such plans (they measured slower).
+    backend/threads: where the models run. gpu_backend + gpu_threshold: requests of at least that many rows
+    run there instead (seed 002's CPU/GPU split: the batch where `ctropt bench` on both backends crosses).
+    A model whose rows depend on each other (batch statistics) is refused, since padding would change them.
+    Padding writes into buffers the session keeps, so use one session per thread.
+    """
+
+    def __init__(self, directory: str | os.PathLike, backend: str = "ort-cpu", threads: int = 0, *,
+                 policy: str = "measured", calibrate_runs: int = 15, gpu_backend: str | None = None,
+                 gpu_threshold: int | None = None):
+        directory = Path(directory)
+        path = directory / "manifest.json"
+        if not path.is_file():
+            raise CtroptError(f"{directory}: no manifest.json (make one with `ctropt specialize`)")
+        if policy not in POLICIES:
+            raise CtroptError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.manifest = json.loads(path.read_text())
+        if not self.manifest["rows_independent"]:
+            raise CtroptError(f"cannot pad requests for this model: {self.manifest['why_not']}")
+        if (gpu_backend is None) != (gpu_threshold is None):
+            raise CtroptError("CPU/GPU routing needs both gpu_backend and gpu_threshold")
+        self.sizes = sorted(b["batch"] for b in self.manifest["buckets"])
+        self.models = {b["batch"]: load(directory / b["file"]) for b in self.manifest["buckets"]}
+        self.runners = {b: Runner(m, backend, threads) for b, m in self.models.items()}
+        self.gpu_backend, self.gpu_threshold, self.threads = gpu_backend, gpu_threshold, threads
+        self._gpu: dict[int, Runner] = {}
+        self.inputs = [i["name"] for i in self.manifest["inputs"]]
+        self.seq_len = self.manifest.get("seq_len")
+        self.policy = policy
+        self.dynamic = None
+        self.costs: dict[int, float] = {}  # bucket -> seconds per run at exactly its batch
+        self.padded_costs: dict[int, float] = {}  # bucket -> seconds per padded request (pad, run, slice)
+        self._buffers: dict[int, dict[str, np.ndarray]] = {}  # bucket -> input buffers padding is written into
+        self.dynamic_costs: dict[int, float] = {}  # rows -> seconds per run of the dynamic model
+        if policy == "measured":
+            self.dynamic = Runner(load(directory / self.manifest["dynamic"]), backend, threads)
+            self._calibrate(calibrate_runs)
+
+    def _calibrate(self, runs: int) -> None:
+        """Time each bucket at its batch and the padded path into it (from mid-way below: padding, run, slicing),
+        each paired with the dynamic model on the same rows (alternating, so drift hits both alike)."""
+        feeds = generate_inputs(self.models[self.sizes[-1]], batch=self.sizes[-1], seq_len=self.seq_len or 10)
+        below = 0
+        for b in self.sizes:
+            part = {k: v[:b] for k, v in feeds.items()}
+            self.costs[b], self.dynamic_costs[b] = _paired(lambda: self.runners[b].run(part),
+                                                           lambda: self.dynamic.run(part), runs)
+            take = (below + b) // 2 + 1
+            if take < b:
+                short = {k: v[:take] for k, v in feeds.items()}
+                padded, dynamic = _paired(lambda: self._run_padded(short, take, b), lambda: self.dynamic.run(short),
+                                          runs)
+                self.padded_costs[b] = padded * self.dynamic_cost(take) / dynamic  # on the same scale as the rest
+            below = b
+
+    def dynamic_cost(self, rows: int) -> float:
+        """The dynamic model's expected time at `rows`: linear between the measured sizes."""
+        sizes = self.sizes
+        if rows <= sizes[0]:
+            return self.dynamic_costs[sizes[0]]
+        i = min(bisect.bisect_left(sizes, rows), len(sizes) - 1)
+        lo, hi = sizes[i - 1], sizes[i]
+        c_lo, c_hi = self.dynamic_costs[lo], self.dynamic_costs[hi]
+        return c_lo + (c_hi - c_lo) * (rows - lo) / (hi - lo)
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket holding `rows` (the largest when none does: the request is split)."""
+        i = bisect.bisect_left(self.sizes, rows)
+        return self.sizes[min(i, len(self.sizes) - 1)]
+
+    def plan(self, rows: int) -> list[tuple[int, int | None]]:
+        """(rows, bucket) per run for a request; bucket None = the dynamic model, unpadded."""
+        runs, left = [], rows
+        while left > self.sizes[-1]:  # larger than every bucket: full chunks first
+            runs.append((self.sizes[-1], self._choose(self.sizes[-1])))
+            left -= self.sizes[-1]
+        return runs + [(left, self._choose(left))]
+
+    def _choose(self, rows: int) -> int | None:
+        """The bucket for `rows`, or None (the dynamic model) where it was measured faster. A bucket must win
+        by MARGIN: timings taken at start-up are noisy, and the dynamic model is the safe side."""
+        bucket = self.bucket_for(rows)
+        if self.policy == "pad":
+            return bucket
+        cost = self.costs[bucket] if rows == bucket else self.padded_costs.get(bucket, self.costs[bucket])
+        return bucket if cost < MARGIN * self.dynamic_cost(rows) else None
+
+    def _runner(self, bucket: int | None, rows: int) -> Runner:
+        if bucket is None:
+            return self.dynamic
+        if self.gpu_threshold is not None and rows >= self.gpu_threshold:
+            if bucket not in self._gpu:
+                self._gpu[bucket] = Runner(self.models[bucket], self.gpu_backend, self.threads)
+            return self._gpu[bucket]
+        return self.runners[bucket]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            rows = {len(feeds[n]) for n in self.inputs}
+        except KeyError:
+            raise CtroptError(f"missing inputs: {', '.join(n for n in self.inputs if n not in feeds)}") from None
+        if len(rows) != 1:
+            raise CtroptError(f"inputs disagree on the batch size: {sorted(rows)}")
+        (n,) = rows
+        if n == 0:
+            raise CtroptError("an empty request (batch 0)")
+        if self.seq_len is not None:
+            self._check_history(feeds)
+        plan = self.plan(n)
+        if len(plan) == 1 and plan[0][1] in (None, n):  # one run, nothing to pad or slice
+            return self._runner(plan[0][1], n).run({k: feeds[k] for k in self.inputs})
+        parts, start = [], 0
+        for take, bucket in plan:
+            chunk = {k: feeds[k][start:start + take] for k in self.inputs}
+            if bucket is not None and take < bucket:
+                parts.append(self._run_padded(chunk, take, bucket))
+            else:
+                parts.append(self._runner(bucket, take).run(chunk))
+            start += take
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def _run_padded(self, chunk: dict[str, np.ndarray], take: int, bucket: int) -> dict[str, np.ndarray]:
+        """Run `take` rows on a bucket: written into the bucket's input buffers, the rest filled with copies of
+        the last real row (ids stay valid; rows are independent, so they change nothing), outputs sliced."""
+        buffers = self._buffers.setdefault(bucket, {})
+        for k, v in chunk.items():
+            buf = buffers.get(k)
+            if buf is None or buf.shape[1:] != v.shape[1:] or buf.dtype != v.dtype:
+                buf = buffers[k] = np.empty((bucket,) + v.shape[1:], v.dtype)
+            buf[:take] = v
+            buf[take:] = v[take - 1]
+        out = self._runner(bucket, take).run(buffers)
+        return {k: v[:take] for k, v in out.items()}
+
+    def _check_history(self, feeds) -> None:
+        for name in self.inputs:
+            shape = np.shape(feeds[name])
+            if len(shape) >= 2 and shape[1] != self.seq_len:
+                raise CtroptError(f"input {name!r} has history length {shape[1]}, the buckets were made for "
+                                  f"{self.seq_len}; specialize with that --seq-len or leave it dynamic")
+
+
+def _paired(run_a, run_b, runs: int, min_seconds: float = 0.05) -> tuple[float, float]:
+    """Median seconds of two callables run alternately, at least `runs` times each and `min_seconds` in all."""
+    run_a(), run_b()
+    times: tuple[list, list] = ([], [])
+    start = time.perf_counter()
+    while len(times[0]) < runs or time.perf_counter() - start < min_seconds:
+        for i in ((0, 1) if len(times[0]) % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            (run_a if i == 0 else run_b)()
+            times[i].append(time.perf_counter() - t0)
+    return float(np.median(times[0])), float(np.median(times[1]))
