@@ -206,3 +206,23 @@ def test_triton_config_without_batching_for_batch_dependent_models():
     assert list(batched.output[1].dims) == [1] and list(batched.output[1].reshape.shape) == []  # a [B] output
     r = CliRunner().invoke(app, ["repository", "nothing.onnx", "-o", "x"], catch_exceptions=False)
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_routing_large_requests_to_a_second_backend_and_the_sweep_that_sets_it(tmp_path):
+    """OpenVINO CPU stands in for the GPU here (no GPU on these machines); the routing is the same."""
+    model = shape_arith_model()
+    specialize(model, tmp_path / "b", [1, 8, 64])
+    session = BucketedSession(tmp_path / "b", policy="pad", gpu_backend="openvino-cpu", gpu_threshold=8)
+    feeds = generate_inputs(model, batch=100)
+    dynamic = Runner(model)
+    for n in (1, 7, 8, 30, 100):
+        part = {k: v[:n] for k, v in feeds.items()}
+        np.testing.assert_allclose(session.run(part)["y"], dynamic.run(part)["y"], rtol=1e-5, atol=1e-6)
+    assert set(session._gpu) == {8, 64} and all(r.backend == "openvino-cpu" for r in session._gpu.values())
+    with pytest.raises(CtroptError, match="needs both"):
+        BucketedSession(tmp_path / "b", gpu_backend="openvino-cpu")
+    src = save(model, tmp_path / "m.onnx")
+    r = CliRunner().invoke(app, ["bench", str(src), "--sweep", "openvino-cpu", "--batch", "1,16", "--seconds", "0.1"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "on openvino-cpu" in r.output and ("gpu_threshold=" in r.output or "keep ort-cpu" in r.output)

@@ -530,8 +530,11 @@ def bench(
     one_user: bool = typer.Option(False, "--one-user",
                                   help="Generated rows share row 0's history and user inputs (one request)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="A second backend: time model A on --backend and "
+                                        "on this one at every --batch, paired, and print the batch from which it "
+                                        "wins (BucketedSession's gpu_threshold)."),
 ):
-    """Latency p50/p90/p99 and throughput; with two models, the median of paired time ratios (A/B)."""
+    """Latency p50/p90/p99 and throughput; with two models (or --sweep), the median of paired time ratios (A/B)."""
     import dataclasses
     import json
 
@@ -542,11 +545,15 @@ def bench(
     with _user_errors():
         a = load(model_a)
         runners = [Runner(a, backend, threads, precision)]
+        if model_b is not None and sweep:
+            raise CtroptError("--sweep compares one model on two backends; give one model")
         if model_b is not None:
             b = load(model_b)
             if _input_names(a) != _input_names(b):
                 raise CtroptError("the two models have different inputs; bench compares models of one interface")
             runners.append(Runner(b, backend, threads, precision))
+        if sweep:
+            runners.append(Runner(a, sweep, threads, precision))
         if inputs:
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
@@ -560,15 +567,17 @@ def bench(
                 results.append(run_bench(runners, feeds, n, seconds=seconds,
                                          on_step=lambda f, t=task: progress.update(t, completed=f)))
         names = [model_a.name] + ([model_b.name] if model_b else [])
+        if sweep:
+            names = [f"{model_a.name} on {backend}", f"{model_a.name} on {sweep}"]
         labels = "AB"[: len(names)]
         console.print("  ".join(f"{k} = {escape(n)}" for k, n in zip(labels, names))
-                      + f"  on {backend}, threads {threads or 'default'}")
+                      + ("" if sweep else f"  on {backend}") + f", threads {threads or 'default'}")
         table = Table()
         table.add_column("batch", justify="right")
         for k in labels:
             table.add_column(f"{k} p50 / p90 / p99 ms", justify="right")
             table.add_column(f"{k} samples/s", justify="right")
-        if model_b:
+        if len(runners) == 2:
             table.add_column("A/B time (p10–p90)", justify="right")
         for r in results:
             row = [str(r.batch)]
@@ -578,6 +587,11 @@ def bench(
                 row.append(f"[bold]{r.ratio:.2f}×[/] ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})")
             table.add_row(*row)
         console.print(table)
+        if sweep:
+            ordered = sorted(results, key=lambda r: r.batch)
+            wins = [r.batch for i, r in enumerate(ordered) if all(x.ratio > 1 for x in ordered[i:])]
+            console.print(f"{sweep} is faster from batch {wins[0]} on: gpu_backend={sweep!r}, gpu_threshold={wins[0]}"
+                          if wins else f"{sweep} is not faster at the largest batch measured: keep {backend}")
         if json_out:
             json_out.write_text(json.dumps({"models": names, "backend": backend, "threads": threads,
                                             "results": [dataclasses.asdict(r) for r in results]}, indent=2))
