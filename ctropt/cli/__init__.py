@@ -257,10 +257,11 @@ def specialize_cmd(
             manifest = specialize(m, output, sizes, seq_len=seq_len, passes=passes, target=target,
                                   source=str(model), options=_pass_options(option or []))
         table = Table(title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
-        for col in ("batch", "file", "nodes", "max abs err vs dynamic"):
+        for col in ("batch", "file", "nodes: source → optimized dynamic → bucket", "max abs err vs source"):
             table.add_column(col, justify="right")
         for b in manifest["buckets"]:
-            table.add_row(str(b["batch"]), b["file"], f"{manifest['dynamic_nodes']}→{b['nodes']}",
+            table.add_row(str(b["batch"]), b["file"],
+                          f"{manifest['source_nodes']} → {manifest['dynamic_nodes']} → {b['nodes']}",
                           _fmt_err(b["max_abs_err"]))
         console.print(table)
         if manifest["rows_independent"]:

@@ -110,8 +110,8 @@ class BucketedSession:
         """The bucket for `rows`, or None (the dynamic model) where it was measured faster. A bucket must win
         by MARGIN: timings taken at start-up are noisy, and the dynamic model is the safe side."""
         bucket = self.bucket_for(rows)
-        if self.policy == "pad":
-            return bucket
+        if self.policy == "pad" or (self.gpu_threshold is not None and rows >= self.gpu_threshold):
+            return bucket  # padded (on the GPU: the timings were taken on the CPU backend)
         cost = self.costs[bucket] if rows == bucket else self.padded_costs.get(bucket, self.costs[bucket])
         return bucket if cost < MARGIN * self.dynamic_cost(rows) else None
 
