@@ -222,12 +222,14 @@ def iter_proto_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
         yield from g.node
 
 
+def op_name(n: onnx.NodeProto) -> str:
+    """The op type, prefixed with its domain when that is not the default one (`ai.ctropt::GRUSequence`)."""
+    return f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+
+
 def op_histogram(model: onnx.ModelProto) -> collections.Counter:
     """Op type counts over the graph and all subgraphs (custom domains prefixed)."""
-    return collections.Counter(
-        (f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type)
-        for n in iter_proto_nodes(model.graph)
-    )
+    return collections.Counter(op_name(n) for n in iter_proto_nodes(model.graph))
 
 
 def node_count(model: onnx.ModelProto) -> int:

@@ -13,7 +13,7 @@ from .graph import iter_graphs, nodes_near, op_histogram, to_graph, to_model
 from .ops import DOMAIN
 from .ops.rnn import SequenceAttrs, is_sequence_node
 from .passes.registry import Pass, PassContext
-from .patterns import const_value, explain
+from .patterns import const_value
 
 RECURRENT_OPS = {"GRU", "LSTM", "RNN"}
 FC_OPS = {"MatMul", "Gemm"}
@@ -188,7 +188,7 @@ def preview_passes(model: onnx.ModelProto, passes: list[Pass], target: str, expl
         misses = []
         if explain_misses and not ctx.rewrites:
             fresh = to_graph(model)
-            misses = [f"{r.name}: {explain(r.pattern, fresh)}" for r in p.rules_for(target)]
+            misses = p.misses(fresh, target)
         previews.append(PassPreview(p.name, ctx.matches, ctx.rewrites, notes, misses))
     return previews
 

@@ -73,13 +73,13 @@ def fix_shapes(model: onnx.ModelProto, batch: int, seq_len: int | None = None) -
     return out
 
 
-def rows_independent(model: onnx.ModelProto, feeds: dict[str, np.ndarray], backend: str = "ort-cpu") -> str:
+def rows_independent(model: onnx.ModelProto | Runner, feeds: dict[str, np.ndarray]) -> str:
     """'' if each output row depends only on its input row (so padding a request is safe), else why not.
 
     Runs the batch, then a reordered subset of its rows, and compares those rows: batch statistics, a
     softmax over the batch or a reduction across rows all show up as a difference.
     """
-    runner = Runner(model, backend)
+    runner = model if isinstance(model, Runner) else Runner(model)
     batch = len(next(iter(feeds.values())))
     if batch < 4:
         raise CtroptError("the row check needs at least 4 rows")
@@ -111,10 +111,10 @@ def specialize(model: onnx.ModelProto, out_dir: str | os.PathLike, batches: list
     out_dir.mkdir(parents=True, exist_ok=True)
     t = seq_len or DEFAULT_SEQ_LEN
     probe = generate_inputs(model, batch=13, seq_len=t)
-    dependent = rows_independent(model, probe)
+    dynamic = Runner(model)
+    dependent = rows_independent(dynamic, probe)
     if dependent.startswith("not every input"):
         raise CtroptError(f"cannot bucket this model: {dependent} (a jagged input, as torchrec's KeyedJaggedTensor)")
-    dynamic = Runner(model)
     # Fuse once on the dynamic graph (the patterns expect the exporter's forms), then per bucket fix the
     # shapes and run the passes again: folding now removes the shape arithmetic.
     optimized = PassManager(passes, target=target, feeds=probe, options=options).run(model).model

@@ -12,7 +12,6 @@ import onnx
 
 from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, to_graph, to_model
 from ..runtime import DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
-from ..patterns import explain, find_matches
 from ..report.diff import ModelDiff, diff_models
 from .registry import Pass, PassContext, resolve
 
@@ -127,7 +126,7 @@ class PassManager:
             return self._reject(record, before, t0, "failed", f"raised {type(e).__name__}: {e}"), before, reference
         if _fingerprint(after) == _fingerprint(before):
             record.status, record.seconds = "unchanged", time.perf_counter() - t0
-            record.misses = _misses(p, ctx.graph, self.target) if not ctx.rewrites and p.group != "cleanup" else []
+            record.misses = p.misses(ctx.graph, self.target) if not ctx.rewrites and p.group != "cleanup" else []
             return record, before, reference
         record.diff = diff_models(before, after)
         if interface(after) != original_interface:
@@ -181,28 +180,6 @@ def _fingerprint(model: onnx.ModelProto) -> str:
 
 def _has_big_attr(node: onnx.NodeProto) -> bool:
     return any(a.type == onnx.AttributeProto.TENSOR and len(a.t.raw_data) > 1 << 20 for a in node.attribute)
-
-
-def _misses(p: Pass, graph, target: str) -> list[str]:
-    """For a pass that rewrote nothing: per pattern rule, the condition that declined a match, or how far the
-    best attempt got and the check that stopped it."""
-    misses = []
-    for rule in p.rules_for(target):
-        declined = []
-        if rule.condition is not None:
-            for m in find_matches(rule.pattern, graph):
-                try:
-                    verdict = rule.condition(m)
-                except Exception as e:  # a condition that cannot judge this match declines it
-                    verdict = f"condition raised {type(e).__name__}"
-                if verdict is not True:
-                    declined.append(f"'{m.root.name}'" + (f" ({verdict})" if isinstance(verdict, str) else ""))
-        if declined:
-            misses.append(f"{rule.name}: matched {len(declined)}, declined: {', '.join(declined[:5])}"
-                          + (f" and {len(declined) - 5} more" if len(declined) > 5 else ""))
-        else:
-            misses.append(f"{rule.name}: {explain(rule.pattern, graph)}")
-    return misses
 
 
 def optimize(model: onnx.ModelProto, passes="all", **kwargs) -> OptimizeResult:

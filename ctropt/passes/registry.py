@@ -12,7 +12,7 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError
-from ..patterns import Rewrite, apply_rewrites
+from ..patterns import Rewrite, apply_rewrites, explain, find_matches
 
 GROUPS = ("cleanup", "fusion", "quantize", "lower")
 TARGETS = ("any", "ort", "openvino")
@@ -57,6 +57,27 @@ class Pass:
     def rules_for(self, target: str) -> list[Rewrite]:
         """The pattern rules this pass applies for `target` (to explain why it did not fire)."""
         return list(self.rules(target) if callable(self.rules) else self.rules)
+
+    def misses(self, graph: gs.Graph, target: str) -> list[str]:
+        """Why this pass's rules do not fire on `graph`: per rule, the condition that declined each match, or
+        how far the best attempt got and the check that stopped it."""
+        misses = []
+        for rule in self.rules_for(target):
+            declined = []
+            if rule.condition is not None:
+                for m in find_matches(rule.pattern, graph):
+                    try:
+                        verdict = rule.condition(m)
+                    except Exception as e:  # a condition that cannot judge this match declines it
+                        verdict = f"condition raised {type(e).__name__}"
+                    if verdict is not True:
+                        declined.append(f"'{m.root.name}'" + (f" ({verdict})" if isinstance(verdict, str) else ""))
+            if declined:
+                misses.append(f"{rule.name}: matched {len(declined)}, declined: {', '.join(declined[:5])}"
+                              + (f" and {len(declined) - 5} more" if len(declined) > 5 else ""))
+            else:
+                misses.append(f"{rule.name}: {explain(rule.pattern, graph)}")
+        return misses
 
     def __post_init__(self):
         if self.group not in GROUPS:

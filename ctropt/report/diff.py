@@ -15,7 +15,7 @@ import hashlib
 
 import onnx
 
-from ..graph import iter_proto_graphs
+from ..graph import iter_proto_graphs, op_name as _op
 
 MAIN = "main"
 MAX_DRAWN = 60  # nodes of one side of a region drawn; the rest are counted in `hidden`
@@ -100,10 +100,6 @@ class ModelDiff:
 
 
 # ----------------------------------------------------------------------------------------- reading a model
-
-
-def _op(n: onnx.NodeProto) -> str:
-    return f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
 
 
 def _key(n: onnx.NodeProto) -> str:

@@ -7,17 +7,18 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 
 from ..graph import CtroptError, load
 from .inputs import generate_inputs
+from .bench import bench
 from .session import Runner
 
 POLICIES = ("pad", "measured")
 MARGIN = 0.95  # a bucket is used by the measured policy only when timed at least 5 % faster
+CALIBRATE_SECONDS = 0.05  # per paired timing at start-up (and at least `calibrate_runs` runs each)
 
 
 class BucketedSession:
@@ -73,13 +74,13 @@ class BucketedSession:
         below = 0
         for b in self.sizes:
             part = {k: v[:b] for k, v in feeds.items()}
-            self.costs[b], self.dynamic_costs[b] = _paired(lambda: self.runners[b].run(part),
-                                                           lambda: self.dynamic.run(part), runs)
+            self.costs[b], self.dynamic_costs[b] = _medians(bench([self.runners[b], self.dynamic], part, b,
+                                                                  seconds=CALIBRATE_SECONDS, min_runs=runs))
             take = (below + b) // 2 + 1
             if take < b:
                 short = {k: v[:take] for k, v in feeds.items()}
-                padded, dynamic = _paired(lambda: self._run_padded(short, take, b), lambda: self.dynamic.run(short),
-                                          runs)
+                padded, dynamic = _medians(bench([_PaddedRun(self, take, b), self.dynamic], short, take,
+                                                 seconds=CALIBRATE_SECONDS, min_runs=runs))
                 self.padded_costs[b] = padded * self.dynamic_cost(take) / dynamic  # on the same scale as the rest
             below = b
 
@@ -172,14 +173,17 @@ class BucketedSession:
                                   f"{self.seq_len}; specialize with that --seq-len or leave it dynamic")
 
 
-def _paired(run_a, run_b, runs: int, min_seconds: float = 0.05) -> tuple[float, float]:
-    """Median seconds of two callables run alternately, at least `runs` times each and `min_seconds` in all."""
-    run_a(), run_b()
-    times: tuple[list, list] = ([], [])
-    start = time.perf_counter()
-    while len(times[0]) < runs or time.perf_counter() - start < min_seconds:
-        for i in ((0, 1) if len(times[0]) % 2 == 0 else (1, 0)):
-            t0 = time.perf_counter()
-            (run_a if i == 0 else run_b)()
-            times[i].append(time.perf_counter() - t0)
-    return float(np.median(times[0])), float(np.median(times[1]))
+class _PaddedRun:
+    """The padded path into one bucket (pad, run, slice), as something `bench` times like a Runner."""
+
+    def __init__(self, session: BucketedSession, take: int, bucket: int):
+        self.session, self.take, self.bucket = session, take, bucket
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.session._run_padded(feeds, self.take, self.bucket)
+
+
+def _medians(result) -> tuple[float, float]:
+    """Median seconds per run of the two models of a paired `bench`."""
+    a, b = result.latency
+    return a.p50_ms / 1e3, b.p50_ms / 1e3
