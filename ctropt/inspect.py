@@ -26,6 +26,7 @@ class Table:
     width: int
     lookups: int
     ops: str
+    taken_by: str = ""  # the embedding pass that rewrites its lookups, if one does
 
 
 @dataclasses.dataclass
@@ -36,11 +37,21 @@ class Recurrent:
 
 
 def embedding_tables(graph: gs.Graph) -> list[Table]:
-    """Constant matrices read by Gather (lookup) or multiplied by a OneHot (indicator/one-hot lookup)."""
+    """Constant matrices read by Gather (lookup) or multiplied by a OneHot (indicator/one-hot lookup), with the
+    embedding pass that takes their lookups."""
+    from .passes.embedding import _bag_loop, parallel_lookup_tables
+
     found: dict[str, list] = collections.defaultdict(list)
-    shapes = {}
+    shapes, taken = {}, {}
     for g in iter_graphs(graph):
         for node in g.nodes:
+            kind = _lookup_kind(node)
+            if kind == "partitioned":
+                taken[node.inputs[0].name] = "merge-partitioned-embeddings"
+            elif node.op == "Loop" and (bag := _bag_loop(node, g)) is not None:
+                for lookup in nodes_near(bag.rows, 3, up=True):  # the rows' Gather, maybe weighted
+                    if lookup.op == "Gather" and getattr(const_value(lookup.inputs[0]), "ndim", 0) == 2:
+                        taken[lookup.inputs[0].name] = "vectorize-embedding-bags"
             if node.op in ("Gather", "GatherND") and node.inputs:
                 table = node.inputs[0]
             elif node.op == "MatMul" and any(t.inputs and t.inputs[0].op == "OneHot" for t in node.inputs[:1]):
@@ -51,7 +62,8 @@ def embedding_tables(graph: gs.Graph) -> list[Table]:
             if value is not None and value.ndim == 2 and value.shape[0] > 1:
                 found[table.name].append(node.op)
                 shapes[table.name] = value.shape
-    return sorted((Table(name, shapes[name][0], shapes[name][1], len(ops), ",".join(sorted(set(ops))))
+    taken.update((name, "fuse-parallel-embeddings") for name in parallel_lookup_tables(graph))
+    return sorted((Table(name, shapes[name][0], shapes[name][1], len(ops), ",".join(sorted(set(ops))), taken.get(name, ""))
                    for name, ops in found.items()), key=lambda t: (-t.lookups, t.name))
 
 
@@ -98,6 +110,20 @@ MASK_OPS = {"Equal", "Not", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", 
 SPARSE_ID_OPS = {"Unique", "GatherND", "NonZero"}
 
 
+def _lookup_kind(node: gs.Node) -> str | None:
+    """'partitioned' (a Gather on one shard of a table, stitched back), 'bag' (ids of a bag, reduced per sample)."""
+    if node.op != "Gather" or (table := const_value(node.inputs[0])) is None or table.ndim != 2:
+        return None
+    above = {n.op for n in _upstream(node.inputs[1], 4)}
+    below = _downstream(node.outputs[0], 6)
+    if "Compress" in above and any(n.op in ("ScatterElements", "ScatterND") for n in below):
+        return "partitioned"
+    if above & SPARSE_ID_OPS or any(n.op in ("ReduceSum", "ReduceMean") for n in below[:2]) and \
+            node.inputs[1].shape is not None and len(node.inputs[1].shape) >= 2:
+        return "bag"
+    return None
+
+
 def _is_din_attention_input(concat: gs.Node) -> bool:
     """Concat of q, k, q-k and q*k (in any order, q possibly tiled): the DIN/DIEN attention unit's input."""
     if len(concat.inputs) != 4:
@@ -118,15 +144,12 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
     bags: dict[str, int] = collections.Counter()
     for g in iter_graphs(graph):
         for node in g.nodes:
-            if node.op == "Gather" and (table := const_value(node.inputs[0])) is not None and table.ndim == 2:
-                above = {n.op for n in _upstream(node.inputs[1], 4)}
-                below = _downstream(node.outputs[0], 6)
-                stitch = next((n for n in below if n.op in ("ScatterElements", "ScatterND")), None)
-                if "Compress" in above and stitch is not None:
-                    stitched[stitch.name].add((node.inputs[0].name, table.shape))
-                elif above & SPARSE_ID_OPS or any(n.op in ("ReduceSum", "ReduceMean") for n in below[:2]) and \
-                        node.inputs[1].shape is not None and len(node.inputs[1].shape) >= 2:
-                    bags[node.inputs[0].name] += 1
+            kind = _lookup_kind(node)
+            if kind == "partitioned":
+                stitch = next(n for n in _downstream(node.outputs[0], 6) if n.op in ("ScatterElements", "ScatterND"))
+                stitched[stitch.name].add((node.inputs[0].name, const_value(node.inputs[0]).shape))
+            elif kind == "bag":
+                bags[node.inputs[0].name] += 1
             elif node.op == "OneHot" and any(n.op == "ReduceSum" for n in _downstream(node.outputs[0], 3)):
                 depth = const_value(node.inputs[1])
                 out.append(Recurrent("indicator column", node.name,

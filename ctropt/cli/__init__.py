@@ -384,10 +384,10 @@ def inspect(
         graph = to_graph(m)
         tables = insp.embedding_tables(graph)
         emb = Table(title=f"embedding tables ({len(tables)})")
-        for col in ("table", "rows", "width", "lookups", "via"):
+        for col in ("table", "rows", "width", "lookups", "via", "taken by"):
             emb.add_column(col)
         for t in tables:
-            emb.add_row(escape(t.name), str(t.rows), str(t.width), str(t.lookups), t.ops)
+            emb.add_row(escape(t.name), str(t.rows), str(t.width), str(t.lookups), t.ops, t.taken_by or "-")
         console.print(emb)
         found = insp.ctr_structures(graph)
         kinds = collections.Counter(f.kind for f in found)

@@ -1,43 +1,64 @@
 """Embedding passes: many per-feature lookups into one.
 
-CTR models look up one table per feature and concatenate the results (Wide&Deep: 26 deep + 26 wide
-lookups). `fuse-parallel-embeddings` turns each run of such lookups feeding one Concat into a single
-Gather on the concatenated table, with per-feature id offsets (seed 003: 26 lookups → one gather).
+CTR models look up one table per feature (Wide&Deep: 26 deep + 26 wide lookups), tables split in shards,
+bags of ids per sample and multi-hot indicator columns. `merge-partitioned-embeddings` joins the shards,
+`vectorize-embedding-bags` replaces per-sample bag loops by one scatter, `rewrite-indicator-columns` replaces
+OneHot + ReduceSum by a scatter, and `fuse-parallel-embeddings` turns the lookups of one batch into tables of
+one width into a single Gather on the concatenated table (seed 003: 26 lookups → one gather).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import iter_graphs, nodes_near
+from ..graph import annotate_shapes, iter_graphs, nodes_near
 from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import add_constant, add_node, replace_outputs, shape_of
+from ..patterns.matcher import add_constant, add_node, dtype_of, replace_outputs, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 
 @dataclasses.dataclass
 class Lookup:
-    """One embedding lookup read by a Concat: Gather(table, ids), maybe followed by Unsqueeze."""
+    """One lookup Gather(table, ids) on a constant [rows, D] table, ids [B, d1, ...] with static trailing dims."""
 
     gather: gs.Node
-    table: gs.Constant | gs.Variable
     values: np.ndarray
     ids: gs.Tensor
-    form: str  # "stack": [..., 1, D] pieces concatenated on the 1-axis; "flat": [..., D] pieces on the last axis
-    unsqueeze: gs.Node | None = None
+    out: gs.Tensor  # what consumers read: the Gather's output, or an Unsqueeze / same-shape Reshape of it
+    out_shape: list  # [B, ..., D]
+    start: int = 0  # the first column of its unit among the fused lookup's ids
+    block: list | None = None  # lookups joined on their last axis, laid out interleaved (see _interleave)
+    lane: int = 0  # its place in the block
+
+    @property
+    def k(self) -> int:
+        """Ids per row."""
+        return int(np.prod(shape_of(self.ids)[1:], dtype=np.int64))
+
+    @property
+    def width(self) -> int:
+        return int(self.values.shape[1])
 
 
-def _rank(t: gs.Tensor) -> int | None:
-    shape = shape_of(t)
-    return None if shape is None else len(shape)
+def _known(shape) -> bool:
+    return shape is not None and all(isinstance(d, str) or (isinstance(d, (int, np.integer)) and d >= 0) for d in shape)
 
 
-def _only_user(t: gs.Tensor, user: gs.Node, graph: gs.Graph) -> bool:
-    return len(t.outputs) == 1 and t.outputs[0] is user and not any(o is t for o in graph.outputs)
+def _batch_symbols(graph: gs.Graph) -> set[str]:
+    """Axis 0 of every input of rank >= 2 is the batch (the convention of `ctropt bench` and `specialize`; rank-1
+    inputs may be jagged values, as torchrec's are)."""
+    return {x.shape[0] for x in graph.inputs if x.shape is not None and len(x.shape) >= 2 and isinstance(x.shape[0], str)}
+
+
+def _batch_key(dim, batch: set[str]):
+    if isinstance(dim, str):
+        return "batch" if dim in batch else dim
+    return int(dim) if isinstance(dim, (int, np.integer)) and dim >= 0 else None
 
 
 def _unsqueeze_axes(node: gs.Node):
@@ -47,112 +68,316 @@ def _unsqueeze_axes(node: gs.Node):
     return None if value is None else [int(a) for a in value.ravel()]
 
 
-def _lookup(t: gs.Tensor, concat: gs.Node, axis: int, graph: gs.Graph) -> Lookup | None:
-    """The lookup behind Concat input `t`, if the Concat (on `axis`) stacks or joins it in a form one Gather can produce."""
-    if len(t.inputs) != 1 or not _only_user(t, concat, graph):
-        return None
-    node, unsqueeze = t.inputs[0], None
-    if node.op == "Unsqueeze":
-        unsqueeze, inner = node, node.inputs[0]
-        if len(inner.inputs) != 1 or not _only_user(inner, unsqueeze, graph):
-            return None
-        node = inner.inputs[0]
-    if node.op != "Gather" or node.attrs.get("axis", 0) != 0 or not any(n is node for n in graph.nodes):
-        return None
-    values = const_value(node.inputs[0])
-    ids = node.inputs[1]
-    rank = _rank(ids)
-    if values is None or values.ndim != 2 or values.dtype.kind != "f" or rank is None:
-        return None
-    if ids.dtype is not None and np.dtype(ids.dtype).kind not in "iu":
-        return None
-    out_rank = rank + 1 + (unsqueeze is not None)  # the rank of the Concat's inputs, hence of its axis
-    axis = axis + out_rank if axis < 0 else axis
-    if unsqueeze is not None:  # [...] ids -> [..., D] -> Unsqueeze at -2 -> [..., 1, D]
-        axes = _unsqueeze_axes(unsqueeze)
-        if axes not in ([rank], [-2]) or axis != rank:
-            return None
-        return Lookup(node, node.inputs[0], values, ids, "stack", unsqueeze)
-    shape = ids.shape
-    if axis == rank - 1 and rank >= 1 and shape[-1] == 1:  # [..., 1] ids -> [..., 1, D]
-        return Lookup(node, node.inputs[0], values, ids, "stack")
-    if axis == rank and rank >= 1:  # [...] ids -> [..., D], joined on the last axis
-        return Lookup(node, node.inputs[0], values, ids, "flat")
+def _lookups(graph: gs.Graph, batch: set[str]) -> list[Lookup]:
+    """Every lookup whose ids have a known batch and static ids per row, seen through the reshapes after it."""
+    found, outputs = [], {id(t) for t in graph.outputs}
+    for node in graph.nodes:
+        if node.op != "Gather" or node.attrs.get("axis", 0) != 0:
+            continue
+        values, ids = const_value(node.inputs[0]), node.inputs[1]
+        shape, dtype = shape_of(ids), dtype_of(ids)
+        if values is None or values.ndim != 2 or values.dtype.kind != "f" or not shape or dtype is None:
+            continue
+        if np.dtype(dtype).kind not in "iu" or _batch_key(shape[0], batch) is None or \
+                not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape[1:]):
+            continue
+        out, out_shape = node.outputs[0], list(shape) + [values.shape[1]]
+        while len(out.outputs) == 1 and id(out) not in outputs:
+            user = out.outputs[0]
+            if user.op == "Reshape" and _known(out_shape) and shape_of(user.outputs[0]) == out_shape:
+                out = user.outputs[0]  # TF's reshape to ids' shape + [D]: the shape it already has
+            elif user.op == "Unsqueeze" and len(shape) == 1 and out is node.outputs[0] and \
+                    _unsqueeze_axes(user) in ([1], [-2]):
+                out, out_shape = user.outputs[0], [shape[0], 1, values.shape[1]]
+            else:
+                break
+        if id(out) not in outputs:
+            found.append(Lookup(node, values, ids, out, out_shape))
+    return found
+
+
+def _groups(graph: gs.Graph, lookups: list[Lookup], batch: set[str]) -> list[list[Lookup]]:
+    """Lookups of one batch, table width and dtype, in the order their consumers read them."""
+    by_out = {id(lk.out): lk for lk in lookups}
+    ordered = []
+    for node in graph.nodes:
+        for t in node.inputs:
+            lk = by_out.pop(id(t), None)
+            if lk is not None:
+                ordered.append(lk)
+    groups: dict[tuple, list[Lookup]] = {}
+    for lk in ordered:
+        key = (_batch_key(shape_of(lk.ids)[0], batch), lk.width, lk.values.dtype)
+        groups.setdefault(key, []).append(lk)
+    return [g for g in groups.values() if len(g) >= 2]
+
+
+def _interleave(graph: gs.Graph, group: list[Lookup]) -> None:
+    """Lookups with one ids shape [B, d...] (more than one id per row) that a Concat joins on the last axis (DIN's
+    history items and categories) form a block: their ids are stacked on a new last axis, so the block's columns
+    of the fused lookup, [B, d... * n, D], reshape to the Concat's result."""
+    members = {id(lk.out): lk for lk in group}
+
+    def joinable(lk, concat):
+        axis = concat.attrs.get("axis", 0)
+        return lk is not None and lk.block is None and lk.k > 1 and axis in (-1, len(lk.out_shape) - 1)
+
+    for concat in [n for n in graph.nodes if n.op == "Concat"]:
+        run = []
+        for t in list(concat.inputs) + [None]:
+            lk = members.get(id(t)) if t is not None else None
+            if joinable(lk, concat) and run and shape_of(lk.ids) == shape_of(run[0].ids) and lk not in run:
+                run.append(lk)
+                continue
+            if len(run) >= 2:
+                for lane, member in enumerate(run):
+                    member.block, member.lane = run, lane
+            run = [lk] if joinable(lk, concat) else []
+
+
+def _units(group: list[Lookup]) -> list[list[Lookup]]:
+    """The fused lookup's layout: each block once, where its first member comes, and every other lookup alone."""
+    units, seen = [], set()
+    for lk in group:
+        unit = lk.block or [lk]
+        if id(unit[0]) not in seen:
+            seen.add(id(unit[0]))
+            units.append(unit)
+    return units
+
+
+# Concatenated tables up to this size hold every table twice, so that one Add maps an id in [-rows, rows) to its
+# row as Gather reads it (negative: from the end); larger ones keep a single copy and wrap ids with a Mod, which
+# measured 5-8 % of the whole model's time at batch 256 on the small DeepCTR models (ORT CPU).
+DOUBLED_TABLE_BYTES = 64 << 20
+
+
+def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
+    """One Gather on the concatenated tables: ids [B, K] (each lookup's k columns, offset into its table)."""
+    tables, first = [], {}
+    for lk in group:
+        if id(lk.gather.inputs[0]) not in first:  # a table read by several lookups is stored once
+            first[id(lk.gather.inputs[0])] = len(tables)
+            tables.append(lk.values)
+    doubled = 2 * sum(t.nbytes for t in tables) <= DOUBLED_TABLE_BYTES
+    if doubled:
+        tables = [t for table in tables for t in (table, table)]
+    starts = np.cumsum([0] + [t.shape[0] for t in tables])
+    dtypes = {np.dtype(dtype_of(lk.ids)) for lk in group}
+    id_dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int64)
+    if starts[-1] > np.iinfo(id_dtype).max:
+        id_dtype = np.dtype(np.int64)
+
+    def cast(x):
+        if np.dtype(dtype_of(x)) == id_dtype:
+            return x
+        return add_node(graph, "Cast", [x], {"to": onnx.helper.np_dtype_to_tensor_dtype(id_dtype)},
+                        name=f"{name}/cast", dtype=id_dtype)[0]
+
+    sizes, offsets, columns, start = [], [], [], 0
+    for unit in _units(group):
+        rows = [lk.values.shape[0] for lk in unit]
+        at = [starts[2 * first[id(lk.gather.inputs[0])]] + lk.values.shape[0] if doubled
+              else starts[first[id(lk.gather.inputs[0])]] for lk in unit]
+        sizes += rows * unit[0].k  # a block's columns run over its lanes first
+        offsets += at * unit[0].k
+        x = cast(unit[0].ids)
+        if len(unit) > 1:
+            last = add_constant(graph, f"{name}/last", np.array([-1]))
+            lanes = [add_node(graph, "Unsqueeze", [cast(lk.ids), last], name=f"{name}/lane", dtype=id_dtype)[0]
+                     for lk in unit]
+            (x,) = add_node(graph, "Concat", lanes, {"axis": -1}, name=f"{name}/block", dtype=id_dtype)
+        rank = len(shape_of(unit[0].ids)) if len(unit) == 1 else None  # a block is [B, d..., n]
+        columns.append((x, unit[0].k * len(unit), rank))
+        for lk in unit:
+            lk.start = start
+        start += unit[0].k * len(unit)
+    ids = []
+    for flat, run in itertools.groupby(columns, key=lambda c: c[2] == 1):
+        run = list(run)
+        if flat and len(run) >= 3:  # [B] ids: one Concat and a transpose instead of a Reshape each
+            (x,) = add_node(graph, "Concat", [x for x, _, _ in run], {"axis": 0}, name=f"{name}/flat", dtype=id_dtype)
+            (x,) = add_node(graph, "Reshape", [x, add_constant(graph, f"{name}/rows_first", np.array([len(run), -1]))],
+                            name=f"{name}/rows_first", dtype=id_dtype)
+            ids += add_node(graph, "Transpose", [x], {"perm": [1, 0]}, name=f"{name}/by_row", dtype=id_dtype)
+            continue
+        for x, k, rank in run:
+            if rank != 2:
+                (x,) = add_node(graph, "Reshape", [x, add_constant(graph, f"{name}/cols", np.array([0, k]))],
+                                name=f"{name}/cols", dtype=id_dtype)
+            ids.append(x)
+    (x,) = add_node(graph, "Concat", ids, {"axis": 1}, name=f"{name}/ids", dtype=id_dtype) if len(ids) > 1 else ids
+    if not doubled:
+        rows = add_constant(graph, f"{name}/rows", np.array(sizes, dtype=id_dtype))
+        (x,) = add_node(graph, "Mod", [x, rows], name=f"{name}/wrap", dtype=id_dtype)
+    (x,) = add_node(graph, "Add", [x, add_constant(graph, f"{name}/offsets", np.array(offsets, dtype=id_dtype))],
+                    name=f"{name}/offset", dtype=id_dtype)
+    table = add_constant(graph, f"{name}/table", np.concatenate(tables, axis=0))
+    return add_node(graph, "Gather", [table, x], {"axis": 0}, name=name, dtype=table.values.dtype)[0]
+
+
+class _Fused:
+    """The fused lookup's output [B, K, D] and the pieces cut from it."""
+
+    def __init__(self, graph: gs.Graph, group: list[Lookup], name: str):
+        self.graph, self.group, self.name = graph, group, name
+        self.out = _fused_gather(graph, group, name)
+        self.total = sum(lk.k for lk in group)
+        self.dtype = group[0].values.dtype
+        self.sliced = []  # lookups read through a Slice of the fused output
+
+    def op(self, kind, inputs, attrs=None, outputs=1):
+        return add_node(self.graph, kind, inputs, attrs, outputs=outputs, name=f"{self.name}/{kind.lower()}",
+                        dtype=self.dtype)
+
+    def const(self, tag, value):
+        return add_constant(self.graph, f"{self.name}/{tag}", np.array(value, dtype=np.int64))
+
+    def columns(self, start: int, stop: int) -> gs.Tensor:
+        """[B, stop - start, D]: the fused lookup's columns start..stop."""
+        if (start, stop) == (0, self.total):
+            return self.out
+        self.sliced += [lk for lk in self.group if start <= lk.start < stop]
+        return self.op("Slice", [self.out, self.const("start", [start]), self.const("stop", [stop]),
+                                 self.const("axis", [1])])[0]
+
+    def reshaped(self, x: gs.Tensor, shape: list) -> gs.Tensor:
+        """x ([B, k, D]) as [B] + shape[1:] (0 keeps the batch)."""
+        return self.op("Reshape", [x, self.const("shape", [0] + [int(d) for d in shape[1:]])])[0]
+
+
+def _join(f: _Fused, concat: gs.Node, pieces: dict) -> None:
+    """Runs of consecutive lookups, in fused order, concatenated on their stacking axis (pieces [B, k, D] on
+    axis 1) or on their last axis (pieces [B, D] or [B, 1, D]) → one slice of the fused lookup."""
+    inputs, i, out = list(concat.inputs), 0, []
+    while i < len(inputs):
+        lk = pieces.get(id(inputs[i]))
+        if lk is not None and lk.block and lk.lane == 0 and \
+                [id(t) for t in inputs[i:i + len(lk.block)]] == [id(m.out) for m in lk.block] and \
+                concat.attrs.get("axis", 0) in (-1, len(lk.out_shape) - 1):
+            n = len(lk.block)
+            out.append(f.reshaped(f.columns(lk.start, lk.start + n * lk.k), lk.out_shape[:-1] + [n * lk.width]))
+            i += n
+            continue
+        form = _join_form(lk, concat) if lk is not None and not lk.block else None
+        j = i
+        while form and j + 1 < len(inputs) and (nxt := pieces.get(id(inputs[j + 1]))) is not None and \
+                not nxt.block and nxt.start == pieces[id(inputs[j])].start + pieces[id(inputs[j])].k and \
+                _join_form(nxt, concat) == form:
+            j += 1
+        if not form:
+            out.append(inputs[i])
+            i += 1
+            continue
+        run = [pieces[id(t)] for t in inputs[i:j + 1]]
+        x = f.columns(run[0].start, run[0].start + sum(lk.k for lk in run))
+        if form == "flat":
+            x = f.reshaped(x, lk.out_shape[:-1] + [len(run) * lk.width])
+        out.append(x)
+        i = j + 1
+    concat.inputs.clear()
+    concat.inputs.extend(out)
+
+
+def _join_form(lk: Lookup, concat: gs.Node) -> str | None:
+    rank = len(lk.out_shape)
+    axis = concat.attrs.get("axis", 0)
+    axis = axis + rank if axis < 0 else axis
+    if rank == 3 and axis == 1 and lk.out_shape[1] == lk.k:
+        return "stack"
+    if axis == rank - 1 and lk.k == 1 and rank in (2, 3):
+        return "flat"
     return None
 
 
-def _runs(concat: gs.Node, graph: gs.Graph) -> list[tuple[int, list[Lookup]]]:
-    """Maximal runs of consecutive Concat inputs that are lookups of one form, table width and dtype."""
-    axis = concat.attrs.get("axis", 0)
-    runs, current, start = [], [], 0
-    for i, t in enumerate(list(concat.inputs) + [None]):
-        lookup = _lookup(t, concat, axis, graph) if t is not None else None
-        key = lambda lk: (lk.form, lk.values.shape[1], lk.values.dtype, _rank(lk.ids))  # noqa: E731
-        if lookup is not None and current and key(lookup) == key(current[0]) and \
-                not any(lk.gather is lookup.gather for lk in current):
-            current.append(lookup)
-            continue
-        if len(current) >= 2:
-            runs.append((start, current))
-        current, start = ([lookup], i) if lookup is not None else ([], i + 1)
-    return runs
+def _sum(f: _Fused, node: gs.Node, pieces: dict) -> None:
+    """Sum over consecutive single-id lookups ([B, D] or [B, 1, D]) → one ReduceSum over their columns."""
+    mine = [pieces[id(t)] for t in node.inputs if id(t) in pieces]
+    mine = [lk for lk in mine if lk.k == 1 and len(lk.out_shape) in (2, 3)]
+    starts = sorted(lk.start for lk in mine)
+    if len(mine) < 2 or starts != list(range(starts[0], starts[0] + len(mine))) or \
+            len({len(lk.out_shape) for lk in mine}) != 1:
+        return
+    keep = len(mine[0].out_shape) == 3
+    total = f.op("ReduceSum", [f.columns(starts[0], starts[-1] + 1), f.const("axes", [1])], {"keepdims": int(keep)})[0]
+    ids = {id(lk.out) for lk in mine}
+    rest = [t for t in node.inputs if id(t) not in ids]
+    node.inputs.clear()
+    node.inputs.extend([total] + rest)
 
 
-def _fuse(graph: gs.Graph, concat: gs.Node, lookups: list[Lookup]) -> gs.Tensor:
-    """One Gather on the concatenated tables, ids offset per feature; returns what replaces the run."""
-    tables, offsets, sizes, first = [], [], [], {}
-    for lk in lookups:
-        if id(lk.table) not in first:  # a table read by several features is stored once
-            first[id(lk.table)] = sum(t.shape[0] for t in tables)
-            tables.append(lk.values)
-        offsets.append(first[id(lk.table)])
-        sizes.append(lk.values.shape[0])
-    name = f"{concat.name}/fused_lookup"
-    dtypes = {np.dtype(lk.ids.dtype) if lk.ids.dtype is not None else None for lk in lookups}
-    id_dtype = dtypes.pop() if len(dtypes) == 1 and None not in dtypes else np.dtype(np.int64)
-    ids = []
-    for lk in lookups:
-        x = lk.ids
-        if x.dtype is None or np.dtype(x.dtype) != id_dtype:
-            (x,) = add_node(graph, "Cast", [x], {"to": 7}, name=f"{name}/cast", dtype=np.int64)
-        if lk.form == "flat" or lk.unsqueeze is not None:
-            (x,) = add_node(graph, "Unsqueeze", [x, add_constant(graph, f"{name}/last", np.array([-1]))],
-                            name=f"{name}/unsqueeze", dtype=id_dtype)
-        ids.append(x)
-    (stacked,) = add_node(graph, "Concat", ids, {"axis": -1}, name=f"{name}/ids", dtype=id_dtype)
-    # Mod keeps a negative id meaning "from the end of its own table", as Gather reads it.
-    rows = add_constant(graph, f"{name}/rows", np.array(sizes, dtype=id_dtype))
-    (wrapped,) = add_node(graph, "Mod", [stacked, rows], name=f"{name}/wrap", dtype=id_dtype)
-    (shifted,) = add_node(graph, "Add", [wrapped, add_constant(graph, f"{name}/offsets", np.array(offsets, dtype=id_dtype))],
-                          name=f"{name}/offset", dtype=id_dtype)
-    table = add_constant(graph, f"{name}/table", np.concatenate(tables, axis=0))
-    dtype = lookups[0].values.dtype
-    (out,) = add_node(graph, "Gather", [table, shifted], {"axis": 0}, name=name, dtype=dtype)
-    if lookups[0].form == "flat":
-        rank = _rank(lookups[0].ids)
-        width = len(lookups) * lookups[0].values.shape[1]
-        (out,) = add_node(graph, "Reshape", [out, add_constant(graph, f"{name}/shape", np.array([0] * rank + [width]))],
-                          name=f"{name}/join", dtype=dtype)
-    return out
+def _rewire(f: _Fused) -> list[Lookup]:
+    """Concat runs and Sums read columns of the fused lookup instead of the lookups. Returns the lookups still read
+    elsewhere or read through a Slice: cutting those out again would copy what the separate Gathers wrote once
+    (zoo and DeepCTR DIN measured 0.97-0.99x that way)."""
+    pieces = {id(lk.out): lk for lk in f.group}
+    readers = []
+    for lk in f.group:
+        readers += [n for n in lk.out.outputs if not any(n is r for r in readers)]
+    for node in readers:
+        if node.op == "Concat":
+            _join(f, node, pieces)
+        elif node.op == "Sum":
+            _sum(f, node, pieces)
+    return [lk for lk in f.group if lk.out.outputs or any(lk is s for s in f.sliced)]
 
 
-# Opt-in: on onnxruntime CPU it measured neutral (1.01/1.01/0.98x at batch 1/32/256, DeepCTR WDL) to slower
-# (0.90x at batch 256 with the Mod that keeps negative ids exact); the win is fewer kernel launches on GPU.
-@register_pass("fuse-parallel-embeddings", group="fusion", order=20, default=False)
+def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
+    """Fuse the lookups of `group` whose consumers read the fused output whole; returns those fused (none or >= 2)."""
+    while len(group) >= 2:
+        for lk in group:
+            lk.block, lk.lane = None, 0
+        _interleave(graph, group)
+        readers = {id(n): (n, list(n.inputs)) for lk in group for n in lk.out.outputs}
+        count = len(graph.nodes)
+        left = _rewire(_Fused(graph, group, unique_name(graph, f"fused_lookup_w{group[0].width}")))
+        if not left:
+            for node, _ in readers.values():
+                if node.op in ("Concat", "Sum") and len(node.inputs) == 1:
+                    replace_outputs(graph, node, list(node.inputs))
+            return group
+        for node in graph.nodes[count:]:  # undo, and try again without those
+            node.inputs.clear()
+            node.outputs.clear()
+        del graph.nodes[count:]
+        for node, inputs in readers.values():
+            node.inputs.clear()
+            node.inputs.extend(inputs)
+        group = [lk for lk in group if lk not in left]
+    return []
+
+
+def parallel_lookup_tables(graph: gs.Graph) -> set[str]:
+    """Names of the tables whose lookups fuse-parallel-embeddings fuses (for `ctropt inspect`; on a copy)."""
+    graph = graph.copy()
+    annotate_shapes(graph)
+    batch, names = _batch_symbols(graph), set()
+    for g in iter_graphs(graph):
+        for group in _groups(g, _lookups(g, batch), batch):
+            names |= {lk.gather.inputs[0].name for lk in _fuse(g, group)}
+    return names
+
+
+# Opt-in (`--passes all,fuse-parallel-embeddings`): after it, ctropt's input generator no longer finds each id
+# input's table (the ids reach one Gather through a Concat and an offset vector), so `ctropt bench` of the fused
+# model alone and BucketedSession's start-up timing feed out-of-range ids. On by default once the generator reads
+# the fused layout.
+@register_pass("fuse-parallel-embeddings", group="fusion", order=50, default=False)
 def fuse_parallel_embeddings(ctx: PassContext) -> None:
-    """Per-feature lookups concatenated together → one Gather on the concatenated table (per width)."""
+    """Lookups of one batch into tables of one width, read together by Concats or Sums → one Gather on the
+    concatenated tables, ids offset per lookup, that those consumers read whole. Lookups also read elsewhere
+    stay. Runs after the attention and user-side passes, which start from the separate lookups."""
+    batch = _batch_symbols(ctx.graph)
+    if any(t.shape is None for n in ctx.graph.nodes if n.op == "Gather" for t in n.outputs[:1] + n.inputs[1:2]):
+        annotate_shapes(ctx.graph)
     for graph in list(iter_graphs(ctx.graph)):
-        for concat in [n for n in graph.nodes if n.op == "Concat"]:
-            runs = _runs(concat, graph)
-            for start, lookups in reversed(runs):  # back to front, so earlier positions stay valid
-                ctx.matches += len(lookups)
-                fused = _fuse(graph, concat, lookups)
-                inputs = list(concat.inputs)
-                concat.inputs.clear()
-                concat.inputs.extend(inputs[:start] + [fused] + inputs[start + len(lookups):])
-                ctx.rewrites += 1
-            if runs and len(concat.inputs) == 1:
-                replace_outputs(graph, concat, [concat.inputs[0]])
+        for group in _groups(graph, _lookups(graph, batch), batch):
+            fused = _fuse(graph, group)
+            ctx.matches += len(group)
+            ctx.rewrites += bool(fused)
+            if len(fused) < len(group):
+                ctx.note(f"{len(group) - len(fused)} of {len(group)} lookups of width {group[0].width} stay "
+                         "separate: read by other ops, or by Concats that would read a slice of the fused lookup")
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
 
