@@ -237,14 +237,17 @@ def node_count(model: onnx.ModelProto) -> int:
 
 
 def nodes_near(t: gs.Tensor, hops: int, *, up: bool) -> list[gs.Node]:
-    """Nodes within `hops` steps of t: its producers, theirs, ... (up) or its consumers, theirs, ... (down)."""
-    found, frontier = [], [t]
+    """Nodes within `hops` steps of t, nearest first, each once: its producers, theirs, ... (up) or its
+    consumers, theirs, ... (down)."""
+    found, frontier, seen = [], [t], set()
     for _ in range(hops):
         nxt = []
         for x in frontier:
             for node in (x.inputs if up else x.outputs):
-                found.append(node)
-                nxt.extend(node.inputs if up else node.outputs)
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    found.append(node)
+                    nxt.extend(node.inputs if up else node.outputs)
         frontier = nxt
     return found
 

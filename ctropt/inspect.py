@@ -39,7 +39,7 @@ class Recurrent:
 def embedding_tables(graph: gs.Graph) -> list[Table]:
     """Constant matrices read by Gather (lookup) or multiplied by a OneHot (indicator/one-hot lookup), with the
     embedding pass that takes their lookups."""
-    from .passes.embedding import _bag_loop, parallel_lookup_tables
+    from .passes.embedding import _bag_loop, padded_bag_tables, parallel_lookup_tables
 
     found: dict[str, list] = collections.defaultdict(list)
     shapes, taken = {}, {}
@@ -63,6 +63,7 @@ def embedding_tables(graph: gs.Graph) -> list[Table]:
                 found[table.name].append(node.op)
                 shapes[table.name] = value.shape
     taken.update((name, "fuse-parallel-embeddings") for name in parallel_lookup_tables(graph))
+    taken.update((name, "vectorize-embedding-bags") for name in padded_bag_tables(graph))
     return sorted((Table(name, shapes[name][0], shapes[name][1], len(ops), ",".join(sorted(set(ops))), taken.get(name, ""))
                    for name, ops in found.items()), key=lambda t: (-t.lookups, t.name))
 

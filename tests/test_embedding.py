@@ -11,6 +11,8 @@ import ctropt.exporters.zoo
 from ctropt.exporters import Export
 from ctropt.graph import load
 from ctropt.passes import embedding
+from ctropt.runtime import generate_inputs
+from ctropt.runtime.inputs import stored_input_facts
 from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
 
 RNG = np.random.default_rng(0)
@@ -146,8 +148,17 @@ def test_lookups_used_elsewhere_of_other_widths_or_batches_are_left_alone():
     assert ctx.rewrites == 0 and sorted(ops(out)) == sorted(ops(model))
 
 
-def test_opt_in():
-    assert not ctropt.REGISTRY["fuse-parallel-embeddings"].default
+def test_inputs_generated_for_the_fused_model_are_the_raw_models():
+    """The fused graph hides each id's table; the optimized model keeps the raw model's facts in its metadata."""
+    model = load(DATA / "deepctr_torch_DeepFM_dynamo.onnx")
+    fused = ctropt.optimize(model).model
+    assert any(n.op_type == "Gather" and "fuse" in n.name for n in fused.graph.node)
+    for batch in (1, 256):
+        raw, opt = generate_inputs(model, batch=batch), generate_inputs(fused, batch=batch)
+        assert all(np.array_equal(raw[k], opt[k]) for k in raw)
+        assert_same_outputs(model, fused, opt)
+    again = ctropt.optimize(fused).model  # optimizing an optimized model keeps the raw facts
+    assert stored_input_facts(again) == stored_input_facts(fused) != {}
 
 
 @pytest.mark.parametrize("name", ["deepctr_WDL_tf2onnx", "deepctr_DeepFM_tf2onnx", "deepctr_DCN_tf2onnx",
@@ -157,7 +168,7 @@ def test_third_party_exports_keep_one_lookup_per_table_width(name):
     model = load(DATA / f"{name}.onnx")
     widths = {t.dims[1] for t in model.graph.initializer if len(t.dims) == 2 and
               any(n.op_type == "Gather" and n.input[0] == t.name for n in model.graph.node)}
-    result = ctropt.optimize(model, passes=["all", "fuse-parallel-embeddings"])
+    result = ctropt.optimize(model)
     rec = next(r for r in result.records if r.name == "fuse-parallel-embeddings")
     assert rec.status == "applied", (rec.status, rec.message)
     tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
@@ -245,11 +256,182 @@ def test_torchrec_dlrm_loops_vectorize_and_openvino_loads_it():
     rec = next(r for r in result.records if r.name == "vectorize-embedding-bags")
     assert rec.status == "applied" and rec.rewrites == 6
     assert ops(result.model).count("Loop") == 0
+    tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
+    assert len([n for n in result.model.graph.node if n.op_type == "Gather" and n.input[0] in tables]) == 1
+    assert ops(result.model).count("ScatterND") == 1  # one scatter over the bags of all 6 tables
     with np.load(TORCHREC.with_suffix(".npz")) as data, np.load(TORCHREC.with_suffix(".ref.npz")) as ref:
         feeds = {k: data[k] for k in data.files}
         np.testing.assert_allclose(ctropt.runtime.run_model(result.model, feeds)["logits"], ref["logits"], atol=1e-5)
         got = ctropt.runtime.Runner(result.model, "openvino-cpu").run(feeds)["logits"]
         np.testing.assert_allclose(got, ref["logits"], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def torch_two_bags(tmp_path_factory):
+    """Two nn.EmbeddingBag of one width on their own ids and offsets (sum; weighted: per_sample_weights)."""
+    torch = pytest.importorskip("torch")
+    models = {}
+    for kind in ("plain", "weighted", "shared"):
+        class TwoBags(torch.nn.Module):
+            def __init__(self, kind):
+                super().__init__()
+                torch.manual_seed(0)
+                self.a, self.b = torch.nn.EmbeddingBag(20, 4, mode="sum"), torch.nn.EmbeddingBag(30, 4, mode="sum")
+                if kind == "shared":  # one table read by both bags (ids of b stay under 20)
+                    self.b = self.a
+                self.weighted = kind == "weighted"
+
+            def forward(self, ids_a, offsets_a, ids_b, offsets_b, w_a, w_b):
+                if self.weighted:
+                    return torch.cat([self.a(ids_a, offsets_a, w_a), self.b(ids_b, offsets_b, w_b)], dim=1)
+                return torch.cat([self.a(ids_a, offsets_a), self.b(ids_b, offsets_b)], dim=1)
+
+        module = TwoBags(kind).eval()
+        names = ["ids_a", "offsets_a", "ids_b", "offsets_b", "w_a", "w_b"]
+        example = tuple(torch.from_numpy(v) for v in two_bag_feeds([0, 2, 2, 5], 7, [0, 1, 4, 4], 6,
+                                                                   rows_b=20 if kind == "shared" else 30).values())
+        n, bags = torch.export.Dim("n", min=2), torch.export.Dim("bags", min=2)
+        m = torch.export.Dim("m", min=2)
+        dims = ({0: n}, {0: bags}, {0: m}, {0: bags}, {0: n}, {0: m})
+        program = torch.onnx.export(module, example, dynamo=True, input_names=names, output_names=["pooled"],
+                                    dynamic_shapes=dims, opset_version=18, verbose=False)
+
+        def run(feeds, module=module):
+            with torch.no_grad():
+                return {"pooled": module(*(torch.from_numpy(feeds[k]) for k in names)).numpy()}
+
+        models[kind] = Export(program.model_proto, run, "dynamo")
+    return models
+
+
+def two_bag_feeds(offsets_a, n, offsets_b, m, seed=0, rows_b=30):
+    a, b = bag_feeds(offsets_a, n, 20, seed), bag_feeds(offsets_b, m, rows_b, seed + 1)
+    w = np.random.default_rng(seed).uniform(0.5, 2, n + m).astype(np.float32)
+    return {"ids_a": a["ids"], "offsets_a": a["offsets"], "ids_b": b["ids"], "offsets_b": b["offsets"],
+            "w_a": w[:n], "w_b": w[n:]}
+
+
+@pytest.mark.parametrize("kind", ["plain", "weighted", "shared"])
+def test_bags_of_two_tables_become_one_lookup_and_one_scatter(torch_two_bags, kind):
+    exp = torch_two_bags[kind]
+    once, ctx = run_pass(exp.model, "vectorize-embedding-bags")
+    assert ctx.rewrites == 2 and "Loop" not in ops(once)
+    assert ops(once).count("ScatterND") == 1 and "one lookup and one scatter" in ctx.notes[0]
+    assert ops(once).count("Mul") == int(kind == "weighted")
+    tables = [t for t in once.graph.initializer if len(t.dims) == 2]
+    assert [t.dims[0] for t in tables] == [40 if kind == "shared" else 100]  # each table twice, a shared one once
+    cases = [([0, 2, 2, 5], 7, [0, 1, 4, 4], 6),  # empty bags in the middle and at the end
+             ([0, 0, 0], 4, [0, 3, 3], 5),  # only the last bag of a holds ids
+             ([0, 1, 2, 3, 4], 5, [0, 1, 2, 3, 4], 5),  # one id per bag
+             ([0], 1, [0], 1)]  # batch 1
+    for offsets_a, n, offsets_b, m in cases:
+        feeds = two_bag_feeds(offsets_a, n, offsets_b, m, rows_b=20 if kind == "shared" else 30)
+        np.testing.assert_allclose(ctropt.runtime.run_model(once, feeds)["pooled"],
+                                   exp.run_framework(feeds)["pooled"], atol=1e-5)
+    assert run_pass(once, "vectorize-embedding-bags")[1].rewrites == 0
+
+
+# Padded bags: [B, L] ids, -1 where a row has fewer ids, pooled by a segment sum.
+BAG_TABLE = np.random.default_rng(3).normal(size=(9, 4)).astype(np.float32)
+
+
+def segment_bag(i: int, combiner: str = "sum", valid: str = "GreaterOrEqual") -> list:
+    """Bag i as ONNX exporters write a gather + segment sum: NonZero of the valid ids, GatherND, a Gather of the
+    flat ids, ScatterND(add) by row (÷ ScatterND of ones for mean). `valid`: Greater makes 0 padding too."""
+    p = f"b{i}_"
+    nodes = [node(valid, [f"ids{i}", "zero"], [p + "valid"]), node("NonZero", [p + "valid"], [p + "nz"]),
+             node("Transpose", [p + "nz"], [p + "where"], perm=[1, 0]),
+             node("GatherND", [f"ids{i}", p + "where"], [p + "flat"]),
+             node("Slice", [p + "where", "s0", "s1", "s1"], [p + "rows"]),
+             node("Gather", ["table", p + "flat"], [p + "vecs"]),
+             node("Shape", [f"ids{i}"], [p + "shape"]), node("Slice", [p + "shape", "s0", "s1"], [p + "b"]),
+             node("Concat", [p + "b", "width"], [p + "zshape"], axis=0),
+             node("ConstantOfShape", [p + "zshape"], [p + "zeros"], value=init("v", np.zeros(1, np.float32))),
+             node("ScatterND", [p + "zeros", p + "rows", p + "vecs"], [p + "sum" if combiner == "mean" else f"e{i}"],
+                  reduction="add")]
+    if combiner == "mean":
+        nodes += [node("Shape", [p + "flat"], [p + "n"]),
+                  node("ConstantOfShape", [p + "n"], [p + "ones"], value=init("v", np.ones(1, np.float32))),
+                  node("ConstantOfShape", [p + "b"], [p + "zb"], value=init("v", np.zeros(1, np.float32))),
+                  node("ScatterND", [p + "zb", p + "rows", p + "ones"], [p + "count"], reduction="add"),
+                  node("Max", [p + "count", "one"], [p + "safe"]), node("Unsqueeze", [p + "safe", "s1"], [p + "col"]),
+                  node("Div", [p + "sum", p + "col"], [f"e{i}"])]
+    return nodes
+
+
+def padded_bags_model(combiners=("sum", "mean"), lengths=(3, 5), valid="GreaterOrEqual"):
+    nodes = [n for i, c in enumerate(combiners) for n in segment_bag(i, c, valid)]
+    nodes.append(node("Concat", [f"e{i}" for i in range(len(combiners))], ["y"], axis=1))
+    inits = [init("table", BAG_TABLE), init("zero", np.array(0)), init("s0", np.array([0])), init("s1", np.array([1])),
+             init("width", np.array([4])), init("one", np.array(1, np.float32))]
+    return make_model(nodes, [vi(f"ids{i}", I64, ["B", n]) for i, n in enumerate(lengths)],
+                      [vi("y", F, ["B", 4 * len(combiners)])], inits)
+
+
+def padded_feeds(lengths=(3, 5), batch=6, seed=0):
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i, n in enumerate(lengths):
+        ids = np.where(rng.random((batch, n)) < 0.4, -1, rng.integers(0, 9, (batch, n)))
+        ids[0], ids[1], ids[-1, :2] = -1, 8, [0, -1]  # an empty row, a full one at the table's end, id 0
+        feeds[f"ids{i}"] = ids.astype(np.int64)
+    return feeds
+
+
+def test_padded_segment_sum_bags_become_one_gather_and_a_row_sum():
+    model = padded_bags_model()
+    out, ctx = check_pass(model, "vectorize-embedding-bags",
+                          ["Less", "Where", "Gather", "ReduceSum"] * 2 + ["Not", "Cast", "ReduceSum", "Max", "Div",
+                                                                         "Concat"], feeds=padded_feeds())
+    assert ctx.rewrites == 2
+    for batch in (1, 3, 17):
+        feeds = padded_feeds(batch=batch, seed=batch) if batch > 1 else {k: v[1:2] for k, v in padded_feeds().items()}
+        assert_same_outputs(model, out, feeds)
+    assert_same_outputs(model, out, {k: np.full_like(v, -1) for k, v in padded_feeds().items()})  # no id at all
+    fused, ctx = check_pass(out, "fuse-parallel-embeddings", ops(out)[:0] + [
+        "Less", "Where", "Less", "Where", "Concat", "Add", "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
+        "ReduceSum", "Max", "Div", "Concat"], feeds=padded_feeds())
+    assert_same_outputs(model, fused, padded_feeds(batch=9, seed=4))
+
+
+def test_a_bag_padded_otherwise_is_left_with_a_note():
+    """0 is padding here too (Greater): the probe's id 0 shows it is not the -1-padded bag the rewrite assumes."""
+    out, ctx = run_pass(padded_bags_model(("sum",), (3,), valid="Greater"), "vectorize-embedding-bags")
+    assert ctx.rewrites == 0 and "no tensor downstream pools the bag" in " ".join(ctx.notes)
+
+
+def test_a_lookup_summed_over_its_ids_is_no_bag():
+    nodes = [node("Gather", ["table", "ids0"], ["g"]), node("ReduceSum", ["g", "s1"], ["y"], keepdims=0)]
+    model = make_model(nodes, [vi("ids0", I64, ["B", 3])], [vi("y", F, ["B", 4])],
+                       [init("table", BAG_TABLE), init("s1", np.array([1]))])
+    out, ctx = run_pass(model, "vectorize-embedding-bags")
+    assert ctx.rewrites == 0 and ops(out) == ops(model)
+
+
+def test_zoo_dlrm_tf2onnx_bags_vectorize_and_fuse():
+    """tf2onnx's lowerings of embedding_lookup_sparse, safe_embedding_lookup_sparse (sum, mean) and gather +
+    unsorted_segment_sum (sum, mean): 8 bags → one Gather on the concatenated tables."""
+    path = ctropt.exporters.zoo.shipped_path("dlrm")
+    model = load(path)
+    result = ctropt.optimize(model)
+    rec = {r.name: r for r in result.records}
+    assert rec["vectorize-embedding-bags"].rewrites == 8 and rec["fuse-parallel-embeddings"].status == "applied"
+    tables = [n for n in result.model.graph.node if n.op_type == "Gather" and "fused_lookup" in n.name]
+    assert len(tables) == 1 and not {"NonZero", "Unique", "GatherND", "ScatterND"} & set(ops(result.model))
+    assert ops(result.model).count("Div") == 2  # the two mean bags
+    with np.load(path.with_suffix(".npz")) as data, np.load(path.with_suffix(".ref.npz")) as ref:
+        feeds = {k: data[k] for k in data.files}
+        assert (feeds["bag1"] < 0).any() and (feeds["bag1"] < 0).all(axis=1).any()  # padding, and an empty bag
+        np.testing.assert_allclose(ctropt.runtime.run_model(result.model, feeds)["prob"], ref["prob"], atol=1e-5)
+
+
+@pytest.mark.parametrize("name, taken_by", [("dlrm", "vectorize-embedding-bags"), ("deepfm", "fuse-parallel-embeddings")])
+def test_inspect_names_the_pass_that_takes_each_table(name, taken_by):
+    from ctropt.graph import to_graph
+    from ctropt.inspect import embedding_tables
+
+    tables = embedding_tables(to_graph(load(ctropt.exporters.zoo.shipped_path(name))))
+    assert tables and {t.taken_by for t in tables} == {taken_by}
 
 
 # ----------------------------------------------------------------------------------------- partitioned tables

@@ -182,7 +182,7 @@ def dedup_user_side(ctx: PassContext) -> None:
         if not drop:
             break
         excluded |= drop
-    heavy = [n for n in nodes if n.op in HEAVY_OPS or is_sequence_node(n)]
+    heavy = [n for n in nodes if _heavy(n)]
     reachable = len(nodes)
     nodes = _around(nodes, heavy, seeds)
     read = {id(u) for n in nodes for u in n.inputs}
@@ -209,6 +209,17 @@ def dedup_user_side(ctx: PassContext) -> None:
     tidy(ctx)
     ctx.note(f"{len(nodes)} ops ({', '.join(sorted({n.op for n in heavy}))}) on {len(seeds)} user-side values run "
              "once per distinct user")
+
+
+def _heavy(node: gs.Node) -> bool:
+    """A layer worth running once per user: a matmul (not by a 0/1 matrix, which only sums or selects, as
+    fuse-parallel-embeddings' bag segments do) or a recurrent layer."""
+    if is_sequence_node(node):
+        return True
+    if node.op not in HEAVY_OPS:
+        return False
+    weights = [w for w in (const_value(x) for x in node.inputs[:2]) if w is not None]
+    return not any(w.size and np.isin(w, (0, 1)).all() for w in weights)
 
 
 def _around(nodes: list[gs.Node], heavy: list[gs.Node], seeds: list[gs.Tensor]) -> list[gs.Node]:

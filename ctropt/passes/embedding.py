@@ -2,7 +2,8 @@
 
 CTR models look up one table per feature (Wide&Deep: 26 deep + 26 wide lookups), tables split in shards,
 bags of ids per sample and multi-hot indicator columns. `merge-partitioned-embeddings` joins the shards,
-`vectorize-embedding-bags` replaces per-sample bag loops by one scatter, `rewrite-indicator-columns` replaces
+`vectorize-embedding-bags` replaces per-sample bag loops by one scatter (one for all the tables of a bag
+collection) and segment-summed padded bags by a Gather + row sum, `rewrite-indicator-columns` replaces
 OneHot + ReduceSum by a scatter, and `fuse-parallel-embeddings` turns the lookups of one batch into tables of
 one width into a single Gather on the concatenated table (seed 003: 26 lookups → one gather).
 """
@@ -19,7 +20,7 @@ import onnx_graphsurgeon as gs
 from ..graph import annotate_shapes, iter_graphs, nodes_near
 from ..patterns import Const, P, Rewrite, Var, const_value
 from ..patterns.matcher import add_constant, add_node, dtype_of, replace_outputs, shape_of, unique_name
-from .registry import PassContext, register_pass
+from .registry import PassContext, register_pass, tidy
 
 
 @dataclasses.dataclass
@@ -306,19 +307,47 @@ def _sum(f: _Fused, node: gs.Node, pieces: dict) -> None:
     node.inputs.extend([total] + rest)
 
 
+def _row_pool(node: gs.Node, lk: Lookup | None) -> bool:
+    """ReduceSum of a [B, k, D] lookup over its k ids (a bag pooled per row, as vectorize-embedding-bags makes)."""
+    if lk is None or node.op != "ReduceSum" or len(lk.out_shape) != 3 or lk.out_shape[1] != lk.k:
+        return False
+    axes = node.attrs.get("axes") if "axes" in node.attrs else \
+        (const_value(node.inputs[1]) if len(node.inputs) > 1 else None)
+    return axes is not None and [int(a) % 3 for a in np.ravel(axes)] == [1]
+
+
+def _pool(f: _Fused, nodes: list[gs.Node], pieces: dict) -> None:
+    """Row sums of several lookups → one MatMul of the fused lookup by a 0/1 segment matrix ([B, n, D]), of which
+    each sum reads its row."""
+    bags = [pieces[id(n.inputs[0])] for n in nodes]
+    segments = np.zeros((len(bags), f.total), dtype=f.dtype)
+    for i, lk in enumerate(bags):
+        segments[i, lk.start:lk.start + lk.k] = 1
+    pooled = f.op("MatMul", [add_constant(f.graph, f"{f.name}/segments", segments), f.out])[0]
+    for i, node in enumerate(nodes):  # the sum becomes a Gather of its row (_fuse undoes this if need be)
+        index = gs.Constant(unique_name(f.graph, f"{f.name}/bag"),  # a scalar: add_constant makes 1-D arrays
+                            np.array(i if not node.attrs.get("keepdims", 1) else [i], dtype=np.int64))
+        node.op, node.attrs = "Gather", {"axis": 1}
+        node.inputs.clear()
+        node.inputs.extend([pooled, index])
+
+
 def _rewire(f: _Fused) -> list[Lookup]:
-    """Concat runs and Sums read columns of the fused lookup instead of the lookups. Returns the lookups still read
-    elsewhere or read through a Slice: cutting those out again would copy what the separate Gathers wrote once
-    (zoo and DeepCTR DIN measured 0.97-0.99x that way)."""
+    """Concat runs, Sums and row sums read columns of the fused lookup instead of the lookups. Returns the lookups
+    still read elsewhere or read through a Slice: cutting those out again would copy what the separate Gathers
+    wrote once (zoo and DeepCTR DIN measured 0.97-0.99x that way)."""
     pieces = {id(lk.out): lk for lk in f.group}
     readers = []
     for lk in f.group:
         readers += [n for n in lk.out.outputs if not any(n is r for r in readers)]
+    pools = [n for n in readers if _row_pool(n, pieces.get(id(n.inputs[0])))]
     for node in readers:
         if node.op == "Concat":
             _join(f, node, pieces)
         elif node.op == "Sum":
             _sum(f, node, pieces)
+    if pools:
+        _pool(f, pools, pieces)
     return [lk for lk in f.group if lk.out.outputs or any(lk is s for s in f.sliced)]
 
 
@@ -328,11 +357,11 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
         for lk in group:
             lk.block, lk.lane = None, 0
         _interleave(graph, group)
-        readers = {id(n): (n, list(n.inputs)) for lk in group for n in lk.out.outputs}
+        readers = {id(n): (n, list(n.inputs), n.op, dict(n.attrs)) for lk in group for n in lk.out.outputs}
         count = len(graph.nodes)
         left = _rewire(_Fused(graph, group, unique_name(graph, f"fused_lookup_w{group[0].width}")))
         if not left:
-            for node, _ in readers.values():
+            for node, *_ in readers.values():
                 if node.op in ("Concat", "Sum") and len(node.inputs) == 1:
                     replace_outputs(graph, node, list(node.inputs))
             return group
@@ -340,46 +369,45 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
             node.inputs.clear()
             node.outputs.clear()
         del graph.nodes[count:]
-        for node, inputs in readers.values():
+        for node, inputs, op, attrs in readers.values():
+            node.op, node.attrs = op, attrs
             node.inputs.clear()
             node.inputs.extend(inputs)
         group = [lk for lk in group if lk not in left]
     return []
 
 
+def _fused_groups(graph: gs.Graph):
+    """Fuse every group of lookups in `graph` and its subgraphs; yields (group, the lookups fused)."""
+    batch = _batch_symbols(graph)
+    if any(t.shape is None for n in graph.nodes if n.op == "Gather" for t in n.outputs[:1] + n.inputs[1:2]):
+        annotate_shapes(graph)
+    for g in list(iter_graphs(graph)):
+        for group in _groups(g, _lookups(g, batch), batch):
+            yield group, _fuse(g, group)
+
+
 def parallel_lookup_tables(graph: gs.Graph) -> set[str]:
     """Names of the tables whose lookups fuse-parallel-embeddings fuses (for `ctropt inspect`; on a copy)."""
-    graph = graph.copy()
-    annotate_shapes(graph)
-    batch, names = _batch_symbols(graph), set()
-    for g in iter_graphs(graph):
-        for group in _groups(g, _lookups(g, batch), batch):
-            names |= {lk.gather.inputs[0].name for lk in _fuse(g, group)}
-    return names
+    return {lk.gather.inputs[0].name for _, fused in _fused_groups(graph.copy()) for lk in fused}
 
 
-# Opt-in (`--passes all,fuse-parallel-embeddings`): after it, ctropt's input generator no longer finds each id
-# input's table (the ids reach one Gather through a Concat and an offset vector), so `ctropt bench` of the fused
-# model alone and BucketedSession's start-up timing feed out-of-range ids. On by default once the generator reads
-# the fused layout.
-@register_pass("fuse-parallel-embeddings", group="fusion", order=50, default=False)
+# After it the graph no longer shows each id input's table (the ids reach one Gather through a Concat and an
+# offset vector): inputs generated for the fused model use the raw model's facts the PassManager stores.
+@register_pass("fuse-parallel-embeddings", group="fusion", order=50)
 def fuse_parallel_embeddings(ctx: PassContext) -> None:
-    """Lookups of one batch into tables of one width, read together by Concats or Sums → one Gather on the
-    concatenated tables, ids offset per lookup, that those consumers read whole. Lookups also read elsewhere
-    stay. Runs after the attention and user-side passes, which start from the separate lookups."""
-    batch = _batch_symbols(ctx.graph)
-    if any(t.shape is None for n in ctx.graph.nodes if n.op == "Gather" for t in n.outputs[:1] + n.inputs[1:2]):
-        annotate_shapes(ctx.graph)
-    for graph in list(iter_graphs(ctx.graph)):
-        for group in _groups(graph, _lookups(graph, batch), batch):
-            fused = _fuse(graph, group)
-            ctx.matches += len(group)
-            ctx.rewrites += bool(fused)
-            if len(fused) < len(group):
-                ctx.note(f"{len(group) - len(fused)} of {len(group)} lookups of width {group[0].width} stay "
-                         "separate: read by other ops, or by Concats that would read a slice of the fused lookup")
+    """Lookups of one batch into tables of one width, read together by Concats, Sums or row sums (pooled bags) →
+    one Gather on the concatenated tables, ids offset per lookup, that those consumers read whole. Lookups also
+    read elsewhere stay. Runs after the attention and user-side passes, which start from the separate lookups."""
+    for group, fused in _fused_groups(ctx.graph):
+        ctx.matches += len(group)
+        ctx.rewrites += bool(fused)
+        if len(fused) < len(group):
+            ctx.note(f"{len(group) - len(fused)} of {len(group)} lookups of width {group[0].width} stay "
+                     "separate: read by other ops, or by Concats that would read a slice of the fused lookup")
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
+        tidy(ctx)  # groups of other widths over the same ids share their offset ids; Reshape pairs merge
 
 
 # ----------------------------------------------------------------------------------------- embedding bags
@@ -501,24 +529,320 @@ def _vectorized_bags(graph: gs.Graph, bag: BagLoop) -> gs.Tensor:
     return op("Slice", [summed, c("zero", [0]), num_bags], dt=dtype)
 
 
+@dataclasses.dataclass
+class BagRows:
+    """A bag loop whose rows are a table lookup Gather(table, ids) of 1-D ids, maybe times per-id weights."""
+
+    bag: BagLoop
+    lookup: gs.Node
+    weights: gs.Tensor | None  # [n, 1], [1] or a scalar
+
+
+def _bag_rows(bag: BagLoop) -> BagRows | None:
+    node = bag.rows.inputs[0] if len(bag.rows.inputs) == 1 else None
+    pairs = [(node, None)] if node is not None and node.op == "Gather" else []
+    if node is not None and node.op == "Mul":
+        pairs = [(a.inputs[0], w) for a, w in (node.inputs, node.inputs[::-1]) if len(a.inputs) == 1]
+    for lookup, w in pairs:
+        table, ids = const_value(lookup.inputs[0]) if lookup.op == "Gather" else None, lookup.inputs[1]
+        if table is None or table.ndim != 2 or lookup.attrs.get("axis", 0) != 0 or shape_of(ids) is None or \
+                len(shape_of(ids)) != 1 or dtype_of(ids) is None:
+            continue
+        if w is not None and (shape_of(w) is None or len(shape_of(w)) > 2 or (shape_of(w) and shape_of(w)[-1] != 1)):
+            continue
+        return BagRows(bag, lookup, None if _ones(w) else w)
+    return None
+
+
+def _ones(w: gs.Tensor | None) -> bool:
+    """w is a constant 1 broadcast (torchrec's per-id weights when the batch has none)."""
+    while w is not None and len(w.inputs) == 1 and w.inputs[0].op in ("Expand", "Unsqueeze", "Reshape", "Cast"):
+        w = w.inputs[0].inputs[0]
+    value = const_value(w) if w is not None else None
+    return value is not None and value.size >= 1 and bool(np.all(value == 1))
+
+
+def _bag_collections(bags: list[BagLoop]) -> tuple[list[list[BagRows]], list[BagLoop]]:
+    """Bags over lookups of one table width and dtype (torchrec's EmbeddingBagCollection: one per table), in
+    groups of two or more; and the other bags."""
+    groups: dict[tuple, list[BagRows]] = {}
+    alone = []
+    for bag in bags:
+        rows = _bag_rows(bag)
+        table = const_value(rows.lookup.inputs[0]) if rows is not None else None
+        if rows is None:
+            alone.append(bag)
+        else:
+            groups.setdefault((table.shape[1], table.dtype), []).append(rows)
+    for key, group in list(groups.items()):
+        tables = {id(r.lookup.inputs[0]): const_value(r.lookup.inputs[0]).nbytes for r in group}
+        if len(group) < 2 or 2 * sum(tables.values()) > DOUBLED_TABLE_BYTES:
+            alone += [r.bag for r in groups.pop(key)]
+    return list(groups.values()), alone
+
+
+def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
+    """The bags of several lookups as one: the ids of all tables in a row (each offset into one concatenated
+    table, stored twice so that negative ids stay exact), one Gather, one scatter over the bags of every table
+    (each table's offsets shifted by where its ids start, its last offset closing a gap bag), then each table's
+    bags sliced out. Returns each bag loop's replacement, in order."""
+    name = unique_name(graph, f"{group[0].bag.loop.name}/collection")
+    i64 = np.int64
+
+    def c(tag, value, dt=i64):
+        return add_constant(graph, f"{name}/{tag}", np.array(value, dtype=dt))
+
+    def op(kind, inputs, attrs=None, dt=i64):
+        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+
+    def as_i64(x):
+        return x if np.dtype(dtype_of(x)) == i64 else op("Cast", [x], {"to": onnx.TensorProto.INT64})
+
+    tables, first = [], {}
+    for r in group:
+        if id(r.lookup.inputs[0]) not in first:
+            first[id(r.lookup.inputs[0])] = len(tables)
+            tables.append(const_value(r.lookup.inputs[0]))
+    starts = np.cumsum([0] + [2 * t.shape[0] for t in tables])
+    at = [starts[first[id(r.lookup.inputs[0])]] + tables[first[id(r.lookup.inputs[0])]].shape[0] for r in group]
+    ids = [r.lookup.inputs[1] for r in group]
+    split = ids[0].inputs[0] if len(ids[0].inputs) == 1 else None
+    sizes = None
+    if split is not None and split.op == "Split" and split.attrs.get("axis", 0) == 0 and \
+            [id(t) for t in split.outputs] == [id(t) for t in ids]:
+        all_ids = as_i64(split.inputs[0])  # torchrec: the per-table ids are one split of the jagged values
+        sizes = as_i64(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else None
+    else:
+        all_ids = op("Concat", [as_i64(x) for x in ids], {"axis": 0})
+    if sizes is None:
+        sizes = op("Concat", [op("Shape", [x]) for x in ids], {"axis": 0})  # ids per table
+    first_ids = op("Sub", [op("CumSum", [sizes, c("axis", 0)]), sizes])
+    n = op("Shape", [all_ids])
+    # Each id's table offset: the offsets' steps scattered where each table's ids start, summed up to the id.
+    steps = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
+                                   first_ids, c("steps", np.diff([0] + at))], {"axis": 0, "reduction": "add"})
+    shifted = op("Add", [all_ids, op("Slice", [op("CumSum", [steps, c("axis", 0)]), c("zero", [0]), n])])
+    dtype = tables[0].dtype
+    rows = op("Gather", [add_constant(graph, f"{name}/table", np.concatenate([t for t in tables for _ in (0, 1)])),
+                         shifted], {"axis": 0}, dt=dtype)
+    if any(r.weights is not None for r in group):
+        weights = [op("Expand", [r.weights if r.weights is not None else c("unit", [1.0], dt=dtype),
+                                 op("Concat", [op("Shape", [x]), c("one", [1])], {"axis": 0})], dt=dtype)
+                   for r, x in zip(group, ids)]
+        rows = op("Mul", [rows, op("Concat", weights, {"axis": 0}, dt=dtype)], dt=dtype)
+    offsets = [as_i64(r.bag.offsets) for r in group]
+    shifted_offsets = [op("Add", [o, op("Slice", [first_ids, c("at", [i]), c("next", [i + 1])])])
+                       for i, o in enumerate(offsets)]
+    every = BagLoop(group[0].bag.loop, group[0].bag.concat, rows, op("Concat", shifted_offsets, {"axis": 0}))
+    pooled = _vectorized_bags(graph, every)
+    counts = op("Concat", [op("Shape", [o]) for o in offsets], {"axis": 0})  # bags + 1 per table
+    base = op("Sub", [op("CumSum", [counts, c("axis", 0)]), counts])
+    out = []
+    for i in range(len(group)):
+        begin = op("Slice", [base, c("at", [i]), c("next", [i + 1])])
+        end = op("Sub", [op("Add", [begin, op("Slice", [counts, c("at", [i]), c("next", [i + 1])])]), c("one", [1])])
+        out.append(op("Slice", [pooled, begin, end, c("zero", [0])], dt=dtype))
+    return out
+
+
 def _attr_tensor(v: int) -> gs.Constant:
     """An int64 ConstantOfShape value."""
     return gs.Constant("value", np.array([v], dtype=np.int64))
 
 
+# Padded bags: ids [B, L] with -1 where a row has fewer than L ids, pooled per row by whatever the exporter made
+# of TF's sparse lookups (embedding_lookup_sparse, safe_embedding_lookup_sparse, gather + unsorted_segment_sum:
+# NonZero/GatherND, Unique, a Gather per bag, a segment sum, ...). Which tensor holds the pooled [B, D] and how it
+# was pooled is found by evaluating the region on probe ids, as merge-partitioned-embeddings does.
+COMBINERS = {
+    "sum": lambda total, count: total,
+    "mean": lambda total, count: total / np.maximum(count, 1),
+    "sqrtn": lambda total, count: total / np.sqrt(np.maximum(count, 1)),
+}
+MIN_BAG_REGION = 6  # nodes: a bag pooled in fewer is as vectorized as the rewrite would make it
+REWRITTEN_NODES = {"sum": 4, "mean": 9, "sqrtn": 10}  # what _pooled_lookup makes of each
+
+
+def _probe_ids(rows: int, batch: int, length: int, dtype, seed: int) -> np.ndarray:
+    """Ids in [0, rows) padded with -1 anywhere: an empty row, a full one, both table ends."""
+    rng = np.random.default_rng(seed)
+    ids = np.where(rng.random((batch, length)) < 0.4, -1, rng.integers(0, rows, (batch, length)))
+    ids[0], ids[1 % batch] = -1, rng.integers(0, rows, length)
+    ids[1 % batch, 0], ids[1 % batch, -1] = 0, rows - 1
+    return ids.astype(dtype)
+
+
+def _bag_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
+    """Graph inputs whose values `t` depends on, and those it reads only the shape of (TF's tf.shape(x)[0])."""
+    inputs = {id(x) for x in graph.inputs}
+    seen, stack, values, shapes = set(), [(t, False)], set(), set()
+    while stack:
+        x, via_shape = stack.pop()
+        if (id(x), via_shape) in seen:
+            continue
+        seen.add((id(x), via_shape))
+        if id(x) in inputs:
+            (shapes if via_shape else values).add(x.name)
+        for node in x.inputs:
+            if any(isinstance(a, gs.Graph) for a in node.attrs.values()):
+                values.add("")  # control flow: not a plain bag
+            stack.extend((i, via_shape or node.op == "Shape") for i in node.inputs)
+    return values, shapes - values
+
+
+def _region_nodes(t: gs.Tensor, stop: gs.Tensor) -> int:
+    seen, stack = set(), [t]
+    while stack:
+        x = stack.pop()
+        for node in x.inputs:
+            if id(node) not in seen and x is not stop:
+                seen.add(id(node))
+                stack.extend(node.inputs)
+    return len(seen)
+
+
+def _bag_candidates(gather: gs.Node, width: int, hops: int = 12) -> list[gs.Tensor]:
+    """2-D [?, width] tensors downstream of a table lookup, nearest first: where a pooled bag may be."""
+    return [out for node in nodes_near(gather.outputs[0], hops, up=False) for out in node.outputs
+            if out.outputs and out.shape is not None and len(out.shape) == 2 and out.shape[1] == width]
+
+
+def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.Tensor, str] | str | None:
+    """(ids input, pooled tensor, combiner) of a padded bag ending in a lookup of `gather`'s table; a reason
+    when it looked like one but did not evaluate as one; None when it is no bag."""
+    table = const_value(gather.inputs[0])
+    values, _ = _bag_sources(gather.inputs[1], graph)
+    by_name = {x.name: x for x in graph.inputs}
+    ids = by_name.get(next(iter(values))) if len(values) == 1 else None
+    if (ids is None or ids.shape is None or len(ids.shape) != 2 or not isinstance(ids.shape[1], int)
+            or ids.dtype is None or not np.issubdtype(np.dtype(ids.dtype), np.integer) or gather.inputs[1] is ids):
+        return None
+    candidates = []
+    for t in _bag_candidates(gather, table.shape[1]):
+        t_values, t_shapes = _bag_sources(t, graph)
+        if t_values == {ids.name} and _region_nodes(t, ids) >= MIN_BAG_REGION:
+            candidates.append((t, t_shapes))
+    if not candidates:
+        return None
+    shape_only = set().union(*(s for _, s in candidates))
+    try:
+        from ..runtime import Runner
+
+        outputs = [(t.name, onnx.helper.np_dtype_to_tensor_dtype(table.dtype)) for t, _ in candidates]
+        region = Runner(_region(model, [ids.name, *sorted(shape_only)], outputs))
+        results = []
+        for seed, batch in ((0, 7), (1, 1), (2, 16)):
+            probe = _probe_ids(table.shape[0], batch, ids.shape[1], np.dtype(ids.dtype), seed)
+            feeds = {ids.name: probe}
+            for name in shape_only:  # read for the batch size only
+                x = by_name[name]
+                feeds[name] = np.zeros([batch] + [d if isinstance(d, int) else 1 for d in x.shape[1:]],
+                                       dtype=np.dtype(x.dtype))
+            results.append((probe, region.run(feeds)))
+    except Exception as e:  # the region does not evaluate on its own: leave it
+        return f"{gather.name}: not evaluated ({type(e).__name__})"
+    for t, _ in reversed(candidates):  # the farthest pooled tensor: mean's division included
+        for combiner, pool in COMBINERS.items():
+            if all(_pools(table, probe, out[t.name], pool) for probe, out in results):
+                return (ids, t, combiner) if _region_nodes(t, ids) > REWRITTEN_NODES[combiner] else None
+    return f"{gather.name}: no tensor downstream pools the bag ({', '.join(COMBINERS)})"
+
+
+def _padded_bags(graph: gs.Graph):
+    """(table lookup, what _padded_bag found) for every lookup that may end a padded bag in the main graph."""
+    model = None
+    for gather in [n for n in graph.nodes if n.op == "Gather"]:
+        table = const_value(gather.inputs[0])
+        if table is None or table.ndim != 2 or gather.attrs.get("axis", 0) != 0 or not gather.outputs[0].outputs:
+            continue
+        if model is None:
+            annotate_shapes(graph)
+            model = gs.export_onnx(graph.copy(), do_type_check=False)
+        found = _padded_bag(graph, gather, model)
+        if found is not None:
+            yield gather, found
+
+
+def padded_bag_tables(graph: gs.Graph) -> set[str]:
+    """Names of the tables whose padded bags vectorize-embedding-bags rewrites (for `ctropt inspect`; on a copy)."""
+    graph = graph.copy()
+    return {g.inputs[0].name for g, found in _padded_bags(graph) if not isinstance(found, str)}
+
+
+def _pools(table: np.ndarray, ids: np.ndarray, got: np.ndarray, pool) -> bool:
+    valid = ids >= 0
+    total = (table[np.where(valid, ids, 0)] * valid[..., None]).sum(axis=1)
+    want = pool(total, valid.sum(axis=1, keepdims=True))
+    return got.shape == want.shape and np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: str, name: str) -> gs.Tensor:
+    """Gather on the table and a zero row that negative ids (padding) read, summed over L; ÷ count for mean."""
+    rows = table.shape[0]
+    id_dtype = np.dtype(ids.dtype)
+    padded = add_constant(graph, f"{name}/table", np.concatenate([table, np.zeros_like(table[:1])]))
+
+    def op(kind, inputs, attrs=None, dt=table.dtype):
+        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+
+    padding = op("Less", [ids, add_constant(graph, f"{name}/zero", np.array(0, dtype=id_dtype))], dt=np.bool_)
+    safe = op("Where", [padding, add_constant(graph, f"{name}/pad_row", np.array(rows, dtype=id_dtype)), ids],
+              dt=id_dtype)
+
+    def row_sum(x, keepdims):
+        if graph.opset < 13:
+            return op("ReduceSum", [x], {"axes": [1], "keepdims": keepdims})
+        return op("ReduceSum", [x, add_constant(graph, f"{name}/axis", np.array([1], dtype=np.int64))],
+                  {"keepdims": keepdims})
+
+    pooled = row_sum(op("Gather", [padded, safe], {"axis": 0}), 0)
+    if combiner == "sum":
+        return pooled
+    valid = op("Cast", [op("Not", [padding], dt=np.bool_)], {"to": onnx.helper.np_dtype_to_tensor_dtype(table.dtype)})
+    count = row_sum(valid, 1)
+    count = op("Max", [count, add_constant(graph, f"{name}/one", np.array(1, dtype=table.dtype))])
+    return op("Div", [pooled, count if combiner == "mean" else op("Sqrt", [count])])
+
+
 @register_pass("vectorize-embedding-bags", group="fusion", order=10)
 def vectorize_embedding_bags(ctx: PassContext) -> None:
-    """Per-bag Loops (torch's embedding_bag lowering: Slice + ReduceSum + SequenceInsert per sample) → one scatter-add."""
+    """Bags of ids pooled per sample → one vectorized form: torch's per-bag Loops (Slice + ReduceSum +
+    SequenceInsert per sample) → one scatter-add, a single lookup and scatter for the loops over tables of one
+    width (torchrec's EmbeddingBagCollection); TF's padded bags ([B, L] ids, -1 for none) pooled by a segment
+    sum → Gather on the table and a zero row + ReduceSum (÷ count for mean)."""
     for graph in list(iter_graphs(ctx.graph)):
-        for loop in [n for n in graph.nodes if n.op == "Loop"]:
-            bag = _bag_loop(loop, graph)
-            if bag is None:
-                continue
+        bags = [b for loop in graph.nodes if loop.op == "Loop" and (b := _bag_loop(loop, graph)) is not None]
+        if not bags:
+            continue
+        if any(t.shape is None for b in bags for t in (b.rows, b.offsets)):
+            annotate_shapes(ctx.graph)
+        collections, alone = _bag_collections(bags)
+        for group in collections:
+            for r, out in zip(group, _collection_bags(graph, group)):
+                replace_outputs(graph, r.bag.concat, [out])
+            ctx.matches += len(group)
+            ctx.rewrites += len(group)
+            ctx.note(f"{len(group)} bags over tables of width {const_value(group[0].lookup.inputs[0]).shape[1]} "
+                     "→ one lookup and one scatter")
+        for bag in alone:
             ctx.matches += 1
             replace_outputs(graph, bag.concat, [_vectorized_bags(graph, bag)])
             ctx.rewrites += 1
+    graph = ctx.graph
+    for gather, found in list(_padded_bags(graph)):
+        ctx.matches += 1
+        if isinstance(found, str):
+            ctx.note(found)
+            continue
+        ids, pooled, combiner = found
+        table = const_value(gather.inputs[0])
+        out = _pooled_lookup(graph, table, ids, combiner, unique_name(graph, f"{gather.name}/bag"))
+        replace_outputs(graph, pooled.inputs[0], [out if o is pooled else None for o in pooled.inputs[0].outputs])
+        ctx.rewrites += 1
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False).toposort(mode="nodes")
+        annotate_shapes(ctx.graph)  # the table width of the new rows folds
+        tidy(ctx)
 
 
 # ----------------------------------------------------------------------------------------- partitioned tables
@@ -561,17 +885,15 @@ def _sources(t: gs.Tensor, graph: gs.Graph) -> set[int]:
     return found
 
 
-def _region(model, ids: str, output: str, elem_type: int):
-    """The nodes computing `output` from graph input `ids` and initializers, as a model of its own."""
-    import onnx
-
+def _region(model, inputs: list[str], outputs: list[tuple[str, int]]):
+    """The nodes computing `outputs` ((name, elem type)) from graph `inputs` and initializers, as a model."""
     producers = {o: n for n in model.graph.node for o in n.output}
     initializers = {t.name: t for t in model.graph.initializer}
-    ids_info = next(v for v in model.graph.input if v.name == ids)
-    nodes, used, stack, seen = set(), set(), [output], set()
+    infos = {v.name: v for v in model.graph.input}
+    nodes, used, stack, seen = set(), set(), [name for name, _ in outputs], set()
     while stack:
         name = stack.pop()
-        if name in seen or name == ids or not name:
+        if name in seen or name in inputs or not name:
             continue
         seen.add(name)
         if name in initializers:
@@ -579,8 +901,9 @@ def _region(model, ids: str, output: str, elem_type: int):
         elif name in producers:
             nodes.add(id(producers[name]))
             stack.extend(producers[name].input)
-    graph = onnx.helper.make_graph([n for n in model.graph.node if id(n) in nodes], "region", [ids_info],
-                                   [onnx.helper.make_tensor_value_info(output, elem_type, None)],
+    graph = onnx.helper.make_graph([n for n in model.graph.node if id(n) in nodes], "region",
+                                   [infos[n] for n in inputs],
+                                   [onnx.helper.make_tensor_value_info(n, t, None) for n, t in outputs],
                                    [initializers[n] for n in sorted(used)])
     return onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=10)
 
@@ -616,7 +939,7 @@ def merge_partitioned_embeddings(ctx: PassContext) -> None:
         try:
             from ..runtime import Runner
 
-            region = Runner(_region(model, ids.name, out_name, onnx.helper.np_dtype_to_tensor_dtype(shard_dtype)))
+            region = Runner(_region(model, [ids.name], [(out_name, onnx.helper.np_dtype_to_tensor_dtype(shard_dtype))]))
             table = region.run({ids.name: np.arange(rows, dtype=dtype)})[out_name]
             shuffled = np.random.default_rng(0).permutation(rows)[:1024].astype(dtype)
             probe = region.run({ids.name: shuffled})[out_name]

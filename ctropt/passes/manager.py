@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 
 from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, to_graph, to_model
-from ..runtime import DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, summary
+from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs,
+                       model_input_facts, store_input_facts, summary)
 from ..report.diff import ModelDiff, diff_models
 from .registry import Pass, PassContext, resolve
 
@@ -98,6 +99,8 @@ class PassManager:
                     pass
         records = []
         current = to_model(to_graph(model), like=model)  # one normalizing round trip, so passes compare like with like
+        self.input_facts = model_input_facts(model)
+        store_input_facts(current, self.input_facts)  # id bounds outlive rewrites that hide them (fused tables)
         for p in self.passes:
             if self.on_pass:
                 self.on_pass(p, None)
@@ -114,7 +117,7 @@ class PassManager:
         record = PassRecord(p.name, "applied", nodes_before=nodes_before, nodes_after=nodes_before)
         try:
             graph = to_graph(before)
-            ctx = PassContext(graph, self.target, dict(self.options))
+            ctx = PassContext(graph, self.target, dict(self.options), input_facts=self.input_facts)
             p(ctx)
             if ctx.rewrites:
                 annotate_shapes(ctx.graph)  # new values get dtypes/shapes, so later passes (and reruns) see them

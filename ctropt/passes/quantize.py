@@ -120,7 +120,8 @@ def _calibration(model: onnx.ModelProto, ctx: PassContext):
         return batches, labels, f"{sum(len(next(iter(b.values()))) for b in batches)} calibration rows"
     ctx.note("WARNING: no calibration data (--calib): calibrated on generated inputs, whose value ranges may "
              "differ from real traffic")
-    return [generate_inputs(model, batch=128, seed=100 + i) for i in range(8)], {}, "generated inputs"
+    return ([generate_inputs(model, batch=128, seed=100 + i, facts=ctx.input_facts) for i in range(8)], {},
+            "generated inputs")
 
 
 # ----------------------------------------------------------------------------------------- quantizing
@@ -293,7 +294,7 @@ def quantize_int8(ctx: PassContext) -> None:
 
     backend = BACKEND_OF_TARGET[ctx.target]
     if min_speedup > 0:
-        measure_speedups(model, layers, generate_inputs(model, batch=batch, seed=7), backend, seconds, reduce_range)
+        measure_speedups(model, layers, generate_inputs(model, batch=batch, seed=7, facts=ctx.input_facts), backend, seconds, reduce_range)
     chosen = [x for x in layers if min_speedup <= 0 or x.speedup >= min_speedup]
     reference = _run_all(model, eval_batches)
 

@@ -28,6 +28,7 @@ class PassContext:
     matches: int = 0
     rewrites: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    input_facts: dict | None = None  # the raw model's runtime.inputs facts, for passes that generate inputs
 
     def apply(self, *rules: Rewrite) -> int:
         """Run pattern rewrites to a fixpoint over the graph and all subgraphs; returns rewrites."""

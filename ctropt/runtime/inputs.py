@@ -4,11 +4,16 @@ Integer ids stay inside the table they index (the id is followed through Cast/Re
 Add/... to its Gather, into Loop/Scan bodies too); ids stored as float columns of one matrix (as
 deepctr-torch does) get a range per column; sequence lengths and masks agree row by row, and padded
 history positions hold id 0.
+
+An optimized model keeps its raw model's facts in its metadata (`store_input_facts`): after a rewrite such as
+fuse-parallel-embeddings the ids reach one concatenated table through offsets, and the per-table bounds can no
+longer be read off the graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 
@@ -28,6 +33,7 @@ DEFAULT_SEQ_LEN = 10
 # Odd and prime, so a batch axis is never mistaken for a model axis of the same size (exporters do mix
 # them up: a tf2onnx DIEN export runs at batch 16 = hidden 16 and fails at any other batch).
 DEFAULT_BATCH = 13
+FACTS_KEY = "ctropt.input_facts"
 
 
 @dataclasses.dataclass
@@ -59,6 +65,46 @@ class InputFacts:
     def history_len(self, default: int) -> int:
         """The padded length T of id histories stored as columns (deepctr-torch: one slice of T columns)."""
         return max((e - s for s, e in self.regions if e - s > 1), default=default)
+
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["columns"] = {str(c): b for c, b in self.columns.items()}
+        d["regions"], d["length_columns"] = sorted(self.regions), sorted(self.length_columns)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "InputFacts":
+        return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
+                   {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
+                   set(d.get("length_columns", [])), bool(d.get("is_mask")))
+
+
+def store_input_facts(model: onnx.ModelProto, facts: dict[str, InputFacts]) -> None:
+    """Keep `facts` (the raw model's) in `model`'s metadata, replacing any stored before."""
+    kept = [p for p in model.metadata_props if p.key != FACTS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = FACTS_KEY, json.dumps({k: f.to_json() for k, f in facts.items()}, sort_keys=True)
+
+
+def stored_input_facts(model: onnx.ModelProto) -> dict[str, InputFacts]:
+    """The facts an optimized model carries from its raw model ({} if none or unreadable)."""
+    for p in model.metadata_props:
+        if p.key == FACTS_KEY:
+            try:
+                return {k: InputFacts.from_json(v) for k, v in json.loads(p.value).items()}
+            except (ValueError, TypeError, AttributeError):
+                return {}
+    return {}
+
+
+def model_input_facts(model: onnx.ModelProto, graph: gs.Graph | None = None) -> dict[str, InputFacts]:
+    """Facts for every input of `model`: the stored ones where it has them, else read off its graph."""
+    facts = analyze_inputs(graph if graph is not None else to_graph(model))
+    stored = stored_input_facts(model)
+    return {k: stored.get(k, f) for k, f in facts.items()}
 
 
 def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
@@ -172,15 +218,16 @@ def _jagged_values(graph: gs.Graph, facts: dict[str, InputFacts]) -> list[tuple[
 
 def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
                     seed: int = 0, dims: dict[str, int] | None = None, fill: float | None = None,
-                    one_user: bool = False) -> dict[str, np.ndarray]:
+                    one_user: bool = False, facts: dict[str, InputFacts] | None = None) -> dict[str, np.ndarray]:
     """One batch of inputs for every graph input, keyed by input name.
 
     Histories are 0..T long with a full and an empty one in the batch; with `fill` (0..1] they are fill*T long on
     average (uniform in a band around it, none forced). `one_user`: every row has row 0's history, lengths, mask
-    and user-named inputs (one request ranking `batch` candidates for one user).
+    and user-named inputs (one request ranking `batch` candidates for one user). `facts`: what is known of the
+    inputs (default: `model_input_facts`).
     """
     graph = to_graph(model)
-    facts = analyze_inputs(graph)
+    facts = {**model_input_facts(model, graph), **(facts or {})}
     rng = np.random.default_rng(seed)
     shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
     time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
