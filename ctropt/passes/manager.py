@@ -72,6 +72,7 @@ class PassManager:
         self.atol, self.rtol, self.verify, self.strict = atol, rtol, verify, strict
         self.options = options or {}
         self.on_pass, self.bench = on_pass, bench
+        self.input_facts = None  # the model's runtime.inputs facts, set by run for the passes
 
     def _input_options(self) -> dict:
         """A static history length asked of the lowering is the one the generated inputs use."""
