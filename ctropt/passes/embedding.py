@@ -672,8 +672,9 @@ def _probe_ids(rows: int, batch: int, length: int, dtype, seed: int) -> np.ndarr
     return ids.astype(dtype)
 
 
-def _bag_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
-    """Graph inputs whose values `t` depends on, and those it reads only the shape of (TF's tf.shape(x)[0])."""
+def _input_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
+    """Names of the graph inputs whose values `t` depends on ("" for control flow on the way), and of those it
+    reads only the shape of (TF's tf.shape(x)[0])."""
     inputs = {id(x) for x in graph.inputs}
     seen, stack, values, shapes = set(), [(t, False)], set(), set()
     while stack:
@@ -711,7 +712,7 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.
     """(ids input, pooled tensor, combiner) of a padded bag ending in a lookup of `gather`'s table; a reason
     when it looked like one but did not evaluate as one; None when it is no bag."""
     table = const_value(gather.inputs[0])
-    values, _ = _bag_sources(gather.inputs[1], graph)
+    values, _ = _input_sources(gather.inputs[1], graph)
     by_name = {x.name: x for x in graph.inputs}
     ids = by_name.get(next(iter(values))) if len(values) == 1 else None
     if (ids is None or ids.shape is None or len(ids.shape) != 2 or not isinstance(ids.shape[1], int)
@@ -719,7 +720,7 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.
         return None
     candidates = []
     for t in _bag_candidates(gather, table.shape[1]):
-        t_values, t_shapes = _bag_sources(t, graph)
+        t_values, t_shapes = _input_sources(t, graph)
         if t_values == {ids.name} and _region_nodes(t, ids) >= MIN_BAG_REGION:
             candidates.append((t, t_shapes))
     if not candidates:
@@ -866,25 +867,6 @@ def _shard_lookups(stitch: gs.Node) -> list[gs.Node]:
     return found
 
 
-def _sources(t: gs.Tensor, graph: gs.Graph) -> set[int]:
-    """Graph inputs `t` depends on (ids), walking the main graph."""
-    inputs = {id(x) for x in graph.inputs}
-    seen, stack, found = set(), [t], set()
-    while stack:
-        x = stack.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if id(x) in inputs:
-            found.add(id(x))
-        for node in x.inputs:
-            stack.extend(node.inputs)
-            for attr in node.attrs.values():
-                if isinstance(attr, gs.Graph):
-                    found.add(-1)  # control flow in the region: not a plain lookup
-    return found
-
-
 def _region(model, inputs: list[str], outputs: list[tuple[str, int]]):
     """The nodes computing `outputs` ((name, elem type)) from graph `inputs` and initializers, as a model."""
     producers = {o: n for n in model.graph.node for o in n.output}
@@ -922,8 +904,8 @@ def merge_partitioned_embeddings(ctx: PassContext) -> None:
         widths = {const_value(s.inputs[0]).shape[1] for s in shards}
         if len(shards) < 2 or len(widths) != 1:
             continue
-        sources = _sources(stitch.outputs[0], graph)
-        ids = next((x for x in graph.inputs if {id(x)} == sources), None)
+        values, shapes = _input_sources(stitch.outputs[0], graph)
+        ids = by_name.get(next(iter(values))) if len(values) == 1 and not shapes else None
         if ids is None or ids.shape is None or len(ids.shape) != 1 or ids.dtype is None:
             continue
         rows = sum(const_value(s.inputs[0]).shape[0] for s in shards)
