@@ -41,7 +41,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, runnable_model
 from ..patterns.matcher import const_value
-from ..runtime import Runner, generate_inputs
+from ..runtime import Runner, generate_inputs, store_input_facts
 from ..runtime.bench import bench
 from ..runtime.inputs import read_npz
 from ..runtime.probe import all_values
@@ -120,8 +120,7 @@ def _calibration(model: onnx.ModelProto, ctx: PassContext):
         return batches, labels, f"{sum(len(next(iter(b.values()))) for b in batches)} calibration rows"
     ctx.note("WARNING: no calibration data (--calib): calibrated on generated inputs, whose value ranges may "
              "differ from real traffic")
-    return ([generate_inputs(model, batch=128, seed=100 + i, facts=ctx.input_facts) for i in range(8)], {},
-            "generated inputs")
+    return [generate_inputs(model, batch=128, seed=100 + i) for i in range(8)], {}, "generated inputs"
 
 
 # ----------------------------------------------------------------------------------------- quantizing
@@ -275,6 +274,8 @@ def quantize_int8(ctx: PassContext) -> None:
     reduce_range = str(opt.get("int8_reduce_range", "auto")).lower()
     reduce_range = not cpu_has_vnni() if reduce_range == "auto" else reduce_range in ("1", "true", "yes")
     model = runnable_model(ctx.graph)
+    if ctx.input_facts:  # inputs generated for it stay in the raw model's id ranges (fused tables hide them)
+        store_input_facts(model, ctx.input_facts)
     opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 13:
         ctx.note(f"opset {opset}: per-channel QuantizeLinear needs opset 13 or newer; re-export with a newer opset")
@@ -294,7 +295,7 @@ def quantize_int8(ctx: PassContext) -> None:
 
     backend = BACKEND_OF_TARGET[ctx.target]
     if min_speedup > 0:
-        measure_speedups(model, layers, generate_inputs(model, batch=batch, seed=7, facts=ctx.input_facts), backend, seconds, reduce_range)
+        measure_speedups(model, layers, generate_inputs(model, batch=batch, seed=7), backend, seconds, reduce_range)
     chosen = [x for x in layers if min_speedup <= 0 or x.speedup >= min_speedup]
     reference = _run_all(model, eval_batches)
 

@@ -66,7 +66,6 @@ class InputFacts:
         """The padded length T of id histories stored as columns (deepctr-torch: one slice of T columns)."""
         return max((e - s for s, e in self.regions if e - s > 1), default=default)
 
-
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["columns"] = {str(c): b for c, b in self.columns.items()}
@@ -218,16 +217,16 @@ def _jagged_values(graph: gs.Graph, facts: dict[str, InputFacts]) -> list[tuple[
 
 def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
                     seed: int = 0, dims: dict[str, int] | None = None, fill: float | None = None,
-                    one_user: bool = False, facts: dict[str, InputFacts] | None = None) -> dict[str, np.ndarray]:
+                    one_user: bool = False) -> dict[str, np.ndarray]:
     """One batch of inputs for every graph input, keyed by input name.
 
     Histories are 0..T long with a full and an empty one in the batch; with `fill` (0..1] they are fill*T long on
     average (uniform in a band around it, none forced). `one_user`: every row has row 0's history, lengths, mask
-    and user-named inputs (one request ranking `batch` candidates for one user). `facts`: what is known of the
-    inputs (default: `model_input_facts`).
+    and user-named inputs (one request ranking `batch` candidates for one user). Id ranges stored in the model's
+    metadata (an optimized model's) take precedence over what its graph shows.
     """
     graph = to_graph(model)
-    facts = {**model_input_facts(model, graph), **(facts or {})}
+    facts = model_input_facts(model, graph)
     rng = np.random.default_rng(seed)
     shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
     time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
