@@ -109,3 +109,38 @@ def test_integer_matmul_is_not_an_fc():
                        [vi("x", I64, ["B", 3])], [vi("y", I64, ["B", 2])],
                        [init("w", np.ones((3, 2), np.int64)), init("b", np.ones(2, np.int64))])
     assert run_pass(model, "fuse-fc")[1].rewrites == 0
+
+
+def _dice_after_fc(trans_b: int = 0, seed: int = 0):
+    """x → Gemm → Dice with its BatchNormalization folded (·s + t per column, then the sigmoid mix reads x)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(3, 5)).astype(np.float32)
+    nodes = [node("Gemm", ["x", "w", "b"], ["h"], transB=trans_b),
+             node("Mul", ["h", "s"], ["hs"]),
+             node("Add", ["hs", "t"], ["z"]),
+             node("Sigmoid", ["z"], ["p"]),
+             node("Mul", ["p", "h"], ["y"])]
+    inits = [init("w", w.T.copy() if trans_b else w), init("b", rng.normal(size=5).astype(np.float32)),
+             init("s", rng.normal(size=(1, 5)).astype(np.float32)), init("t", rng.normal(size=5).astype(np.float32))]
+    return make_model(nodes, [vi("x", F, ["rows", 3])], [vi("y", F, ["rows", 5])], inits)
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_per_column_affine_after_an_fc_becomes_a_second_gemm(trans_b):
+    model = _dice_after_fc(trans_b)
+    once, ctx = run_pass(model, "fold-fc-affine")
+    assert ctx.rewrites == 1
+    assert sorted(ops(once)) == sorted(["Gemm", "Gemm", "Sigmoid", "Mul"])  # the FC read as is, and ·s + t folded
+    for rows in (1, 4, 9):
+        feeds = {"x": np.random.default_rng(rows).normal(size=(rows, 3)).astype(np.float32)}
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "fold-fc-affine")
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+
+
+def test_scale_that_is_not_per_column_stays():
+    model = _dice_after_fc()
+    s = next(t for t in model.graph.initializer if t.name == "s")
+    s.CopyFrom(init("s", np.ones((4, 5), np.float32)))
+    once, ctx = run_pass(model, "fold-fc-affine")
+    assert ctx.rewrites == 0 and ops(once) == ops(model)

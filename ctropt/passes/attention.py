@@ -198,6 +198,15 @@ class _Builder:
 
     def __init__(self, graph: gs.Graph, base: str):
         self.graph, self.base, self.nodes = graph, base, []
+        self.leaves: list[gs.Tensor] = []  # values made outside that the nodes read, besides the region's entries
+        self.per_row = self.split = 0  # entries read once per row; layers whose per-row part is projected once
+
+    def discard(self) -> None:
+        """Unhook the nodes from the values they read (graphsurgeon lists a node among its inputs' readers)."""
+        for n in self.nodes:
+            n.inputs.clear()
+            n.outputs.clear()
+        self.nodes = []
 
     def const(self, name: str, value) -> gs.Constant:
         return gs.Constant(unique_name(self.graph, f"{self.base}/{name}"), np.asarray(value))
@@ -214,10 +223,42 @@ def _graph_order(graph: gs.Graph, nodes: list[gs.Node]) -> list[gs.Node]:
     return [n for n in graph.nodes if id(n) in ids]
 
 
-def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple | None
+def _broadcast(e: gs.Tensor) -> bool:
+    """`e` is made by repeating a value (Expand, Tile, a Concat of copies), through layout ops."""
+    for _ in range(8):
+        n = e.inputs[0] if e.inputs else None
+        if n is None:
+            return False
+        if n.op in ("Expand", "Tile") or (n.op == "Concat" and len(n.inputs) > 1 and
+                                          all(u is n.inputs[0] for u in n.inputs)):
+            return True
+        if n.op not in LAYOUT_OPS - {"Transpose"} | {"Cast"}:
+            return False
+        e = n.inputs[0]
+    return False
+
+
+def row_constant_entries(region: Region, probe: Probe) -> set[int]:
+    """Entries made by repeating a value that are equal at every history position of a row on the probe's
+    values (the query tiled over T)."""
+    found = set()
+    for e in region.entries:
+        if not _broadcast(e):
+            continue
+        values = [probe.value(e, run) for run in range(len(probe.runs))]
+        if all(v is not None and v.ndim >= 2 for v in values) and any(v.shape[1] > 1 for v in values) and \
+                all(np.array_equal(v, np.broadcast_to(v[:, :1], v.shape)) for v in values):
+            found.add(id(e))
+    return found
+
+
+def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple | None,
+                       per_row: set[int] = frozenset(), probe: Probe | None = None
                        ) -> tuple[_Builder, gs.Tensor, gs.Tensor]:
     """Nodes computing the scores at the valid positions (and (0, 0), last) and scattering them back; returns
-    (builder, valid [B, T] tensor, scattered scores [B, T, ...])."""
+    (builder, valid [B, T] tensor, scattered scores [B, T, ...]). Entries in `per_row` (equal along T) are read
+    once per row and gathered by row; an MLP layer over a concatenation that includes them then projects them
+    once per row (`_project_rows_once`)."""
     b = _Builder(graph, f"{site.scores.name}/valid")
     cond = b.op("Not", [site.cond]) if site.negate else site.cond
     valid = b.op("Reshape", [cond, b.const("bt", np.array([0, -1], np.int64))], name="valid")  # [B, T]
@@ -226,10 +267,24 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     # -1 from zero elements); when it is padded the masking overwrites it, when valid it is written twice alike.
     idx = b.op("Concat", [nonzero, b.const("origin", np.zeros((1, 2), np.int64))], {"axis": 0}, name="positions")
     zero_axis = b.const("axis0", np.array([0], np.int64))
-    swap = {}
+    swap, row_of, batch_rows = {}, {}, None
     for e in region.entries:
-        rows = b.op("GatherND", [e, idx], name="gather")
+        if id(e) in per_row:
+            if batch_rows is None:
+                batch_rows = b.op("Gather", [idx, b.const("batch_column", np.array(0, np.int64))], {"axis": 1},
+                                  name="batch_rows")  # [N]: the row of each valid position
+            source = _before_broadcast(e, probe)
+            if source is not e:
+                b.leaves.append(source)
+            once = b.op("Gather", [source, b.const("first", np.array(0, np.int64))], {"axis": 1}, name="per_row")
+            rows = b.op("Gather", [once, batch_rows], {"axis": 0}, name="gather_rows")
+            row_of[id(rows)] = once
+            b.per_row += 1
+        else:
+            rows = b.op("GatherND", [e, idx], name="gather")
         swap[id(e)] = b.op("Unsqueeze", [rows, zero_axis], name="rows")  # [1, N, ...]
+        row_of[id(swap[id(e)])] = row_of.pop(id(rows), None)
+    origin = {id(new): t for t, new in ((e, swap[id(e)]) for e in region.entries)}
     for n in _graph_order(graph, region.nodes):
         inputs = [swap.get(id(u), u) for u in n.inputs]
         outs = []
@@ -238,6 +293,10 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
             outs.append(swap[id(o)])
         b.nodes.append(gs.Node(n.op, unique_name(graph, f"{n.name}/valid"), dict(n.attrs), inputs, outs,
                                domain=n.domain))
+    for o in (o for n in region.nodes for o in n.outputs):
+        origin[id(swap[id(o)])] = o
+    if batch_rows is not None and probe is not None:
+        _project_rows_once(b, {k: v for k, v in row_of.items() if v is not None}, batch_rows, origin, probe)
     scores_valid = b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
     if tail is None:  # the scores' dims after (B, T), when they are not the same at every size
         tail = b.op("Slice", [b.op("Shape", [scores_valid]), b.const("one", np.array([1], np.int64)),
@@ -253,9 +312,132 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     return b, valid, scattered
 
 
+def _before_broadcast(e: gs.Tensor, probe: Probe) -> gs.Tensor:
+    """The [B, 1, ...] value an Expand/Tile (or tf2onnx's Concat of T copies) broadcast over T to make `e`, else
+    `e` itself."""
+    n = e.inputs[0] if e.inputs else None
+    copies = n is not None and n.op == "Concat" and n.attrs.get("axis") in (1, -len(probe.value(e).shape) + 1) \
+        and all(u is n.inputs[0] for u in n.inputs)
+    if n is None or (n.op not in ("Expand", "Tile") and not copies):
+        return e
+    shapes, x_shapes = probe.shapes(e), probe.shapes(n.inputs[0])
+    if shapes is None or x_shapes is None or any(
+            len(xs) != len(s) or xs[0] != s[0] or xs[1] != 1 or xs[2:] != s[2:] for s, xs in zip(shapes, x_shapes)):
+        return e
+    return n.inputs[0]
+
+
+def _toposort(nodes: list[gs.Node]) -> list[gs.Node]:
+    """`nodes` in an order where each node follows the nodes (of the list) that make its inputs."""
+    made = {id(o): n for n in nodes for o in n.outputs}
+    done, order = set(), []
+
+    def visit(n):
+        if id(n) in done:
+            return
+        done.add(id(n))
+        for u in n.inputs:
+            if id(u) in made:
+                visit(made[id(u)])
+        order.append(n)
+
+    for n in nodes:
+        visit(n)
+    return order
+
+
+def _linear_parts(t: gs.Tensor) -> dict[int, tuple[gs.Tensor, float]]:
+    """`t` as a sum of (value, coefficient): a - b, a + b and -a are split, anything else is one term."""
+    n = t.inputs[0] if t.inputs else None
+    signs = {"Sub": (1.0, -1.0), "Add": (1.0, 1.0), "Neg": (-1.0,)}.get(n.op if n is not None else "")
+    if signs is None or len(n.inputs) != len(signs) or any(const_value(u) is not None for u in n.inputs):
+        return {id(t): (t, 1.0)}
+    terms: dict[int, tuple[gs.Tensor, float]] = {}
+    for u, sign in zip(n.inputs, signs):
+        terms[id(u)] = (u, terms.get(id(u), (u, 0.0))[1] + sign)
+    return terms
+
+
+def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs.Tensor, origin: dict,
+                       probe: Probe) -> None:
+    """``concat[q, k, q - k, q * k] · W`` with q gathered by row → ``Gather(q₀ · (W_q + W_d), row) +
+    concat[k, q * k] · [W_k - W_d; W_p]``: the query's part of the layer is computed once per row (DIN's
+    attention MLP, first layer) and the concatenation shrinks. The builder's region is checked numerically after."""
+    for cat in [n for n in b.nodes if n.op == "Concat"]:
+        out = cat.outputs[0]
+        widths = [probe.value(origin[id(u)]).shape[-1] if id(u) in origin else None for u in cat.inputs]
+        rank = probe.value(origin[id(out)]).ndim if id(out) in origin else None
+        if None in widths or cat.attrs.get("axis") not in (-1, (rank or 0) - 1):
+            continue
+        readers = [c for c in out.outputs if c.op != "Shape"]
+        reshape = readers[0] if len(readers) == 1 and readers[0].op == "Reshape" else None
+        matmul = reshape.outputs[0].outputs[0] if reshape is not None and len(reshape.outputs[0].outputs) == 1 \
+            else (readers[0] if len(readers) == 1 else None)
+        w = const_value(matmul.inputs[1]) if matmul is not None and matmul.op == "MatMul" else None
+        if w is None or w.ndim != 2 or w.shape[0] != sum(widths) or matmul.inputs[0] is not (reshape or cat).outputs[0]:
+            continue
+        terms = _weights_by_term(cat.inputs, widths, w)
+        once = [t for k, t in terms.items() if k in row_of] if terms else []
+        rest = [t for k, t in terms.items() if k not in row_of] if terms else []
+        if once and rest:
+            _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, w.dtype)
+            b.split += 1
+
+
+def _weights_by_term(parts: list[gs.Tensor], widths: list[int], w: np.ndarray) -> dict[int, tuple] | None:
+    """concat(parts)·W as Σ value·W_value over the distinct values the parts mix linearly; None when a value
+    appears in parts of different widths."""
+    terms: dict[int, tuple] = {}  # id(value) -> (value, the rows of W it is multiplied by, summed)
+    offsets = np.cumsum([0] + widths)
+    for part, lo, hi in zip(parts, offsets[:-1], offsets[1:]):
+        for key, (value, coef) in _linear_parts(part).items():
+            rows = terms.get(key, (value, np.zeros((hi - lo, w.shape[1]), np.float64)))[1]
+            if rows.shape[0] != hi - lo:
+                return None
+            terms[key] = (value, rows + coef * w[lo:hi])
+    return terms
+
+
+def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype) -> None:
+    """Build the split layer (see `_project_rows_once`) in place of `cat` → [reshape] → `matmul` (→ bias Add)."""
+    width = once[0][1].shape[1]
+    bias_add, bias = None, np.zeros(width)
+    for c in matmul.outputs[0].outputs:  # the layer's bias, folded into the per-row part (other readers: Shape)
+        v = next((v for v in map(const_value, c.inputs) if v is not None), None) if c.op == "Add" else None
+        if v is not None and v.size == width and v.shape[-1] == width and c.outputs[0].outputs:
+            bias_add, bias = c, v
+            break
+    projected = None
+    for value, rows_w in once:
+        p = b.op("MatMul", [row_of[id(value)], b.const("w_once", rows_w.astype(dtype))], name="project_once")
+        projected = p if projected is None else b.op("Add", [projected, p])
+    projected = b.op("Add", [projected, b.const("bias_once", bias.reshape(-1).astype(dtype))])
+    per_position = b.op("Gather", [projected, batch_rows], {"axis": 0}, name="gather_projected")  # [N, H]
+    merged = b.op("Concat", [value for value, _ in rest], {"axis": -1}, name="concat_rest")
+    flat = b.op("Reshape", [merged, b.const("flat", np.array([-1, sum(r.shape[0] for _, r in rest)], np.int64))])
+    w_rest = b.const("w_rest", np.concatenate([r for _, r in rest]).astype(dtype))
+    layer = b.op("Gemm", [flat, w_rest, per_position], name="layer")  # [N, H]
+    end = matmul.outputs[0]
+    if bias_add is not None:  # its readers read the layer (bias included) instead
+        for c in list(bias_add.outputs[0].outputs):
+            c.inputs[c.inputs.index(bias_add.outputs[0])] = end
+    if reshape is None:  # the layer was a MatMul over [1, N, K]
+        layer = b.op("Unsqueeze", [layer, b.const("axis0", np.array([0], np.int64))])
+    for shape_reader in [c for c in cat.outputs[0].outputs if c.op == "Shape"]:
+        shape_reader.inputs[0] = rest[0][0]  # leading dims only (the region check catches any other use)
+    layer.inputs[0].outputs[0] = end  # the last new node writes the layer's value: its readers stay as they are
+    dead = {id(cat), id(matmul)} | ({id(reshape)} if reshape is not None else set()) | \
+        ({id(bias_add)} if bias_add is not None else set())
+    b.nodes[:] = _toposort([n for n in b.nodes if id(n) not in dead])
+    for n in (cat, matmul, reshape, bias_add):
+        if n is not None:
+            n.inputs.clear()
+            n.outputs.clear()
+
+
 def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, probe: Probe, opset: int) -> str:
     """Run the original region and the rebuilt one on the probe's values; '' if the valid scores agree."""
-    leaves = region.entries + [site.cond]
+    leaves = region.entries + built.leaves + [site.cond]
     leaf_types = [(t, probe.value(t).dtype) for t in leaves]
     try:
         old = subgraph_session(region.nodes, leaf_types, [(site.scores, probe.value(site.scores).dtype)], opset)
@@ -342,10 +524,17 @@ def remove_attention_padding(ctx: PassContext) -> None:
             ctx.note(f"left as is: {where}: no position-wise MLP computes the masked scores")
             continue
         tails = {tuple(shape[2:]) for shape in probe.shapes(site.scores)}
-        built, valid, scattered = build_valid_region(graph, site, region, tails.pop() if len(tails) == 1 else None)
+        tail = tails.pop() if len(tails) == 1 else None
+        built, valid, scattered = build_valid_region(graph, site, region, tail, row_constant_entries(region, probe),
+                                                     probe)
         problem = check_region(site, region, built, valid, probe, opset)
+        if problem and (built.per_row or built.split):  # without the per-row reads and projections
+            built.discard()
+            built, valid, scattered = build_valid_region(graph, site, region, tail)
+            problem = check_region(site, region, built, valid, probe, opset)
         ctx.matches += 1
         if problem:
+            built.discard()
             ctx.note(f"left as is: {where}: {problem}")
             continue
         graph.nodes.extend(built.nodes)
@@ -356,8 +545,10 @@ def remove_attention_padding(ctx: PassContext) -> None:
         done.add(id(site.scores))
         ctx.rewrites += 1
         ops = sum(n.op in HEAVY_OPS for n in region.nodes)
+        once = f"; {built.per_row} read once per row" if built.per_row else ""
+        once += f", its part of {built.split} layer(s) projected once per row" if built.split else ""
         ctx.note(f"{where}: {len(region.nodes)} ops ({ops} matmuls) over [B, T, ...] now run on the valid positions "
-                 f"({len(region.entries)} entries gathered)")
+                 f"({len(region.entries)} entries gathered{once})")
     if ctx.rewrites:
         graph.cleanup()
         tidy(ctx)

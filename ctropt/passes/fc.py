@@ -22,7 +22,8 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns import Const, Match, P, Rewrite, Var
-from ..patterns.matcher import dtype_of, shape_of
+from ..patterns.matcher import add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of
+from .layout import cancel_layout_pairs
 from .registry import PassContext, register_pass, tidy
 
 # Activations onnxruntime folds into FusedGemm (GemmActivationFusion) and OpenVINO into FullyConnected.
@@ -133,5 +134,85 @@ def fuse_fc(ctx: PassContext) -> None:
            for t in [n.inputs[0]] + [c.outputs[0] for c in n.outputs[0].outputs if c.op == "Reshape"]):
         annotate_shapes(ctx.graph)  # the rank of each FC's input decides its form
     if ctx.apply(*_fc_rules(ctx.target)):
+        if ctx.target == "ort":  # elementwise activations between flattened layers (Dice) join the 2-D chain
+            cancel_layout_pairs(ctx.graph)
         tidy(ctx)  # the Reshape back and the next layer's Reshape to [-1, K] cancel; shapes computed once
     ctx.note(f"{ctx.rewrites} FC layer(s) → Gemm" if ctx.rewrites else "no MatMul+Add/activation to fuse")
+
+
+
+def _per_column(t: gs.Tensor, width: int) -> np.ndarray | None:
+    """A constant that acts per column of a [M, width] value ([width], [1, width], a scalar), as [width]."""
+    v = const_value(t)
+    if v is None or v.ndim > 2 or (v.size != width and v.size != 1) or (v.ndim and v.shape[-1] != v.size):
+        return None
+    return np.broadcast_to(v.reshape(-1), (width,)).astype(np.float64)
+
+
+def _gathered_projection(c: gs.Tensor):
+    """(Gather node, Gemm node) when the bias `c` of a Gemm is ``Gather(Gemm(q, W, b), rows)`` with constants W,
+    b (remove-attention-padding's query part, computed once per row)."""
+    g = c.inputs[0] if c.inputs else None
+    p = g.inputs[0].inputs[0] if g is not None and g.op == "Gather" and g.inputs[0].inputs else None
+    if p is None or p.op != "Gemm" or len(p.inputs) != 3 or any(p.attrs.get(a, d) != d for a, d in
+                                                                   (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0))):
+        return None
+    if const_value(p.inputs[1]) is None or const_value(p.inputs[2]) is None or len(g.inputs[0].outputs) != 1:
+        return None
+    return g, p
+
+
+@register_pass("fold-fc-affine", group="fusion", order=62)
+def fold_fc_affine(ctx: PassContext) -> None:
+    """``Gemm(a, W, c) · s + t`` with s, t per column (a folded BatchNormalization: Dice) → a second
+    ``Gemm(a, W·s, c·s + t)`` when the FC's output is also read as is, else the same Gemm: a Gemm costs less
+    than two broadcast elementwise ops on onnxruntime CPU (measured 68 µs vs 124 µs at [1280, 16])."""
+    graph = ctx.graph
+    for mul in [n for n in graph.nodes if n.op == "Mul"]:
+        x = next((u for u in mul.inputs if u.inputs and u.inputs[0].op == "Gemm"), None)
+        fc = x.inputs[0] if x is not None else None
+        if fc is None or len(fc.inputs) < 2 or any(fc.attrs.get(a, d) != d for a, d in
+                                                   (("transA", 0), ("alpha", 1.0), ("beta", 1.0))):
+            continue
+        w = const_value(fc.inputs[1])
+        if w is None or w.ndim != 2 or w.dtype not in FLOAT_TYPES:
+            continue
+        width = w.shape[0] if fc.attrs.get("transB", 0) else w.shape[1]
+        s = _per_column(mul.inputs[1] if mul.inputs[0] is x else mul.inputs[0], width)
+        if s is None:
+            continue
+        ctx.matches += 1
+        readers = mul.outputs[0].outputs
+        add = readers[0] if len(readers) == 1 and readers[0].op == "Add" else None
+        t = _per_column(next(u for u in add.inputs if u is not mul.outputs[0]), width) if add is not None else None
+        if t is None:
+            add, t = None, np.zeros(width)
+        c = fc.inputs[2] if len(fc.inputs) > 2 else None
+        c_value = const_value(c) if c is not None else np.zeros(width)
+        w_s = w * (s[:, None] if fc.attrs.get("transB", 0) else s[None, :])
+        if c_value is not None:
+            if c_value.ndim > 1 and c_value.shape[0] != 1:
+                continue
+            bias = add_constant(graph, f"{fc.name}/affine_bias", (c_value.reshape(-1) * s + t).astype(w.dtype))
+        else:
+            found = _gathered_projection(c)
+            if found is None:
+                continue
+            gather, proj = found
+            pw, pb = const_value(proj.inputs[1]), const_value(proj.inputs[2])
+            (p2,) = add_node(graph, "Gemm", [proj.inputs[0], add_constant(graph, f"{proj.name}/affine", (pw * s).astype(pw.dtype)),
+                                             add_constant(graph, f"{proj.name}/affine_bias",
+                                                          (pb.reshape(-1) * s + t).astype(pb.dtype))],
+                             name=f"{proj.name}/affine", dtype=x.dtype)
+            (bias,) = add_node(graph, "Gather", [p2, gather.inputs[1]], dict(gather.attrs),
+                               name=f"{gather.name}/affine", dtype=x.dtype)
+        (z,) = add_node(graph, "Gemm", [fc.inputs[0], add_constant(graph, f"{fc.name}/affine", w_s.astype(w.dtype)),
+                                        bias], {"transB": fc.attrs.get("transB", 0)},
+                        name=f"{fc.name}/affine", dtype=x.dtype, shape=x.shape)
+        replace_outputs(graph, add or mul, [z])
+        ctx.rewrites += 1
+    if ctx.rewrites:
+        graph.cleanup()
+        graph.toposort(mode="nodes")
+        tidy(ctx)
+        ctx.note(f"{ctx.rewrites} per-column scale/shift after an FC (a folded BatchNormalization) → a Gemm")

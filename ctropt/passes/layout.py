@@ -1,0 +1,212 @@
+"""Layout cleanups: inference BatchNormalization as an affine map, and transpose pairs around elementwise work.
+
+PyTorch's Dice over [B, T, H] (deepctr-torch DIN's attention MLP) is exported as Transpose → BatchNormalization
+(channels on axis 1) → Sigmoid / Mul / Add → Transpose back. Runtimes do not move a Transpose across a
+BatchNormalization, so the pair stays, and passes that follow values position by position (the attention
+region of `remove-attention-padding`) stop at it. `fold-batchnorm` writes the normalization as `x * s + t`
+(one scale and shift per channel, computed from the running statistics); `cancel-transposes` then removes a
+Transpose whose result only flows through elementwise ops into Transposes that undo it, permuting the constants
+those ops read instead. It does the same for rows reshaped to rank 3 and back around elementwise ops (Dice between
+two FC layers that fuse-fc flattened), so the layers form one 2-D chain; fuse-fc calls it after its rewrites.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..graph import annotate_shapes
+from ..patterns.matcher import add_constant, add_node, const_value, redirect_consumers, shape_of, unique_name
+from .registry import PassContext, register_pass
+
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu",
+               "Sigmoid", "Tanh", "Relu", "LeakyRelu", "Elu", "Selu", "HardSigmoid", "Softplus", "Softsign",
+               "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Identity", "Not", "Cast"}
+
+
+@register_pass("fold-batchnorm", group="cleanup", order=12)
+def fold_batchnorm(ctx: PassContext) -> None:
+    """Inference BatchNormalization with constant statistics → Mul + Add by per-channel constants."""
+    graph = ctx.graph
+    if any(n.op == "BatchNormalization" and n.inputs[0].shape is None for n in graph.nodes):
+        annotate_shapes(graph)  # the rank of the input places the per-channel constants
+    for n in list(graph.nodes):
+        if n.op != "BatchNormalization" or len(n.outputs) != 1 or n.attrs.get("training_mode", 0):
+            continue
+        params = [const_value(t) for t in n.inputs[1:5]]
+        shape = shape_of(n.inputs[0])
+        if len(params) != 4 or any(p is None for p in params) or shape is None or len(shape) < 2:
+            continue
+        ctx.matches += 1
+        scale, bias, mean, var = (p.astype(np.float64) for p in params)
+        s = scale / np.sqrt(var + n.attrs.get("epsilon", 1e-5))
+        dtype = params[0].dtype
+        per_channel = (-1,) + (1,) * (len(shape) - 2)
+        mul = add_constant(graph, f"{n.name}/scale", (s.reshape(per_channel)).astype(dtype))
+        add = add_constant(graph, f"{n.name}/shift", ((bias - mean * s).reshape(per_channel)).astype(dtype))
+        (scaled,) = add_node(graph, "Mul", [n.inputs[0], mul], name=f"{n.name}/Mul", dtype=n.outputs[0].dtype,
+                             shape=n.outputs[0].shape)
+        out = n.outputs[0]
+        n.outputs.clear()
+        n.inputs.clear()
+        graph.nodes.append(gs.Node("Add", unique_name(graph, f"{n.name}/Add"), inputs=[scaled, add], outputs=[out]))
+        ctx.rewrites += 1
+    if ctx.rewrites:
+        graph.cleanup()
+        graph.toposort(mode="nodes")
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+class _Transposed:
+    """Values are `Transpose(x, perm)`; `Transpose(v, inverse)` gives x back; constants are permuted."""
+
+    def __init__(self, node: gs.Node):
+        self.perm = list(node.attrs.get("perm", []))
+        self.inverse = _inverse(self.perm)
+
+    def ok(self) -> bool:
+        return bool(self.perm)
+
+    def undoes(self, c: gs.Node) -> bool:
+        return c.op == "Transpose" and list(c.attrs.get("perm", [])) == self.inverse
+
+    def constant(self, value: np.ndarray) -> np.ndarray | None:
+        rank = len(self.perm)
+        if value.ndim > rank:
+            return None
+        return np.transpose(value.reshape((1,) * (rank - value.ndim) + value.shape), self.inverse)
+
+    shape_readers_ok = False
+
+
+class _Unflattened:
+    """Values are rows x[M, H] reshaped to [..., H] (fuse-fc's way back to rank ≥ 3 between FC layers, the
+    attention rows [1, N, H]); `Reshape(v, [-1, H])` gives x back; constants act per column."""
+
+    def __init__(self, node: gs.Node):
+        src, out = shape_of(node.inputs[0]), shape_of(node.outputs[0])
+        self.width = src[-1] if src and len(src) == 2 and out and isinstance(src[-1], int) and out[-1] == src[-1] \
+            else None
+
+    def ok(self) -> bool:
+        return self.width is not None
+
+    def undoes(self, c: gs.Node) -> bool:
+        if c.op != "Reshape":
+            return False
+        target = const_value(c.inputs[1])
+        return target is not None and target.tolist() == [-1, self.width]
+
+    def constant(self, value: np.ndarray) -> np.ndarray | None:
+        if value.ndim and (value.shape[-1] not in (1, self.width) or value.size != value.shape[-1]):
+            return None
+        return value.reshape(value.shape[-1:])
+
+    shape_readers_ok = True  # every value in the region has the entry's shape (constants add no axis)
+
+
+def _region_after(entry: gs.Node, layout, graph_outputs: set[int]):
+    """(elementwise nodes, constants they read, undoing nodes, Shape readers) when everything `entry` makes
+    flows through elementwise ops into nodes that undo its layout change; None otherwise."""
+    region, exits, consts, shape_readers = {}, [], {}, []
+    values, stack = {id(entry.outputs[0])}, [entry.outputs[0]]
+    while stack:
+        v = stack.pop()
+        if id(v) in graph_outputs:
+            return None
+        for c in v.outputs:
+            if id(c) in region or any(c is e for e in exits + shape_readers):
+                continue
+            if layout.undoes(c) and id(c.outputs[0]) not in graph_outputs:
+                exits.append(c)
+                continue
+            if c.op == "Shape" and layout.shape_readers_ok:
+                shape_readers.append(c)
+                continue
+            if c.op not in ELEMENTWISE or len(c.outputs) != 1 or c.domain not in ("", "ai.onnx", None):
+                return None
+            for u in c.inputs:
+                value = const_value(u) if id(u) not in values else None
+                if value is not None:
+                    if layout.constant(value) is None:
+                        return None
+                    consts[id(u)] = u
+            region[id(c)] = c
+            values.add(id(c.outputs[0]))
+            stack.append(c.outputs[0])
+    if not exits:
+        return None
+    # an input that is neither a constant nor (yet) a region value may join the region later in the walk
+    for c in region.values():
+        if any(id(u) not in values and id(u) not in consts for u in c.inputs):
+            return None
+    return list(region.values()), list(consts.values()), exits, shape_readers
+
+
+def _reads(value: gs.Tensor, node: gs.Node) -> bool:
+    """Whether `value` is computed from `node`'s outputs."""
+    seen, stack = set(), [value]
+    while stack:
+        t = stack.pop()
+        for n in t.inputs:
+            if n is node:
+                return True
+            if id(n) not in seen:
+                seen.add(id(n))
+                stack.extend(n.inputs)
+    return False
+
+
+LAYOUTS = {"Transpose": _Transposed, "Reshape": _Unflattened, "Unsqueeze": _Unflattened}
+
+
+def cancel_layout_pairs(graph: gs.Graph) -> tuple[int, int]:
+    """Remove Transpose/Reshape pairs around elementwise work (see `cancel-transposes`); (matches, rewrites)."""
+    graph_outputs = {id(t) for t in graph.outputs}
+    matches = rewrites = 0
+    if any(n.op in ("Reshape", "Unsqueeze") and n.outputs and n.outputs[0].shape is None for n in graph.nodes):
+        annotate_shapes(graph)
+    for entry in list(graph.nodes):
+        if entry.op not in LAYOUTS or not entry.outputs or not entry.inputs:
+            continue
+        layout = LAYOUTS[entry.op](entry)
+        found = _region_after(entry, layout, graph_outputs) if layout.ok() else None
+        if found is None:
+            continue
+        matches += 1
+        nodes, consts, exits, shape_readers = found
+        changed = {id(c): add_constant(graph, f"{c.name}/{entry.op.lower()}d", layout.constant(const_value(c)))
+                   for c in consts}
+        source, y = entry.inputs[0], entry.outputs[0]
+        for n in nodes:
+            for i, u in enumerate(list(n.inputs)):
+                n.inputs[i] = source if u is y else changed.get(id(u), u)
+            for o in n.outputs:
+                o.shape = None
+        for r in shape_readers:  # through the entry op, fed a value of the same shape made after the region
+            r.inputs[0] = y
+        undone = [source if e.inputs[0] is y else e.inputs[0] for e in exits]  # what each exit gave back
+        if shape_readers and undone[0] is not source and not _reads(undone[0], entry):
+            entry.inputs[0] = undone[0]  # the source keeps one reader (an FC's output stays fusable)
+        for e, value in zip(exits, undone):
+            redirect_consumers(e.outputs[0], value)
+        rewrites += 1
+    if rewrites:
+        graph.cleanup()
+        graph.toposort(mode="nodes")
+    return matches, rewrites
+
+
+@register_pass("cancel-transposes", group="cleanup", order=13)
+def cancel_transposes(ctx: PassContext) -> None:
+    """Transpose (or a Reshape of rows to rank ≥ 3) → elementwise ops → the op that undoes it: both removed, the
+    constants the ops read permuted (or reshaped) instead."""
+    matches, rewrites = cancel_layout_pairs(ctx.graph)
+    ctx.matches += matches
+    ctx.rewrites += rewrites

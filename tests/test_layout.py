@@ -1,0 +1,146 @@
+"""fold-batchnorm and cancel-transposes: Dice as PyTorch exports it over [B, T, H] (Transpose → BatchNormalization
+→ elementwise → Transpose back), rows reshaped to rank 3 and back around elementwise ops, and what must stay."""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import F, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+
+import ctropt
+
+H = 5
+
+
+def dice_3d(seed: int = 0):
+    """x [B, T, H] → Linear → Dice (deepctr-torch: transpose, BatchNorm1d over H, mix α·(1-p)·x + p·x, transpose
+    back) → Linear → [B, T, 1]."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        node("MatMul", ["x", "w1"], ["h"]),
+        node("Transpose", ["h"], ["ht"], perm=[0, 2, 1]),  # [B, H, T]
+        node("BatchNormalization", ["ht", "scale", "bias", "mean", "var"], ["n"], epsilon=1e-3),
+        node("Sigmoid", ["n"], ["p"]),
+        node("Sub", ["one", "p"], ["q"]),
+        node("Mul", ["alpha", "q"], ["aq"]),
+        node("Mul", ["aq", "ht"], ["m1"]),
+        node("Mul", ["p", "ht"], ["m2"]),
+        node("Add", ["m1", "m2"], ["d"]),
+        node("Transpose", ["d"], ["dt"], perm=[0, 2, 1]),
+        node("MatMul", ["dt", "w2"], ["y"]),
+    ]
+    inits = [init("w1", rng.normal(size=(3, H)).astype(np.float32)),
+             init("w2", rng.normal(size=(H, 1)).astype(np.float32)),
+             init("scale", rng.uniform(0.5, 2, H).astype(np.float32)),
+             init("bias", rng.normal(size=H).astype(np.float32)),
+             init("mean", rng.normal(size=H).astype(np.float32)),
+             init("var", rng.uniform(0.5, 2, H).astype(np.float32)),
+             init("one", np.array(1.0, np.float32)),
+             init("alpha", rng.normal(size=(H, 1)).astype(np.float32))]
+    return make_model(nodes, [vi("x", F, ["batch", "seq_len", 3])], [vi("y", F, ["batch", "seq_len", 1])], inits)
+
+
+def _feeds(batch=4, steps=6, seed=1):
+    return {"x": np.random.default_rng(seed).normal(size=(batch, steps, 3)).astype(np.float32)}
+
+
+def test_fold_batchnorm_is_a_per_channel_affine_map():
+    model = dice_3d()
+    once, ctx = run_pass(model, "fold-batchnorm")
+    assert ctx.rewrites == 1 and "BatchNormalization" not in ops(once)
+    assert sorted(ops(once)) == sorted([op for op in ops(model) if op != "BatchNormalization"] + ["Mul", "Add"])
+    for feeds in (_feeds(), _feeds(1, 1), _feeds(7, 3, seed=2)):
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "fold-batchnorm")
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+
+
+def test_batchnorm_with_statistics_from_the_graph_is_kept():
+    model = dice_3d()
+    model.graph.input.append(vi("mean", F, [H]))
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "mean"))
+    once, ctx = run_pass(model, "fold-batchnorm")
+    assert ctx.rewrites == 0 and "BatchNormalization" in ops(once)
+
+
+def test_transposes_around_dice_cancel_and_its_constants_are_permuted():
+    folded, _ = run_pass(dice_3d(), "fold-batchnorm")
+    once, ctx = run_pass(folded, "cancel-transposes")
+    assert ctx.rewrites == 1
+    assert sorted(ops(once)) == sorted(op for op in ops(folded) if op != "Transpose")
+    consts = {t.name: t for t in once.graph.initializer}
+    mul_alpha = next(n for n in once.graph.node if n.op_type == "Mul" and "aq" in n.output[0])
+    alpha = next(consts[i] for i in mul_alpha.input if i in consts)
+    assert list(alpha.dims) == [1, 1, H]  # [H, 1] over [B, H, T] is [1, 1, H] over [B, T, H]
+    for feeds in (_feeds(), _feeds(1, 1), _feeds(5, 9, seed=3)):
+        assert_same_outputs(dice_3d(), once, feeds, atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "cancel-transposes")
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(dice_3d())
+
+
+def test_a_transpose_read_by_anything_but_elementwise_ops_stays():
+    """The first Transpose also feeds a MatMul: its layout is needed as is."""
+    folded, _ = run_pass(dice_3d(), "fold-batchnorm")
+    folded.graph.node.append(node("ReduceSum", ["ht"], ["side"], keepdims=0))
+    folded.graph.output.append(vi("side", F, None))
+    once, ctx = run_pass(folded, "cancel-transposes")
+    assert ctx.rewrites == 0 and ops(once).count("Transpose") == 2
+
+
+def test_transpose_without_its_inverse_stays():
+    model = dice_3d()
+    for n in model.graph.node:
+        if n.output[0] == "dt":
+            n.op_type, n.input[:] = "Identity", ["d"]
+            del n.attribute[:]
+    model.graph.node[-1].input[1] = "w2t"
+    model.graph.initializer.append(init("w2t", np.ones((6, 1), np.float32)))
+    folded, _ = run_pass(model, "fold-batchnorm")
+    once, ctx = run_pass(folded, "cancel-transposes")
+    assert ctx.rewrites == 0 and "Transpose" in ops(once)
+
+
+def rows_reshaped(seed: int = 0):
+    """rows [M, H] → Reshape [-1, 4, H] → elementwise with a per-column constant → Reshape [-1, H] (and a Shape
+    reader of the rank-3 value): what fuse-fc leaves between two flattened layers."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        node("Reshape", ["r", "to3"], ["r3"]),
+        node("Sigmoid", ["r3"], ["s"]),
+        node("Mul", ["s", "col"], ["m"]),
+        node("Add", ["m", "r3"], ["a"]),
+        node("Reshape", ["a", "to2"], ["a2"]),
+        node("MatMul", ["a2", "w"], ["y"]),
+        node("Shape", ["a"], ["shape"]),
+    ]
+    inits = [init("to3", np.array([-1, 4, H], np.int64)), init("to2", np.array([-1, H], np.int64)),
+             init("col", rng.normal(size=(1, 1, H)).astype(np.float32)),
+             init("w", rng.normal(size=(H, 2)).astype(np.float32))]
+    return make_model(nodes, [vi("r", F, ["rows", H])], [vi("y", F, ["rows", 2]), vi("shape", 7, [3])], inits)
+
+
+def test_rows_reshaped_around_elementwise_ops_stay_rows():
+    model = rows_reshaped()
+    once, ctx = run_pass(model, "cancel-transposes")
+    assert ctx.rewrites == 1
+    assert ops(once).count("Reshape") == 1  # kept for the Shape reader only; the elementwise ops read the rows
+    sigmoid = next(n for n in once.graph.node if n.op_type == "Sigmoid")
+    assert sigmoid.input[0] == "r"
+    feeds = {"r": np.random.default_rng(2).normal(size=(8, H)).astype(np.float32)}
+    assert_same_outputs(model, once, feeds, atol=0, rtol=0)
+    twice, ctx2 = run_pass(once, "cancel-transposes")
+    assert ctx2.rewrites == 0
+
+
+
+def test_an_inverse_transpose_reading_the_entry_directly_gets_the_source():
+    nodes = [node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             node("Sigmoid", ["xt"], ["s"]),
+             node("Transpose", ["s"], ["a"], perm=[0, 2, 1]),
+             node("Transpose", ["xt"], ["b"], perm=[0, 2, 1]),
+             node("Add", ["a", "b"], ["y"])]
+    model = make_model(nodes, [vi("x", F, ["batch", 4, 3])], [vi("y", F, ["batch", 4, 3])])
+    once, ctx = run_pass(model, "cancel-transposes")
+    assert ctx.rewrites == 1 and sorted(ops(once)) == ["Add", "Sigmoid"]
+    feeds = {"x": np.random.default_rng(0).normal(size=(2, 4, 3)).astype(np.float32)}
+    assert_same_outputs(model, once, feeds, atol=0, rtol=0)
