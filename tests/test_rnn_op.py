@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 
 import numpy as np
 import onnx
@@ -80,6 +81,25 @@ def test_sequence_op_matches_reference(kind, lbr, keep, pad, form):
         assert any(n.domain == DOMAIN for n in model.graph.node) == (form == "function")
         assert bool(model.functions) == (form == "function")
         for rows in (slice(None), slice(0, 1)):  # auto: batch 5 takes the GRU op where it applies; check both
+            got = _run(model, {k: v[rows] for k, v in feeds.items()})
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a, b[rows], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AIGRU"])
+@pytest.mark.parametrize("form", ["scan", "gru-op", "auto"])
+def test_last_state_only_runs_up_to_the_longest_length(kind, form, monkeypatch):
+    """A layer read only for its last state runs the steps before the batch's longest length (X, att sliced);
+    with all states wanted, or a mask instead of lengths, it runs all T steps."""
+    monkeypatch.setattr(sys.modules[__name__], "LENS", np.array([2, 0, 3, 1, 2], np.int64))
+    for want_y, (with_lens, with_mask) in itertools.product((0, 1), MASKING):
+        g, n, feeds, want = _layer(SequenceAttrs(kind, H, 1), with_lens, with_mask, 0, want_y, np.random.default_rng(3))
+        lower_sequence_node(g, n, form)
+        g.cleanup()
+        model = to_model(g, make_model([], [], []))
+        cut = [x for x in model.graph.node if x.op_type == "Slice" and x.input[0] in ("X", "att")]
+        assert len(cut) == (0 if want_y or not with_lens else 1 + (kind != "GRU")), [x.name for x in cut]
+        for rows in (slice(None), slice(1, 2), slice(2, 3)):  # longest 3; 0 (one step still runs); 3
             got = _run(model, {k: v[rows] for k, v in feeds.items()})
             for a, b in zip(got, want):
                 np.testing.assert_allclose(a, b[rows], atol=1e-5)

@@ -10,6 +10,7 @@ Dialects (each reader lives beside this module and identifies the cell by meanin
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError
@@ -135,13 +136,38 @@ def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict
                                [outputs[k] for k in OUTPUTS if k in outputs]))
 
 
+def _up_to_the_longest(graph: gs.Graph, inputs: dict, base: str) -> dict:
+    """X and att cut to the steps before the batch's longest length (at least 1). Past it every row keeps its
+    state, so the last state is the same; one request's rows often share one history (one user), and histories
+    are padded to T: a layer whose outputs are only the last state then runs for its length, not for T."""
+    def op(op_type, ins, attrs=None, dtype=np.int64):
+        out = gs.Variable(unique_name(graph, f"{base}/{op_type}"), dtype)
+        graph.nodes.append(gs.Node(op_type, unique_name(graph, f"{base}/longest/{op_type}"), attrs or {}, ins, [out]))
+        return out
+
+    def const(tag, value):
+        return gs.Constant(unique_name(graph, f"{base}/{tag}"), np.array(value, np.int64))
+
+    lens = op("Cast", [inputs["sequence_lens"]], {"to": onnx.TensorProto.INT64})
+    longest = op("Max", [op("Reshape", [op("ReduceMax", [lens], {"keepdims": 1}), const("one_dim", [1])]),
+                         const("at_least", [1])])
+    cut = dict(inputs)
+    for k in ("X", "att"):
+        if k in inputs:
+            cut[k] = op("Slice", [inputs[k], const("start", [0]), longest, const("time_axis", [1])], dtype=inputs[k].dtype)
+    return cut
+
+
 def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> None:
     """Replace one sequence node by standard ONNX: the lean Scan of its function body, the GRU op, or (auto)
-    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time."""
+    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time. A layer whose only
+    output is its last state runs up to the batch's longest length (`_up_to_the_longest`)."""
     attrs = SequenceAttrs.of(node)
     inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
     outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
     base = unique_name(graph, node.name)
+    if "Y" not in outputs and "sequence_lens" in inputs and "mask" not in inputs:
+        inputs = _up_to_the_longest(graph, inputs, base)
     gru_op = _gru_op_ok(node, attrs) and all(const_value(t) is not None for t in node.inputs[1:4])
     if form == "gru-op" and gru_op:
         _lower_to_gru_op(graph, graph, inputs, outputs, attrs, base)
