@@ -404,7 +404,7 @@ def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype)
     bias_add, bias = None, np.zeros(width)
     for c in matmul.outputs[0].outputs:  # the layer's bias, folded into the per-row part (other readers: Shape)
         v = next((v for v in map(const_value, c.inputs) if v is not None), None) if c.op == "Add" else None
-        if v is not None and v.size == width and v.shape[-1] == width and c.outputs[0].outputs:
+        if v is not None and v.ndim and v.size == width and v.shape[-1] == width and c.outputs[0].outputs:
             bias_add, bias = c, v
             break
     projected = None

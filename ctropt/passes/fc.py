@@ -140,7 +140,6 @@ def fuse_fc(ctx: PassContext) -> None:
     ctx.note(f"{ctx.rewrites} FC layer(s) → Gemm" if ctx.rewrites else "no MatMul+Add/activation to fuse")
 
 
-
 def _per_column(t: gs.Tensor, width: int) -> np.ndarray | None:
     """A constant that acts per column of a [M, width] value ([width], [1, width], a scalar), as [width]."""
     v = const_value(t)
@@ -154,8 +153,8 @@ def _gathered_projection(c: gs.Tensor):
     b (remove-attention-padding's query part, computed once per row)."""
     g = c.inputs[0] if c.inputs else None
     p = g.inputs[0].inputs[0] if g is not None and g.op == "Gather" and g.inputs[0].inputs else None
-    if p is None or p.op != "Gemm" or len(p.inputs) != 3 or any(p.attrs.get(a, d) != d for a, d in
-                                                                   (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0))):
+    plain = (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0))
+    if p is None or p.op != "Gemm" or len(p.inputs) != 3 or any(p.attrs.get(a, d) != d for a, d in plain):
         return None
     if const_value(p.inputs[1]) is None or const_value(p.inputs[2]) is None or len(g.inputs[0].outputs) != 1:
         return None
@@ -200,10 +199,10 @@ def fold_fc_affine(ctx: PassContext) -> None:
                 continue
             gather, proj = found
             pw, pb = const_value(proj.inputs[1]), const_value(proj.inputs[2])
-            (p2,) = add_node(graph, "Gemm", [proj.inputs[0], add_constant(graph, f"{proj.name}/affine", (pw * s).astype(pw.dtype)),
-                                             add_constant(graph, f"{proj.name}/affine_bias",
-                                                          (pb.reshape(-1) * s + t).astype(pb.dtype))],
-                             name=f"{proj.name}/affine", dtype=x.dtype)
+            scaled_w = add_constant(graph, f"{proj.name}/affine", (pw * s).astype(pw.dtype))
+            scaled_b = add_constant(graph, f"{proj.name}/affine_bias", (pb.reshape(-1) * s + t).astype(pb.dtype))
+            (p2,) = add_node(graph, "Gemm", [proj.inputs[0], scaled_w, scaled_b], name=f"{proj.name}/affine",
+                             dtype=x.dtype)
             (bias,) = add_node(graph, "Gather", [p2, gather.inputs[1]], dict(gather.attrs),
                                name=f"{gather.name}/affine", dtype=x.dtype)
         (z,) = add_node(graph, "Gemm", [fc.inputs[0], add_constant(graph, f"{fc.name}/affine", w_s.astype(w.dtype)),

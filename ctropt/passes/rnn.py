@@ -154,7 +154,8 @@ def _up_to_the_longest(graph: gs.Graph, inputs: dict, base: str) -> dict:
     cut = dict(inputs)
     for k in ("X", "att"):
         if k in inputs:
-            cut[k] = op("Slice", [inputs[k], const("start", [0]), longest, const("time_axis", [1])], dtype=inputs[k].dtype)
+            cut[k] = op("Slice", [inputs[k], const("start", [0]), longest, const("time_axis", [1])],
+                        dtype=inputs[k].dtype)
     return cut
 
 
