@@ -252,6 +252,38 @@ def nodes_near(t: gs.Tensor, hops: int, *, up: bool) -> list[gs.Node]:
     return found
 
 
+def topological_order(nodes: list[gs.Node]) -> list[gs.Node]:
+    """`nodes` in an order where each follows the nodes of the list that make its inputs (iterative DFS:
+    unrolled chains are thousands of nodes deep; the first-listed ties stay first)."""
+    producer = {}
+    for n in nodes:
+        for o in n.outputs:
+            producer[id(o)] = n
+    order, state = [], {}
+    for root in nodes:
+        if id(root) in state:
+            continue
+        state[id(root)] = 1
+        stack = [(root, 0)]
+        while stack:
+            n, i = stack.pop()
+            ins = n.inputs
+            pushed = False
+            while i < len(ins):
+                p = producer.get(id(ins[i]))
+                i += 1
+                if p is not None and id(p) not in state:
+                    state[id(p)] = 1
+                    stack.append((n, i))
+                    stack.append((p, 0))
+                    pushed = True
+                    break
+            if not pushed:
+                state[id(n)] = 2
+                order.append(n)
+    return order
+
+
 def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
     """A graphsurgeon graph and all its subgraphs, outermost first."""
     yield graph

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..graph import topological_order
 from ..patterns.matcher import const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
@@ -327,25 +328,6 @@ def _before_broadcast(e: gs.Tensor, probe: Probe) -> gs.Tensor:
     return n.inputs[0]
 
 
-def _toposort(nodes: list[gs.Node]) -> list[gs.Node]:
-    """`nodes` in an order where each node follows the nodes (of the list) that make its inputs."""
-    made = {id(o): n for n in nodes for o in n.outputs}
-    done, order = set(), []
-
-    def visit(n):
-        if id(n) in done:
-            return
-        done.add(id(n))
-        for u in n.inputs:
-            if id(u) in made:
-                visit(made[id(u)])
-        order.append(n)
-
-    for n in nodes:
-        visit(n)
-    return order
-
-
 def _linear_parts(t: gs.Tensor) -> dict[int, tuple[gs.Tensor, float]]:
     """`t` as a sum of (value, coefficient): a - b, a + b and -a are split, anything else is one term."""
     n = t.inputs[0] if t.inputs else None
@@ -428,7 +410,7 @@ def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype)
     layer.inputs[0].outputs[0] = end  # the last new node writes the layer's value: its readers stay as they are
     dead = {id(cat), id(matmul)} | ({id(reshape)} if reshape is not None else set()) | \
         ({id(bias_add)} if bias_add is not None else set())
-    b.nodes[:] = _toposort([n for n in b.nodes if id(n) not in dead])
+    b.nodes[:] = topological_order([n for n in b.nodes if id(n) not in dead])
     for n in (cat, matmul, reshape, bias_add):
         if n is not None:
             n.inputs.clear()

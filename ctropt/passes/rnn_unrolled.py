@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..graph import topological_order
 from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
 from ..patterns.gru_cell import identify_gru_cell
 from ..patterns.matcher import const_value, is_all_zeros, unique_name
@@ -122,37 +123,6 @@ def _present(t: gs.Tensor | None) -> bool:
     return t is not None and bool(t.name)
 
 
-def _topo(nodes: list[gs.Node]) -> list[gs.Node]:
-    """The nodes in a topological order (iterative DFS: unrolled chains are thousands of nodes deep)."""
-    producer = {}
-    for n in nodes:
-        for o in n.outputs:
-            producer[id(o)] = n
-    order, state = [], {}
-    for root in nodes:
-        if id(root) in state:
-            continue
-        state[id(root)] = 1
-        stack = [(root, 0)]
-        while stack:
-            n, i = stack.pop()
-            ins = n.inputs
-            pushed = False
-            while i < len(ins):
-                p = producer.get(id(ins[i]))
-                i += 1
-                if p is not None and id(p) not in state:
-                    state[id(p)] = 1
-                    stack.append((n, i))
-                    stack.append((p, 0))
-                    pushed = True
-                    break
-            if not pushed:
-                state[id(n)] = 2
-                order.append(n)
-    return order
-
-
 class _Builder:
     """Appends glue nodes to the graph."""
 
@@ -189,7 +159,8 @@ def fuse_gru_ops(graph: gs.Graph, opset: int) -> list[str]:
     """ONNX GRU nodes (forward, one layer, default activations, no clip) → GRUSequence. Returns what was fused."""
     done: list[str] = []
     shapes = _Shapes(graph, opset)
-    for node in [n for n in _topo(list(graph.nodes)) if n.op == "GRU" and n.domain in (None, "", "ai.onnx")]:
+    ordered = topological_order(list(graph.nodes))
+    for node in [n for n in ordered if n.op == "GRU" and n.domain in (None, "", "ai.onnx")]:
         what = _fuse_gru_op(graph, node, opset, shapes)
         if what:
             done.append(what)
@@ -566,7 +537,7 @@ class _Unroller:
 
     def find(self) -> tuple | None:
         """Rewrite the next chain that reads completely; its description, or None when none is left."""
-        self.order = _topo(list(self.graph.nodes))
+        self.order = topological_order(list(self.graph.nodes))
         for T, groups in sorted(self.scan().items()):
             self.prepare(T, groups)
             for tanh in self.order:
