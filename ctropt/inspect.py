@@ -14,6 +14,7 @@ from .ops import DOMAIN
 from .ops.rnn import SequenceAttrs, is_sequence_node
 from .passes.registry import Pass, PassContext
 from .patterns import const_value
+from .runtime.inputs import model_input_facts, store_input_facts
 
 RECURRENT_OPS = {"GRU", "LSTM", "RNN"}
 FC_OPS = {"MatMul", "Gemm"}
@@ -198,22 +199,25 @@ class PassPreview:
 
 
 def preview_passes(model: onnx.ModelProto, passes: list[Pass], target: str, explain_misses: bool) -> list[PassPreview]:
-    """Dry-run each pass on its own copy of the model (no verification) and report what it would do."""
+    """Dry-run the passes in order, each on what the ones before it made (as `optimize` runs them, without the
+    numeric check), and report what each would do: a pass that another one enables (cancel-transposes after
+    fold-batchnorm, the attention region after both) is shown as it would act in `all`."""
     previews = []
+    facts = model_input_facts(model)
+    current = to_model(to_graph(model), like=model)
+    store_input_facts(current, facts)
     for p in passes:
-        graph = to_graph(model)
-        ctx = PassContext(graph, target)
+        ctx = PassContext(to_graph(current), target, input_facts=facts)
+        after = current
         try:
             p(ctx)
-            to_model(ctx.graph, like=model)
+            after = to_model(ctx.graph, like=current)
             notes = ctx.notes
-        except Exception as e:  # a preview must not stop the inspection
+        except Exception as e:  # a preview must not stop the inspection; the next pass sees the model as it was
             notes = [f"raised {type(e).__name__}: {e}"]
-        misses = []
-        if explain_misses and not ctx.rewrites:
-            fresh = to_graph(model)
-            misses = p.misses(fresh, target)
+        misses = p.misses(to_graph(current), target) if explain_misses and not ctx.rewrites else []
         previews.append(PassPreview(p.name, ctx.matches, ctx.rewrites, notes, misses))
+        current = after
     return previews
 
 

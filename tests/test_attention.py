@@ -290,3 +290,16 @@ def test_third_party_din_attention_reads_the_query_once_per_row(name):
     assert not [n.name for n in g.node if n.op_type == "Concat" and len(n.input) > 2 and len(set(n.input)) == 1]
     feeds = dict(np.load(THIRDPARTY / f"{name}.npz"))
     assert_same_outputs(raw, result.model, feeds, atol=1e-5, rtol=1e-4)
+
+
+def test_inspect_previews_the_passes_as_all_runs_them():
+    """inspect's dry run chains the passes: cancel-transposes after fold-batchnorm, and the attention region that
+    both open up, as in `optimize` (a preview of each pass alone would see neither)."""
+    from ctropt.inspect import preview_passes
+    from ctropt.passes import resolve
+
+    raw = ctropt.load(THIRDPARTY / "deepctr_torch_DIN_legacy.onnx")
+    previews = {p.name: p for p in preview_passes(raw, resolve("all", (), "ort"), "ort", explain_misses=False)}
+    assert previews["fold-batchnorm"].rewrites == 2 and previews["cancel-transposes"].rewrites == 2
+    assert any("projected once per row" in n for n in previews["remove-attention-padding"].notes)
+    assert previews["fold-fc-affine"].rewrites == 2
