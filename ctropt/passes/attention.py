@@ -270,6 +270,7 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     zero_axis = b.const("axis0", np.array([0], np.int64))
     swap, row_of, batch_rows = {}, {}, None
     for e in region.entries:
+        once = None
         if id(e) in per_row:
             if batch_rows is None:
                 batch_rows = b.op("Gather", [idx, b.const("batch_column", np.array(0, np.int64))], {"axis": 1},
@@ -279,13 +280,12 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
                 b.leaves.append(source)
             once = b.op("Gather", [source, b.const("first", np.array(0, np.int64))], {"axis": 1}, name="per_row")
             rows = b.op("Gather", [once, batch_rows], {"axis": 0}, name="gather_rows")
-            row_of[id(rows)] = once
             b.per_row += 1
         else:
             rows = b.op("GatherND", [e, idx], name="gather")
         swap[id(e)] = b.op("Unsqueeze", [rows, zero_axis], name="rows")  # [1, N, ...]
-        row_of[id(swap[id(e)])] = row_of.pop(id(rows), None)
-    origin = {id(new): t for t, new in ((e, swap[id(e)]) for e in region.entries)}
+        if once is not None:
+            row_of[id(swap[id(e)])] = once  # the region's [1, N, ...] value → its [B, ...] value
     for n in _graph_order(graph, region.nodes):
         inputs = [swap.get(id(u), u) for u in n.inputs]
         outs = []
@@ -294,10 +294,9 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
             outs.append(swap[id(o)])
         b.nodes.append(gs.Node(n.op, unique_name(graph, f"{n.name}/valid"), dict(n.attrs), inputs, outs,
                                domain=n.domain))
-    for o in (o for n in region.nodes for o in n.outputs):
-        origin[id(swap[id(o)])] = o
-    if batch_rows is not None and probe is not None:
-        _project_rows_once(b, {k: v for k, v in row_of.items() if v is not None}, batch_rows, origin, probe)
+    origin = {id(swap[id(t)]): t for t in region.entries + [o for n in region.nodes for o in n.outputs]}
+    if row_of:
+        _project_rows_once(b, row_of, batch_rows, origin, probe)
     scores_valid = b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
     if tail is None:  # the scores' dims after (B, T), when they are not the same at every size
         tail = b.op("Slice", [b.op("Shape", [scores_valid]), b.const("one", np.array([1], np.int64)),

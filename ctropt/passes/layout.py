@@ -16,7 +16,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
-from ..patterns.matcher import add_constant, add_node, const_value, redirect_consumers, shape_of, unique_name
+from ..patterns.matcher import add_constant, add_node, const_value, redirect_consumers, replace_outputs, shape_of
 from .registry import PassContext, register_pass
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu",
@@ -44,12 +44,10 @@ def fold_batchnorm(ctx: PassContext) -> None:
         per_channel = (-1,) + (1,) * (len(shape) - 2)
         mul = add_constant(graph, f"{n.name}/scale", (s.reshape(per_channel)).astype(dtype))
         add = add_constant(graph, f"{n.name}/shift", ((bias - mean * s).reshape(per_channel)).astype(dtype))
-        (scaled,) = add_node(graph, "Mul", [n.inputs[0], mul], name=f"{n.name}/Mul", dtype=n.outputs[0].dtype,
-                             shape=n.outputs[0].shape)
         out = n.outputs[0]
-        n.outputs.clear()
-        n.inputs.clear()
-        graph.nodes.append(gs.Node("Add", unique_name(graph, f"{n.name}/Add"), inputs=[scaled, add], outputs=[out]))
+        (scaled,) = add_node(graph, "Mul", [n.inputs[0], mul], name=f"{n.name}/Mul", dtype=out.dtype, shape=out.shape)
+        (shifted,) = add_node(graph, "Add", [scaled, add], name=f"{n.name}/Add", dtype=out.dtype, shape=out.shape)
+        replace_outputs(graph, n, [shifted])
         ctx.rewrites += 1
     if ctx.rewrites:
         graph.cleanup()
