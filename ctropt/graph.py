@@ -29,6 +29,7 @@ KNOWN_DOMAINS = {
     "com.microsoft",
     "com.microsoft.nchwc",
     "ai.ctropt",
+    "ai.ctropt.kernels",  # ctropt's onnxruntime kernel library (ctropt.kernels)
 }
 
 

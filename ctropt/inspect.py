@@ -10,6 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .graph import iter_graphs, nodes_near, op_histogram, to_graph, to_model
+from .kernels import DOMAIN as KERNELS
 from .ops import DOMAIN
 from .ops.rnn import SequenceAttrs, is_sequence_node
 from .passes.registry import Pass, PassContext
@@ -79,6 +80,10 @@ def recurrent_structures(graph: gs.Graph) -> list[Recurrent]:
                 variant = f"{a.kind}, hidden {a.hidden_size}, linear_before_reset {a.linear_before_reset}" + \
                     (f", att_keep {a.att_keep}" if a.kind == "AUGRU" else "")
                 out.append(Recurrent(f"fused {node.op} ({DOMAIN})", node.name, variant))
+            elif node.domain == KERNELS and node.op == "GRUScan":
+                kind = {0: "GRU", 1: "AUGRU", 2: "AUGRU (keep gate scaled)", 3: "AGRU", 4: "AIGRU"}
+                out.append(Recurrent(f"lowered GRUScan ({KERNELS})", node.name,
+                                     f"{kind.get(node.attrs.get('mode'), '?')}, hidden {node.attrs.get('hidden_size')}"))
             elif node.op in RECURRENT_OPS:
                 out.append(Recurrent(f"{node.op} op", node.name, f"hidden {node.attrs.get('hidden_size')}"))
             elif node.op in ("Loop", "Scan") and "body" in node.attrs:

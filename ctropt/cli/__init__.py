@@ -641,6 +641,31 @@ def zoo_build(
             raise typer.Exit(1)
 
 
+kernels_app = typer.Typer(no_args_is_help=True, help="ctropt's onnxruntime kernel library (rnn_ort_form=kernel).")
+app.add_typer(kernels_app, name="kernels")
+
+
+@kernels_app.command("build")
+def kernels_build(
+    include: Optional[Path] = typer.Option(None, "--include", help="Folder with onnxruntime_c_api.h "
+                                           "(default: $ORT_INCLUDE_DIR, /usr/include/onnxruntime)."),
+):
+    """Compile the kernel library for this machine (gcc and onnxruntime's C API header needed)."""
+    from .. import kernels
+
+    with _user_errors():
+        console.print(f"built {kernels.build(include)}")
+
+
+@kernels_app.command("status")
+def kernels_status():
+    """Whether the library is built, and where."""
+    from .. import kernels
+
+    state = "built" if kernels.available() else "not built (run `ctropt kernels build`)"
+    console.print(f"{kernels.library_path()}: {state}; header: {kernels.include_dir() or 'not found'}")
+
+
 def main() -> None:
     try:
         app()

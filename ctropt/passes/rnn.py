@@ -1,5 +1,6 @@
 """Recurrent layers: `fuse-rnn` turns every GRU-family layer, in whatever form the exporter wrote it, into one
-ai.ctropt sequence op (``ctropt.ops.rnn``); `lower-rnn-ort` turns those into what onnxruntime runs fastest.
+ai.ctropt sequence op (``ctropt.ops.rnn``); `lower-rnn-ort` turns those into what onnxruntime runs fastest:
+stock ONNX ops, or ctropt's own kernel (``ctropt.kernels``) when asked to.
 
 Dialects (each reader lives beside this module and identifies the cell by meaning, ``ctropt.patterns.gru_cell``):
 - ONNX GRU ops (torch ``nn.GRU``, tf2onnx's GRU rewriter): ``rnn_unrolled.fuse_gru_ops``;
@@ -19,7 +20,7 @@ from ..patterns.matcher import const_value, unique_name
 from .registry import PassContext, register_pass, tidy
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
-ORT_FORMS = ("auto", "scan", "gru-op")
+ORT_FORMS = ("auto", "scan", "gru-op", "kernel")
 # onnxruntime's GRU op runs the whole sequence in one kernel but each step slower than the lean Scan's ops:
 # `python benchmarks/rnn_forms.py` (T=100, H=36, 1 thread), time(GRU op)/time(Scan): 0.03-0.10 at batch 1,
 # 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch.
@@ -110,6 +111,54 @@ def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dic
                                    [outputs["Y_h"]]))
 
 
+def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: SequenceAttrs, base: str) -> None:
+    """ctropt's GRUScan kernel (``ctropt.kernels``): the whole layer in one node, each row run up to its last
+    valid step, its input projection included (so padded steps cost nothing)."""
+    from ..kernels import DOMAIN as KERNELS
+
+    H, kind, lbr = attrs.hidden_size, attrs.kind, attrs.linear_before_reset
+    w, r, b = (const_value(inputs[k]).astype(np.float32) for k in ("W", "R", "B"))
+    keep = kind == "AUGRU" and attrs.att_keep          # needs z itself; every other kind reads u = 1 - z
+    flip = np.concatenate([np.full(H, 1.0 if keep else -1.0), np.ones(2 * H)]).astype(np.float32)
+    bias = (b[:3 * H] + np.concatenate([b[3 * H:5 * H], np.zeros(H, np.float32) if lbr else b[5 * H:]])) * flip
+
+    def op(op_type, ins, op_attrs=None, dtype=np.float32):
+        out = gs.Variable(unique_name(graph, f"{base}/{op_type.lower()}"), dtype)
+        graph.nodes.append(gs.Node(op_type, unique_name(graph, f"{base}/{op_type}"), op_attrs or {}, ins, [out]))
+        return out
+
+    def const(tag, value):
+        return gs.Constant(unique_name(graph, f"{base}/{tag}"), np.ascontiguousarray(value))
+
+    empty = gs.Variable.empty()
+    att = inputs.get("att")
+    ins = [inputs["X"], const("W", w * flip), const("R", r * flip), const("bias", bias),
+           const("Rn_bias", b[5 * H:]) if lbr else empty, inputs.get("initial_h", empty), empty, empty, empty]
+    if keep:
+        ins[6] = op("Sub", [const("one", np.array(1.0, np.float32)), att])
+    elif kind != "GRU":
+        ins[6] = att
+    if "mask" in inputs:
+        ins[8] = op("Cast", [inputs["mask"]], {"to": onnx.TensorProto.FLOAT})
+    elif "sequence_lens" in inputs:
+        lens = given = inputs["sequence_lens"]
+        if lens.dtype != np.int64:
+            lens = op("Cast", [lens], {"to": onnx.TensorProto.INT64}, np.int64)
+        if given.shape is None or len(given.shape) != 1:  # a [B, 1] squeezed without axes is a scalar at batch 1
+            lens = op("Reshape", [lens, const("minus1", np.array([-1], np.int64))], dtype=np.int64)
+        ins[7] = lens
+    while ins[-1] is empty:
+        ins.pop()
+    mode = {"AUGRU": 2 if keep else 1, "AGRU": 3, "AIGRU": 4}.get(kind, 0)
+    outs = [outputs.get("Y_h") or gs.Variable(unique_name(graph, f"{base}/Y_h"), np.float32)]
+    if "Y" in outputs:
+        outs.append(outputs["Y"])
+    graph.nodes.append(gs.Node("GRUScan", unique_name(graph, f"{base}/GRUScan"),
+                               {"hidden_size": H, "linear_before_reset": lbr, "mode": mode,
+                                "padded_output_zero": int(attrs.padded_output == "zero")},
+                               ins, outs, domain=KERNELS))
+
+
 def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, base: str) -> None:
     """If(batch >= GRU_OP_MAX_BATCH, lean Scan, GRU op): each form where it is the faster one."""
     branches = []
@@ -160,17 +209,22 @@ def _up_to_the_longest(graph: gs.Graph, inputs: dict, base: str) -> dict:
 
 
 def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> None:
-    """Replace one sequence node by standard ONNX: the lean Scan of its function body, the GRU op, or (auto)
-    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time. A layer whose only
-    output is its last state runs up to the batch's longest length (`_up_to_the_longest`)."""
+    """Replace one sequence node by what onnxruntime runs: the lean Scan of its function body, the GRU op, (auto)
+    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time, or (kernel) ctropt's
+    GRUScan. A Scan or GRU op layer whose only output is its last state runs up to the batch's longest length
+    (`_up_to_the_longest`); GRUScan stops each row at its own length anyway."""
     attrs = SequenceAttrs.of(node)
     inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
     outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
     base = unique_name(graph, node.name)
-    if "Y" not in outputs and "sequence_lens" in inputs and "mask" not in inputs:
+    weights = all(const_value(t) is not None for t in node.inputs[1:4])
+    kernel = form == "kernel" and weights
+    if "Y" not in outputs and "sequence_lens" in inputs and "mask" not in inputs and not kernel:
         inputs = _up_to_the_longest(graph, inputs, base)
-    gru_op = _gru_op_ok(node, attrs) and all(const_value(t) is not None for t in node.inputs[1:4])
-    if form == "gru-op" and gru_op:
+    gru_op = _gru_op_ok(node, attrs) and weights
+    if kernel:
+        _lower_to_kernel(graph, inputs, outputs, attrs, base)
+    elif form == "gru-op" and gru_op:
         _lower_to_gru_op(graph, graph, inputs, outputs, attrs, base)
     elif form == "auto" and gru_op:
         _by_batch(graph, attrs, inputs, outputs, base)
@@ -183,7 +237,8 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> N
 
 @register_pass("lower-rnn-ort", group="lower", targets=("ort",), order=1)
 def lower_rnn_ort(ctx: PassContext) -> None:
-    """ai.ctropt sequence ops → onnxruntime's fastest measured form: lean Scan (X·W hoisted), GRU op at small batch."""
+    """ai.ctropt sequence ops → onnxruntime's fastest measured stock form (lean Scan with X·W hoisted, GRU op at small
+    batch), or with rnn_ort_form=kernel ctropt's GRUScan kernel (needs ctropt's kernel library at run time)."""
     form = ctx.options.get("rnn_ort_form", "auto")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")

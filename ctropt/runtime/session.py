@@ -9,6 +9,7 @@ import tempfile
 import numpy as np
 import onnx
 
+from .. import kernels
 from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save
 
 # backend -> (runtime, device or execution provider)
@@ -76,6 +77,7 @@ class Runner:
         source = model
         proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
         self._onnx_outputs = [o.name for o in proto.graph.output]
+        self._needs_kernels = kernels.uses_kernels(proto)
         if isinstance(model, onnx.ModelProto):
             if initializer_bytes(model) > PROTOBUF_LIMIT // 2:
                 self._tmp = tempfile.TemporaryDirectory(prefix="ctropt-run-")
@@ -103,6 +105,8 @@ class Runner:
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
+        if self._needs_kernels:
+            kernels.register(opts)
         self._sess = ort.InferenceSession(source, opts, providers=[provider])
         self.output_names = [o.name for o in self._sess.get_outputs()]
 
@@ -178,6 +182,8 @@ def subgraph_session(nodes: list, leaves: list, outputs: list, opset: int, funct
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
+    if kernels.uses_kernels(model):
+        kernels.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

@@ -1,0 +1,403 @@
+/* ctropt's onnxruntime kernel library: GRUScan runs a whole GRU-family layer (input projection included) in one
+ * kernel.
+ *
+ * Node (domain "ai.ctropt.kernels", made by lower-rnn-ort with rnn_ort_form=kernel):
+ *   inputs   0 X [B, T, I]
+ *            1 W [I, 3H], 2 R [H, 3H]  input and hidden weights, columns g, r, n (g: see "mode")
+ *            3 bias [3H]      added to x·W (the hidden biases of g and r, and of n unless linear_before_reset)
+ *            4 Rn_bias [H]    hidden bias of n (linear_before_reset only)                          optional
+ *            5 h0 [B, H]      initial state                                                        optional
+ *            6 f  [B, T]      per-step attention factor (att, or 1 - att)                          optional
+ *            7 lengths [B]    int64: steps t >= lengths[b] keep the state                          optional
+ *            8 mask [B, T]    float: steps with mask == 0 keep the state (instead of lengths)      optional
+ *   outputs  0 Y_h [B, H]     the state after the last valid step
+ *            1 Y [B, T, H]    every state (0 at masked steps if padded_output_zero, else the kept state)
+ *   attributes hidden_size, linear_before_reset, padded_output_zero,
+ *            mode: the candidate's weight c in h' = h + c (n - h), with g = sigmoid(x·W_g + h·R_g + bias_g):
+ *                  0: c = g (GRU: g is u = 1 - z)   1: c = g f (AUGRU)   2: c = 1 - g f (AUGRU scaling the
+ *                  keep gate: g = z, f = 1 - att)   3: c = f (AGRU)   4: c = g, x scaled by f (AIGRU)
+ *
+ * Rows are independent over the whole sequence, so the kernel runs blocks of ROWS rows from the first step to
+ * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
+ * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "onnxruntime_c_api.h"
+
+#define ROWS 6
+#define LANES 8
+#define MAX_H 4096
+#define MAX_I 4096
+
+static const OrtApi *ort;
+
+typedef struct {
+    int64_t hidden, lbr, zero_pad, mode;
+} Kernel;
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
+
+/* tanh as a rational function (the coefficients onnxruntime's MLAS and Eigen use, |error| < 2e-7) on LANES
+ * values at once; NaN stays NaN. */
+static inline vec tanh_vec(vec x) {
+    mask low = x < -9.0f, high = x > 9.0f;
+    vec lo = x * 0.0f - 9.0f, hi = x * 0.0f + 9.0f;
+    x = (vec)(((mask)x & ~(low | high)) | ((mask)lo & low) | ((mask)hi & high));
+    vec x2 = x * x;
+    vec p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+    p = p * x2 - 8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    p = p * x;
+    vec q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    return p / q;
+}
+
+/* v[0:n] = tanh(v) (sigmoid: 0.5 tanh(v / 2) + 0.5), LANES at a time; the tail lane by lane. */
+static inline vec activate(vec x, int sigmoid) { return sigmoid ? tanh_vec(x * 0.5f) * 0.5f + 0.5f : tanh_vec(x); }
+
+static void tanh_all(float *v, int64_t n, int sigmoid) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec x;
+        memcpy(&x, v + i, sizeof x);
+        x = activate(x, sigmoid);
+        memcpy(v + i, &x, sizeof x);
+    }
+    if (i < n) {
+        vec x = {0};
+        for (int l = 0; l < n - i; ++l) x[l] = v[i + l];
+        x = activate(x, sigmoid);
+        for (int l = 0; l < n - i; ++l) v[i + l] = x[l];
+    }
+}
+
+typedef struct {
+    const Kernel *k;
+    int64_t B, T, H, HP, NP;      /* HP, NP: 3H and H rounded up to 2 LANES */
+    int64_t I;
+    const float *x, *bias, *rbn, *h0, *f, *mask;
+    const int64_t *lens;
+    int64_t *steps;               /* per row: 1 + its last valid step (no step after it changes the state) */
+    int64_t *order;               /* rows by steps, most first */
+    float *Wp, *Rp, *Rnp, *yh, *y; /* W, R with columns padded to HP; R's n columns padded to NP */
+    float *scratch;
+    int64_t scratch_floats;       /* per block */
+} Job;
+
+static int valid(const Job *j, int64_t b, int64_t t) {
+    if (j->mask) return j->mask[b * j->T + t] != 0.0f;
+    if (j->lens) return t < j->lens[b];
+    return 1;
+}
+
+static int64_t steps_of(const Job *j, int64_t b) {
+    int64_t n = j->T;
+    if (j->mask)
+        while (n > 0 && j->mask[b * j->T + n - 1] == 0.0f) --n;
+    else if (j->lens)
+        n = j->lens[b] < 0 ? 0 : (j->lens[b] < n ? j->lens[b] : n);
+    return n;
+}
+
+/* out[r][0:P] = v[r][0:K] · M (M: [K, P], P a multiple of 2 LANES) for ROWS rows: 2 x ROWS vector accumulators. */
+static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, float *out) {
+    for (int64_t j = 0; j < P; j += 2 * LANES) {
+        vec a[ROWS][2] = {{{0}}};
+        for (int64_t k = 0; k < K; ++k) {
+            vec w0, w1;
+            memcpy(&w0, M + k * P + j, sizeof w0);
+            memcpy(&w1, M + k * P + j + LANES, sizeof w1);
+            for (int r = 0; r < ROWS; ++r) {
+                float vk = v[r][k];
+                a[r][0] += vk * w0;
+                a[r][1] += vk * w1;
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) memcpy(out + r * P + j, a[r], sizeof a[r]);
+    }
+}
+
+/* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
+static void update(const Job *j, const float *restrict gx, const float *restrict a, const float *restrict an,
+                   float *restrict g, float f, float *restrict h) {
+    const int64_t H = j->H;
+    float *restrict n = g + 2 * H;
+    if (j->k->lbr)
+        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * H + c] + g[H + c] * (a[2 * H + c] + j->rbn[c]);
+    else
+        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * H + c] + an[c];
+    tanh_all(n, H, 0);
+    switch (j->k->mode) {
+    case 1: for (int64_t c = 0; c < H; ++c) g[c] *= f; break;
+    case 2: for (int64_t c = 0; c < H; ++c) g[c] = 1.0f - g[c] * f; break;
+    case 3: for (int64_t c = 0; c < H; ++c) g[c] = f; break;
+    default: break;
+    }
+    for (int64_t c = 0; c < H; ++c) h[c] += g[c] * (n[c] - h[c]);
+}
+
+static void run_block(void *data, size_t block) {
+    const Job *j = data;
+    const int64_t H = j->H, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
+    const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
+    int64_t rows[ROWS];
+    static const float zeros[MAX_I] = {0};
+    float *h = j->scratch + block * j->scratch_floats;   /* this block's: [ROWS] each of h, rh, accn, gx, acc, g */
+    float *rh = h + ROWS * H, *accn = rh + ROWS * H, *gx = accn + ROWS * NP, *acc = gx + ROWS * HP, *g = acc + ROWS * HP;
+    const float *xs[ROWS], *hs[ROWS], *rhs[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        int64_t i = (int64_t)block * ROWS + r;
+        rows[r] = i < B ? j->order[i] : -1;
+        if (rows[r] >= 0 && j->h0) memcpy(h + r * H, j->h0 + rows[r] * H, H * sizeof(float));
+        else memset(h + r * H, 0, H * sizeof(float));
+        memset(rh + r * H, 0, H * sizeof(float));
+        hs[r] = h + r * H;
+        rhs[r] = rh + r * H;
+        xs[r] = zeros;
+    }
+    const int64_t last = rows[0] >= 0 ? j->steps[rows[0]] : 0;   /* the block's most (rows are sorted) */
+    for (int64_t t = 0; t < last; ++t) {
+        for (int r = 0; r < ROWS; ++r)
+            if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
+        rows_times(xs, I, j->Wp, HP, gx);
+        rows_times(hs, H, j->Rp, HP, acc);
+        for (int r = 0; r < ROWS; ++r) {
+            if (rows[r] < 0) continue;
+            float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
+            if (mode == 4) {
+                float f = j->f[rows[r] * T + t];
+                for (int64_t c = 0; c < 3 * H; ++c) x[c] = x[c] * f + j->bias[c];
+            } else {
+                for (int64_t c = 0; c < 3 * H; ++c) x[c] += j->bias[c];
+            }
+            for (int64_t c = 0; c < 2 * H; ++c) gr[c] = x[c] + a[c];
+            tanh_all(gr, 2 * H, 1);
+            if (!lbr)
+                for (int64_t c = 0; c < H; ++c) rh[r * H + c] = gr[H + c] * h[r * H + c];
+        }
+        if (!lbr) rows_times(rhs, H, j->Rnp, NP, accn);   /* n reads (r * h) · Rn */
+        for (int r = 0; r < ROWS; ++r) {
+            int64_t b = rows[r];
+            if (b < 0 || !valid(j, b, t)) continue;
+            update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f,
+                   h + r * H);
+        }
+        if (j->y) {
+            for (int r = 0; r < ROWS; ++r) {
+                int64_t b = rows[r];
+                if (b < 0) continue;
+                float *yt = j->y + (b * T + t) * H;
+                if (valid(j, b, t) || !j->k->zero_pad) memcpy(yt, h + r * H, H * sizeof(float));
+                else memset(yt, 0, H * sizeof(float));
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        int64_t b = rows[r];
+        if (b < 0) continue;
+        memcpy(j->yh + b * H, h + r * H, H * sizeof(float));
+        if (j->y)
+            for (int64_t t = last; t < T; ++t) {
+                float *yt = j->y + (b * T + t) * H;
+                if (j->k->zero_pad) memset(yt, 0, H * sizeof(float));
+                else memcpy(yt, h + r * H, H * sizeof(float));
+            }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- plumbing */
+
+#define TRY(call)                          \
+    do {                                   \
+        OrtStatus *status_ = (call);       \
+        if (status_) return status_;       \
+    } while (0)
+
+static OrtStatus *error(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+static OrtStatus *input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,
+                        size_t *rank) {
+    const OrtValue *v = NULL;
+    *data = NULL;
+    *rank = 0;
+    if (i >= n_in) return NULL;
+    TRY(ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) return NULL;
+    OrtTensorTypeAndShapeInfo *info;
+    TRY(ort->GetTensorTypeAndShape(v, &info));
+    OrtStatus *s = ort->GetDimensionsCount(info, rank);
+    if (!s && *rank > 3) s = error("GRUScan: an input has rank > 3");
+    if (!s) s = ort->GetDimensions(info, dims, *rank);
+    ort->ReleaseTensorTypeAndShapeInfo(info);
+    if (s) return s;
+    return ort->GetTensorMutableData((OrtValue *)v, (void **)data);
+}
+
+/* M [K, C] with its columns from `from` to `from + C'` copied into [K, P] (zero padding). */
+static void pad_columns(float *out, const float *M, int64_t K, int64_t C, int64_t from, int64_t width, int64_t P) {
+    for (int64_t r = 0; r < K; ++r) memcpy(out + r * P, M + r * C + from, (size_t)width * sizeof(float));
+}
+
+#define N_IN 9
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+    const Kernel *k = kernel;
+    size_t n_in, rank[N_IN];
+    int64_t d[N_IN][3];
+    const float *in[N_IN];
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    for (size_t i = 0; i < N_IN; ++i) TRY(input(ctx, n_in, i, &in[i], d[i], &rank[i]));
+    const int64_t H = k->hidden, B = d[0][0], T = d[0][1], I = d[0][2];
+    if (H < 1 || H > MAX_H) return error("GRUScan: hidden_size must be in 1..4096");
+    if (rank[0] != 3 || I < 1 || I > MAX_I) return error("GRUScan: X must be [B, T, I] with I in 1..4096");
+    if (rank[1] != 2 || d[1][0] != I || d[1][1] != 3 * H) return error("GRUScan: W must be [I, 3H]");
+    if (rank[2] != 2 || d[2][0] != H || d[2][1] != 3 * H) return error("GRUScan: R must be [H, 3H]");
+    if (rank[3] != 1 || d[3][0] != 3 * H) return error("GRUScan: bias must be [3H]");
+    if (k->lbr && (!in[4] || d[4][0] != H)) return error("GRUScan: linear_before_reset needs Rn_bias [H]");
+    if (in[5] && (rank[5] != 2 || d[5][0] != B || d[5][1] != H)) return error("GRUScan: h0 must be [B, H]");
+    if (in[6] && (rank[6] != 2 || d[6][0] != B || d[6][1] != T)) return error("GRUScan: f must be [B, T]");
+    if (in[7] && (rank[7] != 1 || d[7][0] != B)) return error("GRUScan: lengths must be [B]");
+    if (in[8] && (rank[8] != 2 || d[8][0] != B || d[8][1] != T)) return error("GRUScan: mask must be [B, T]");
+    if (k->mode > 0 && !in[6]) return error("GRUScan: this mode needs f");
+
+    size_t n_out;
+    TRY(ort->KernelContext_GetOutputCount(ctx, &n_out));
+    OrtValue *out;
+    int64_t yh_dims[2] = {B, H}, y_dims[3] = {B, T, H};
+    const int64_t pad = 2 * LANES;
+    Job j = {.k = k, .B = B, .T = T, .H = H, .HP = (3 * H + pad - 1) / pad * pad, .NP = (H + pad - 1) / pad * pad,
+             .I = I, .x = in[0], .bias = in[3], .rbn = in[4], .h0 = in[5], .f = in[6], .mask = in[8],
+             .lens = (const int64_t *)in[7]};
+    TRY(ort->KernelContext_GetOutput(ctx, 0, yh_dims, 2, &out));
+    TRY(ort->GetTensorMutableData(out, (void **)&j.yh));
+    if (n_out > 1) {
+        out = NULL;
+        TRY(ort->KernelContext_GetOutput(ctx, 1, y_dims, 3, &out));
+        if (out) TRY(ort->GetTensorMutableData(out, (void **)&j.y));
+    }
+    if (B == 0) return NULL;
+    size_t blocks = (size_t)((B + ROWS - 1) / ROWS);
+    j.scratch_floats = ROWS * (2 * H + j.NP + 2 * j.HP + 3 * H);
+    float *weights = calloc((size_t)((I + H) * j.HP + H * j.NP) + blocks * (size_t)j.scratch_floats, sizeof(float));
+    int64_t *order = malloc((2 * (size_t)B + (size_t)T + 2) * sizeof(int64_t));
+    if (!weights || !order) {
+        free(weights);
+        free(order);
+        return ort->CreateStatus(ORT_FAIL, "GRUScan: out of memory");
+    }
+    j.Wp = weights;
+    j.Rp = j.Wp + I * j.HP;
+    j.Rnp = j.Rp + H * j.HP;
+    j.scratch = j.Rnp + H * j.NP;
+    pad_columns(j.Wp, in[1], I, 3 * H, 0, 3 * H, j.HP);
+    pad_columns(j.Rp, in[2], H, 3 * H, 0, 3 * H, j.HP);
+    pad_columns(j.Rnp, in[2], H, 3 * H, 2 * H, H, j.NP);
+    /* rows by their number of steps, most first (a counting sort): first[T - n] = where rows of n steps start */
+    int64_t *steps = order + B, *first = steps + B;
+    memset(first, 0, ((size_t)T + 2) * sizeof(int64_t));
+    for (int64_t b = 0; b < B; ++b) {
+        steps[b] = steps_of(&j, b);
+        ++first[T - steps[b] + 1];
+    }
+    for (int64_t i = 1; i <= T + 1; ++i) first[i] += first[i - 1];
+    for (int64_t b = 0; b < B; ++b) order[first[T - steps[b]]++] = b;
+    j.order = order;
+    j.steps = steps;
+    OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, blocks, 0, &j);
+    free(weights);
+    free(order);
+    return s;
+}
+
+static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                      void **kernel) {
+    (void)op;
+    (void)api;
+    Kernel *k = calloc(1, sizeof(Kernel));
+    if (!k) return ort->CreateStatus(ORT_FAIL, "GRUScan: out of memory");
+    OrtStatus *s = ort->KernelInfoGetAttribute_int64(info, "hidden_size", &k->hidden);
+    if (!s) s = ort->KernelInfoGetAttribute_int64(info, "linear_before_reset", &k->lbr);
+    if (!s) s = ort->KernelInfoGetAttribute_int64(info, "padded_output_zero", &k->zero_pad);
+    if (!s) s = ort->KernelInfoGetAttribute_int64(info, "mode", &k->mode);
+    if (!s && (k->mode < 0 || k->mode > 4)) s = error("GRUScan: mode must be 0..4");
+    if (s) {
+        free(k);
+        return s;
+    }
+    *kernel = k;
+    return NULL;
+}
+
+static void ORT_API_CALL destroy(void *kernel) { free(kernel); }
+static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GRUScan"; }
+static const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return N_IN; }
+static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 2; }
+
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+static OrtMemType ORT_API_CALL memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return OrtMemTypeDefault; }
+static int ORT_API_CALL one(const OrtCustomOp *op) { (void)op; return 1; }
+static int ORT_API_CALL last_opset(const OrtCustomOp *op) { (void)op; return 0x7fffffff; }
+static size_t ORT_API_CALL no_pairs(int **in, int **out) { *in = *out = NULL; return 0; }
+static void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)out; }
+
+static OrtCustomOp gru_scan;
+
+ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+    ort = base->GetApi(ORT_API_VERSION);
+    if (!ort) return NULL;   /* an onnxruntime older than these headers: nothing can be reported */
+    memset(&gru_scan, 0, sizeof gru_scan);
+    gru_scan.version = ORT_API_VERSION;
+    gru_scan.GetName = name;
+    gru_scan.GetExecutionProviderType = provider;
+    gru_scan.GetInputType = input_type;
+    gru_scan.GetInputTypeCount = n_inputs;
+    gru_scan.GetOutputType = output_type;
+    gru_scan.GetOutputTypeCount = n_outputs;
+    gru_scan.GetInputCharacteristic = input_kind;
+    gru_scan.GetOutputCharacteristic = output_kind;
+    gru_scan.CreateKernelV2 = create;
+    gru_scan.KernelComputeV2 = compute;
+    gru_scan.KernelDestroy = destroy;
+    gru_scan.GetInputMemoryType = memory;
+    gru_scan.GetVariadicInputMinArity = gru_scan.GetVariadicOutputMinArity = one;
+    gru_scan.GetVariadicInputHomogeneity = gru_scan.GetVariadicOutputHomogeneity = one;
+    gru_scan.GetStartVersion = one;
+    gru_scan.GetEndVersion = last_opset;
+    gru_scan.GetMayInplace = gru_scan.GetAliasMap = no_pairs;
+    gru_scan.ReleaseMayInplace = gru_scan.ReleaseAliasMap = free_pairs;
+    OrtCustomOpDomain *domain = NULL;
+    TRY(ort->CreateCustomOpDomain("ai.ctropt.kernels", &domain));
+    TRY(ort->CustomOpDomain_Add(domain, &gru_scan));
+    return ort->AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,151 @@
+"""ctropt's onnxruntime kernel library: GRUScan against the sequence op's numpy meaning, lower-rnn-ort's
+kernel form on every variant and masking, zoo and third-party DIEN exports end to end, and the errors.
+
+The library is built here when onnxruntime's C API header is found (ctropt.kernels.include_dir); .ci/run
+fetches it and sets CTROPT_KERNEL_TESTS=required, so there a missing header or a failed build fails."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import ctropt
+from ctropt import kernels
+from ctropt.graph import CtroptError, interface, load, to_model
+from ctropt.ops.rnn import SequenceAttrs
+from ctropt.passes.rnn import lower_sequence_node
+from ctropt.runtime import Runner, compare_outputs
+from tests.helpers import make_model
+from tests.test_rnn_op import H, LENS, MASKING, VARIANTS, _layer
+
+ZOO = Path(ctropt.__file__).parent / "exporters" / "zoo" / "data"
+THIRDPARTY = Path(__file__).parent / "data" / "thirdparty"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library(tmp_path_factory):
+    """The kernel library: the one already built, else built into a temporary folder, else skipped."""
+    saved = os.environ.get("CTROPT_KERNELS_DIR")
+    if not kernels.available():
+        if kernels.include_dir() is None and os.environ.get("CTROPT_KERNEL_TESTS") != "required":
+            pytest.skip("onnxruntime_c_api.h not found: set ORT_INCLUDE_DIR (tools/fetch_ort_headers.sh)")
+        os.environ["CTROPT_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
+        kernels.build()
+    yield kernels.library_path()
+    if saved is None:
+        os.environ.pop("CTROPT_KERNELS_DIR", None)
+    else:
+        os.environ["CTROPT_KERNELS_DIR"] = saved
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    kernels.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _npz(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.mark.parametrize("kind,lbr,keep,pad", VARIANTS)
+def test_kernel_form_matches_the_reference(kind, lbr, keep, pad):
+    """Every kind, gate layout and padded-output rule; lengths (0, T, partial), a mask, or neither; with and
+    without h0 and all states; the whole batch and sub-batches (a block of rows shorter than the kernel's)."""
+    rng = np.random.default_rng(1)
+    for (with_lens, with_mask), with_h0, want_y in itertools.product(MASKING, (0, 1), (0, 1)):
+        g, n, feeds, want = _layer(SequenceAttrs(kind, H, lbr, keep, pad), with_lens, with_mask, with_h0, want_y, rng)
+        lower_sequence_node(g, n, "kernel")
+        g.cleanup()
+        model = to_model(g, make_model([], [], []))
+        onnx.checker.check_model(model)
+        assert [x.op_type for x in model.graph.node if x.domain == kernels.DOMAIN] == ["GRUScan"]
+        assert not {"Scan", "Loop", "GRU", "Gemm", "MatMul"} & {x.op_type for x in model.graph.node}
+        sess = _session(model)
+        for rows in (slice(None), slice(0, 1), slice(1, 3)):
+            got = sess.run(None, {k: v[rows] for k, v in feeds.items()})
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a, b[rows], atol=2e-6)
+
+
+def test_rows_of_every_length_in_one_batch():
+    """Rows run sorted by their number of steps, in blocks: a shuffled batch with every length 0..T, and a batch
+    of empty rows only (Y_h = h0, Y = 0 everywhere)."""
+    from ctropt.ops.rnn import reference
+
+    rng = np.random.default_rng(2)
+    attrs = SequenceAttrs("AUGRU", H, 1)
+    g, n, feeds, _ = _layer(attrs, 1, 0, 1, 1, rng)
+    weights = [np.asarray(t.values) for t in n.inputs[1:4]]
+    lower_sequence_node(g, n, "kernel")
+    g.cleanup()
+    sess = _session(to_model(g, make_model([], [], [])))
+    steps, width = feeds["X"].shape[1:]
+    for lens in (rng.permutation(np.arange(3 * (steps + 1)) % (steps + 1)), np.zeros(13, np.int64)):
+        batch = len(lens)
+        f = {"X": rng.normal(size=(batch, steps, width)).astype(np.float32),
+             "att": rng.uniform(size=(batch, steps)).astype(np.float32), "lens": lens.astype(np.int64),
+             "h0": rng.normal(size=(batch, H)).astype(np.float32)}
+        y, y_h = sess.run(None, f)
+        want_y, want_h = reference(attrs, f["X"], *weights, sequence_lens=f["lens"], initial_h=f["h0"], att=f["att"])
+        np.testing.assert_allclose(y, want_y, atol=2e-6)
+        np.testing.assert_allclose(y_h, want_h, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", [ZOO / "dien_tf.onnx", ZOO / "dien_torch.onnx",
+                                  THIRDPARTY / "deepctr_DIEN_AUGRU_where_tf2onnx.onnx",
+                                  THIRDPARTY / "deepctr_torch_DIEN_AIGRU_padded_legacy.onnx"], ids=lambda p: p.stem)
+def test_dien_exports_with_the_kernel_form(path):
+    """`all` with rnn_ort_form=kernel: every recurrent layer is one GRUScan, no loop is left, the interface is
+    kept, outputs equal the framework's (shipped inputs), and ctropt's Runner registers the library itself."""
+    raw = load(path)
+    result = ctropt.optimize(raw, passes="all", options={"rnn_ort_form": "kernel"})
+    assert not result.failed, [(r.name, r.message) for r in result.failed]
+    opt = result.model
+    assert interface(opt) == interface(raw)
+    from ctropt.graph import op_histogram
+
+    ops = op_histogram(opt)
+    assert ops[f"{kernels.DOMAIN}::GRUScan"] == 2 and not {"Scan", "Loop", "GRU"} & set(ops), ops
+    from ctropt.graph import to_graph
+    from ctropt.inspect import recurrent_structures
+
+    assert [r.kind for r in recurrent_structures(to_graph(opt))] == [f"lowered GRUScan ({kernels.DOMAIN})"] * 2
+    feeds = _npz(path.with_suffix(".npz"))
+    framework = _npz(path.with_suffix(".ref.npz"))
+    got = Runner(opt).run(feeds)
+    diffs = compare_outputs(framework, {k: got[k] for k in framework}, atol=1e-5, rtol=1e-4)
+    assert all(d.ok for d in diffs), diffs
+    again = ctropt.optimize(opt, passes="all", options={"rnn_ort_form": "kernel"})
+    assert all(r.status == "unchanged" for r in again.records), [(r.name, r.status) for r in again.records]
+
+
+def test_a_model_with_kernels_and_no_library_is_a_clear_error(tmp_path, monkeypatch):
+    g, n, feeds, _ = _layer(SequenceAttrs("GRU", H), 1, 0, 0, 0, np.random.default_rng(3))
+    lower_sequence_node(g, n, "kernel")
+    model = to_model(g, make_model([], [], []))
+    monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
+    with pytest.raises(CtroptError, match="kernel library is not built.*ctropt kernels build"):
+        Runner(model).run(feeds)
+
+
+def test_bad_shapes_are_refused_by_the_kernel():
+    g, n, feeds, _ = _layer(SequenceAttrs("GRU", H), 1, 0, 0, 0, np.random.default_rng(4))
+    lower_sequence_node(g, n, "kernel")
+    sess = _session(to_model(g, make_model([], [], [])))
+    with pytest.raises(Exception, match="GRUScan: lengths must be \\[B\\]"):
+        sess.run(None, {"X": feeds["X"], "lens": feeds["lens"][:2]})
+
+
+def test_build_without_the_header_says_where_it_looked(monkeypatch, tmp_path):
+    monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
+    with pytest.raises(CtroptError, match="onnxruntime_c_api.h not found.*fetch_ort_headers"):
+        kernels.build(include=tmp_path)
