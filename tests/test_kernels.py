@@ -22,7 +22,7 @@ from ctropt.ops.rnn import SequenceAttrs
 from ctropt.passes.rnn import lower_sequence_node
 from ctropt.runtime import Runner, compare_outputs
 from tests.helpers import make_model
-from tests.test_rnn_op import H, LENS, MASKING, VARIANTS, _layer
+from tests.test_rnn_op import H, MASKING, VARIANTS, _layer
 
 ZOO = Path(ctropt.__file__).parent / "exporters" / "zoo" / "data"
 THIRDPARTY = Path(__file__).parent / "data" / "thirdparty"

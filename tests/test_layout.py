@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
-from helpers import F, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
 
 import ctropt
 
@@ -144,3 +144,43 @@ def test_an_inverse_transpose_reading_the_entry_directly_gets_the_source():
     assert ctx.rewrites == 1 and sorted(ops(once)) == ["Add", "Sigmoid"]
     feeds = {"x": np.random.default_rng(0).normal(size=(2, 4, 3)).astype(np.float32)}
     assert_same_outputs(model, once, feeds, atol=0, rtol=0)
+
+
+def masked_select(mask_shape=(-1, 1, 1), lens_dtype=I64):
+    """deepctr-torch DIEN's packing of the users that have a history: torch.masked_select(emb, (lens > 0) viewed
+    [B, 1, 1]) as the legacy exporter writes it (one GatherND index per selected element), viewed [-1, T, E]."""
+    nodes = [
+        node("Greater", ["lens", "zero"], ["has"]),
+        node("Reshape", ["has", "mask_shape"], ["m"]),
+        node("Shape", ["emb"], ["s"]),
+        node("Expand", ["m", "s"], ["full"]),
+        node("NonZero", ["full"], ["nz"]),
+        node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+        node("GatherND", ["emb", "idx"], ["flat"]),
+        node("Reshape", ["flat", "packed_shape"], ["packed"]),
+    ]
+    inits = [init("zero", np.array(0, np.int64 if lens_dtype == I64 else np.float32)),
+             init("mask_shape", np.array(mask_shape, np.int64)), init("packed_shape", np.array([-1, 4, 3], np.int64))]
+    return make_model(nodes, [vi("emb", F, ["batch", 4, 3]), vi("lens", lens_dtype, ["batch"])],
+                      [vi("packed", F, [None, 4, 3])], inits)
+
+
+def test_masked_select_over_rows_becomes_a_compress():
+    model = masked_select()
+    once, ctx = run_pass(model, "select-masked-rows")
+    assert ctx.rewrites == 1 and not {"NonZero", "GatherND"} & set(ops(once)) and "Compress" in ops(once)
+    rng = np.random.default_rng(0)
+    for lens in ([0, 3, 0, 4, 1], [2, 2], [0, 0, 0], [5]):
+        feeds = {"emb": rng.normal(size=(len(lens), 4, 3)).astype(np.float32), "lens": np.array(lens, np.int64)}
+        assert_same_outputs(model, once, feeds, atol=0, rtol=0)
+    twice, ctx2 = run_pass(once, "select-masked-rows")
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+
+
+def test_masked_select_of_a_mask_that_is_not_per_row_is_kept():
+    """A mask [B, T, 1] selects single steps, not rows: the GatherND stays."""
+    model = masked_select(mask_shape=(-1, 4, 1))
+    model.graph.node[0].input[0] = "lens_bt"
+    model.graph.input[1].CopyFrom(vi("lens_bt", I64, ["batch", 4]))
+    once, ctx = run_pass(model, "select-masked-rows")
+    assert ctx.rewrites == 0 and "GatherND" in ops(once)

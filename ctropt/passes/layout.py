@@ -8,6 +8,9 @@ region of `remove-attention-padding`) stop at it. `fold-batchnorm` writes the no
 Transpose whose result only flows through elementwise ops into Transposes that undo it, permuting the constants
 those ops read instead. It does the same for rows reshaped to rank 3 and back around elementwise ops (Dice between
 two FC layers that fuse-fc flattened), so the layers form one 2-D chain; fuse-fc calls it after its rewrites.
+`select-masked-rows` turns torch's masked_select over whole rows (deepctr-torch DIEN keeps the users that have
+a history this way: NonZero of the row mask expanded to [B, T, E], then one GatherND index per element) into a
+Compress of the rows.
 """
 
 from __future__ import annotations
@@ -208,3 +211,62 @@ def cancel_transposes(ctx: PassContext) -> None:
     matches, rewrites = cancel_layout_pairs(ctx.graph)
     ctx.matches += matches
     ctx.rewrites += rewrites
+
+
+def _masked_rows(n: gs.Node) -> gs.Tensor | None:
+    """The row mask m of `GatherND(data, Transpose(NonZero(Expand(m, Shape(data)))))` (torch's masked_select
+    with a bool mask broadcast over all but the first axis), when the indices serve only this GatherND."""
+    if n.op != "GatherND" or n.attrs.get("batch_dims", 0) != 0 or len(n.inputs) != 2:
+        return None
+    data, idx = n.inputs
+    chain = []
+    t = idx
+    for op in ("Transpose", "NonZero", "Expand"):
+        if len(t.inputs) != 1 or t.inputs[0].op != op or len(t.outputs) != 1:
+            return None
+        chain.append(t.inputs[0])
+        t = t.inputs[0].inputs[0]
+    transpose, _, expand = chain
+    if list(transpose.attrs.get("perm", [1, 0])) != [1, 0]:
+        return None
+    mask, target = expand.inputs
+    shape = target.inputs[0] if len(target.inputs) == 1 else None
+    if shape is None or shape.op != "Shape" or shape.inputs[0] is not data or shape.attrs.get("start", 0) != 0 \
+            or shape.attrs.get("end") is not None:
+        return None
+    dims = shape_of(mask)
+    if mask.dtype != np.bool_ or dims is None or len(dims) != len(shape_of(data) or []) or any(d != 1 for d in dims[1:]):
+        return None
+    return mask
+
+
+@register_pass("select-masked-rows", group="cleanup", order=14)
+def select_masked_rows(ctx: PassContext) -> None:
+    """torch's masked_select over whole rows (GatherND of the NonZero of a row mask expanded to the data: one
+    index per element) → the rows Compressed, flattened (deepctr-torch DIEN packs histories this way)."""
+    graph = ctx.graph
+    if any(n.op == "NonZero" for n in graph.nodes):
+        annotate_shapes(graph)  # the mask's rank and unit dims are read from shapes
+    for n in list(graph.nodes):
+        mask = _masked_rows(n)
+        if mask is None:
+            continue
+        ctx.matches += 1
+        data, out = n.inputs[0], n.outputs[0]
+        rank = len(shape_of(data))
+        (shape,) = add_node(graph, "Shape", [data], name=f"{n.name}/shape", dtype=np.int64)
+        (rows,) = add_node(graph, "Gather", [shape, add_constant(graph, f"{n.name}/axis0", np.array([0], np.int64))],
+                           {"axis": 0}, name=f"{n.name}/rows", dtype=np.int64)
+        (target,) = add_node(graph, "Concat", [rows, add_constant(graph, f"{n.name}/ones", np.ones(rank - 1, np.int64))],
+                             {"axis": 0}, name=f"{n.name}/row_shape", dtype=np.int64)
+        (per_row,) = add_node(graph, "Expand", [mask, target], name=f"{n.name}/row_mask", dtype=mask.dtype)
+        (cond,) = add_node(graph, "Reshape", [per_row, add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))],
+                           name=f"{n.name}/condition", dtype=mask.dtype)
+        (kept,) = add_node(graph, "Compress", [data, cond], {"axis": 0}, name=f"{n.name}/Compress", dtype=data.dtype)
+        (flat,) = add_node(graph, "Reshape", [kept, add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))],
+                           name=f"{n.name}/flatten", dtype=out.dtype, shape=out.shape)
+        replace_outputs(graph, n, [flat])
+        ctx.rewrites += 1
+    if ctx.rewrites:
+        graph.cleanup()
+        graph.toposort(mode="nodes")
