@@ -44,9 +44,9 @@ def library(tmp_path_factory):
         os.environ["CTROPT_KERNELS_DIR"] = saved
 
 
-def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = threads
     kernels.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
@@ -76,9 +76,10 @@ def test_kernel_form_matches_the_reference(kind, lbr, keep, pad):
                 np.testing.assert_allclose(a, b[rows], atol=2e-6)
 
 
-def test_rows_of_every_length_in_one_batch():
-    """Rows run sorted by their number of steps, in blocks: a shuffled batch with every length 0..T, and a batch
-    of empty rows only (Y_h = h0, Y = 0 everywhere)."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_of_every_length_in_one_batch(threads):
+    """Rows run sorted by their number of steps, in blocks spread over the threads: a shuffled batch with every
+    length 0..T, and a batch of empty rows only (Y_h = h0, Y = 0 everywhere)."""
     from ctropt.ops.rnn import reference
 
     rng = np.random.default_rng(2)
@@ -87,7 +88,7 @@ def test_rows_of_every_length_in_one_batch():
     weights = [np.asarray(t.values) for t in n.inputs[1:4]]
     lower_sequence_node(g, n, "kernel")
     g.cleanup()
-    sess = _session(to_model(g, make_model([], [], [])))
+    sess = _session(to_model(g, make_model([], [], [])), threads)
     steps, width = feeds["X"].shape[1:]
     for lens in (rng.permutation(np.arange(3 * (steps + 1)) % (steps + 1)), np.zeros(13, np.int64)):
         batch = len(lens)
@@ -135,6 +136,12 @@ def test_a_model_with_kernels_and_no_library_is_a_clear_error(tmp_path, monkeypa
     monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
     with pytest.raises(CtroptError, match="kernel library is not built.*ctropt kernels build"):
         Runner(model).run(feeds)
+
+
+def test_the_kernel_form_without_the_library_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
+    with pytest.raises(CtroptError, match="rnn_ort_form=kernel needs.*ctropt kernels build"):
+        ctropt.optimize(load(ZOO / "dien_tf.onnx"), passes="all", options={"rnn_ort_form": "kernel"})
 
 
 def test_bad_shapes_are_refused_by_the_kernel():

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from .. import kernels
 from ..graph import CtroptError
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
 from ..patterns.matcher import const_value, unique_name
@@ -114,8 +115,6 @@ def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dic
 def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: SequenceAttrs, base: str) -> None:
     """ctropt's GRUScan kernel (``ctropt.kernels``): the whole layer in one node, each row run up to its last
     valid step, its input projection included (so padded steps cost nothing)."""
-    from ..kernels import DOMAIN as KERNELS
-
     H, kind, lbr = attrs.hidden_size, attrs.kind, attrs.linear_before_reset
     w, r, b = (const_value(inputs[k]).astype(np.float32) for k in ("W", "R", "B"))
     keep = kind == "AUGRU" and attrs.att_keep          # needs z itself; every other kind reads u = 1 - z
@@ -156,7 +155,7 @@ def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: Sequen
     graph.nodes.append(gs.Node("GRUScan", unique_name(graph, f"{base}/GRUScan"),
                                {"hidden_size": H, "linear_before_reset": lbr, "mode": mode,
                                 "padded_output_zero": int(attrs.padded_output == "zero")},
-                               ins, outs, domain=KERNELS))
+                               ins, outs, domain=kernels.DOMAIN))
 
 
 def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, base: str) -> None:
@@ -242,6 +241,8 @@ def lower_rnn_ort(ctx: PassContext) -> None:
     form = ctx.options.get("rnn_ort_form", "auto")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
+    if form == "kernel" and not kernels.available():
+        raise CtroptError("rnn_ort_form=kernel needs ctropt's kernel library: run `ctropt kernels build` first")
     for node in [n for n in ctx.graph.nodes if is_sequence_node(n)]:
         lower_sequence_node(ctx.graph, node, form)
         ctx.matches += 1
