@@ -3,6 +3,7 @@ and with one user per request (all rows share the history), for zoo models and t
 
     python benchmarks/attention.py                          # zoo din/dien + third-party DIN/DIEN
     python benchmarks/attention.py --only dien_tf --seconds 3
+    python benchmarks/attention.py --only DIEN,dien --option rnn_ort_form=kernel   # pass options, as the CLI's
 
 Prints a markdown table (benchmarks/RESULTS.md, "Attention and user dedup"). Each cell is the median of paired
 time ratios raw/optimized from one interleaved run; "without" is ctropt with remove-attention-padding and
@@ -45,7 +46,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--seq-len", type=int, default=100, help="history length where the model leaves it dynamic")
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE pass option (repeatable)")
     args = parser.parse_args()
+    options = dict(o.split("=", 1) for o in args.option)
     print(f"`python benchmarks/attention.py{''.join(' ' + a for a in sys.argv[1:])}`: batch {args.batch}, "
           f"1 thread, history length {args.seq_len} where dynamic; raw/optimized (without the two passes).\n")
     head = " | ".join(f"fill {int(f * 100)}%" for f in FILLS)
@@ -53,8 +56,8 @@ def main() -> None:
     print("|---|" + "---|" * (2 * len(FILLS)))
     for path in models([o for o in args.only.split(",") if o]):
         raw = load(path)
-        full = ctropt.optimize(raw, target="ort")
-        base = ctropt.optimize(raw, target="ort", skip=NEW_PASSES).model
+        full = ctropt.optimize(raw, target="ort", options=options)
+        base = ctropt.optimize(raw, target="ort", skip=NEW_PASSES, options=options).model
         applied = [r.name for r in full.records if r.name in NEW_PASSES and r.status == "applied"]
         runners = [Runner(m, "ort-cpu", 1) for m in (raw, full.model, base)]
         cells = []

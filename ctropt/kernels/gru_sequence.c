@@ -21,7 +21,6 @@
  * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
  * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,8 +41,8 @@ typedef struct {
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
 
-/* tanh as a rational function (the coefficients onnxruntime's MLAS and Eigen use, |error| < 2e-7) on LANES
- * values at once; NaN stays NaN. */
+/* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of
+ * Eigen and onnxruntime's MLAS; NaN stays NaN. */
 static inline vec tanh_vec(vec x) {
     mask low = x < -9.0f, high = x > 9.0f;
     vec lo = x * 0.0f - 9.0f, hi = x * 0.0f + 9.0f;
@@ -62,9 +61,9 @@ static inline vec tanh_vec(vec x) {
     return p / q;
 }
 
-/* v[0:n] = tanh(v) (sigmoid: 0.5 tanh(v / 2) + 0.5), LANES at a time; the tail lane by lane. */
 static inline vec activate(vec x, int sigmoid) { return sigmoid ? tanh_vec(x * 0.5f) * 0.5f + 0.5f : tanh_vec(x); }
 
+/* v[0:n] = tanh(v) (sigmoid: 0.5 tanh(v / 2) + 0.5), LANES at a time; the tail lane by lane. */
 static void tanh_all(float *v, int64_t n, int sigmoid) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
