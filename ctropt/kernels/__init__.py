@@ -1,11 +1,11 @@
 """ctropt's onnxruntime kernel library (``ai.ctropt.kernels`` ops), built from C on the machine that runs it.
 
-``GRUScan`` (gru_sequence.c) runs the recurrent part of a GRU-family layer in one kernel; lower-rnn-ort emits it
-with ``--option rnn_ort_form=kernel``. A model that holds such a node needs the library registered in its
+``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
+lower-rnn-ort emits it with ``--option rnn_ort_form=kernel``. A model that holds such a node needs the library registered in its
 onnxruntime session: ctropt's own sessions do it, other code calls ``register(session_options)``.
 
-The build needs gcc and onnxruntime's C API header ``onnxruntime_c_api.h`` (any onnxruntime release since 1.21:
-the API is versioned, so a library built against an older header loads in newer onnxruntimes). It is looked
+The build needs gcc and onnxruntime's C API header ``onnxruntime_c_api.h`` from any release up to the installed
+onnxruntime: the API is versioned, so a library built against an older header loads in newer onnxruntimes. It is looked
 for in $ORT_INCLUDE_DIR, then /usr/include/onnxruntime and /usr/local/include/onnxruntime (Debian's
 ``libonnxruntime-dev``). ``tools/fetch_ort_headers.sh`` unpacks that package into a folder without installing it.
 """
@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from ..graph import CtroptError
+from ..graph import CtroptError, iter_proto_nodes
 
 DOMAIN = "ai.ctropt.kernels"
 SOURCE = Path(__file__).with_name("gru_sequence.c")
@@ -48,7 +48,7 @@ def build(include: str | Path | None = None, compiler: str = "gcc") -> Path:
                           "tools/fetch_ort_headers.sh DIR and set ORT_INCLUDE_DIR=DIR")
     out = library_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", str(SOURCE), "-o", str(out), "-lm"]
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", str(SOURCE), "-o", str(out)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:
@@ -60,8 +60,6 @@ def build(include: str | Path | None = None, compiler: str = "gcc") -> Path:
 
 def uses_kernels(model) -> bool:
     """Whether an onnx ModelProto has a node of this library (at any depth)."""
-    from ..graph import iter_proto_nodes
-
     return any(n.domain == DOMAIN for n in iter_proto_nodes(model.graph))
 
 

@@ -138,7 +138,8 @@ def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: Sequen
     elif kind != "GRU":
         ins[6] = att
     if "mask" in inputs:
-        ins[8] = op("Cast", [inputs["mask"]], {"to": onnx.TensorProto.FLOAT})
+        ins[8] = inputs["mask"] if inputs["mask"].dtype == np.float32 else \
+            op("Cast", [inputs["mask"]], {"to": onnx.TensorProto.FLOAT})
     elif "sequence_lens" in inputs:
         lens = given = inputs["sequence_lens"]
         if lens.dtype != np.int64:
