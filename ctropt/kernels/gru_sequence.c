@@ -108,22 +108,58 @@ static int64_t steps_of(const Job *j, int64_t b) {
     return n;
 }
 
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
 /* out[r][0:P] = v[r][0:K] · M (M: [K, P], P a multiple of 2 LANES) for ROWS rows: 2 x ROWS vector accumulators. */
 static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, float *out) {
     for (int64_t j = 0; j < P; j += 2 * LANES) {
         vec a[ROWS][2] = {{{0}}};
         for (int64_t k = 0; k < K; ++k) {
-            vec w0, w1;
-            memcpy(&w0, M + k * P + j, sizeof w0);
-            memcpy(&w1, M + k * P + j + LANES, sizeof w1);
+            vec w0 = load(M + k * P + j), w1 = load(M + k * P + j + LANES);
             for (int r = 0; r < ROWS; ++r) {
                 float vk = v[r][k];
                 a[r][0] += vk * w0;
                 a[r][1] += vk * w1;
             }
         }
-        for (int r = 0; r < ROWS; ++r) memcpy(out + r * P + j, a[r], sizeof a[r]);
+        for (int r = 0; r < ROWS; ++r) {
+            store(out + r * P + j, a[r][0]);
+            store(out + r * P + j + LANES, a[r][1]);
+        }
     }
+}
+
+/* The same for the first n < ROWS rows of a block (small batches, the last block): row by row, two chains over k
+ * so that four accumulators hide the FMA latency. */
+static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out) {
+    for (int r = 0; r < n; ++r)
+        for (int64_t j = 0; j < P; j += 2 * LANES) {
+            vec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
+            int64_t k = 0;
+            for (; k + 1 < K; k += 2) {
+                a0 += v[r][k] * load(M + k * P + j);
+                a1 += v[r][k] * load(M + k * P + j + LANES);
+                b0 += v[r][k + 1] * load(M + (k + 1) * P + j);
+                b1 += v[r][k + 1] * load(M + (k + 1) * P + j + LANES);
+            }
+            if (k < K) {
+                a0 += v[r][k] * load(M + k * P + j);
+                a1 += v[r][k] * load(M + k * P + j + LANES);
+            }
+            store(out + r * P + j, a0 + b0);
+            store(out + r * P + j + LANES, a1 + b1);
+        }
+}
+
+static void times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out) {
+    if (n == ROWS) rows_times(v, K, M, P, out);
+    else few_rows_times(v, n, K, M, P, out);
 }
 
 /* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
@@ -154,9 +190,11 @@ static void run_block(void *data, size_t block) {
     float *h = j->scratch + block * j->scratch_floats;   /* this block's: [ROWS] each of h, rh, accn, gx, acc, g */
     float *rh = h + ROWS * H, *accn = rh + ROWS * H, *gx = accn + ROWS * NP, *acc = gx + ROWS * HP, *g = acc + ROWS * HP;
     const float *xs[ROWS], *hs[ROWS], *rhs[ROWS];
+    int n = 0;   /* the block's rows: the first n of rows[] (only the last block has fewer than ROWS) */
     for (int r = 0; r < ROWS; ++r) {
         int64_t i = (int64_t)block * ROWS + r;
         rows[r] = i < B ? j->order[i] : -1;
+        n += i < B;
         if (rows[r] >= 0 && j->h0) memcpy(h + r * H, j->h0 + rows[r] * H, H * sizeof(float));
         else memset(h + r * H, 0, H * sizeof(float));
         memset(rh + r * H, 0, H * sizeof(float));
@@ -168,8 +206,8 @@ static void run_block(void *data, size_t block) {
     for (int64_t t = 0; t < last; ++t) {
         for (int r = 0; r < ROWS; ++r)
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
-        rows_times(xs, I, j->Wp, HP, gx);
-        rows_times(hs, H, j->Rp, HP, acc);
+        times(xs, n, I, j->Wp, HP, gx);
+        times(hs, n, H, j->Rp, HP, acc);
         for (int r = 0; r < ROWS; ++r) {
             if (rows[r] < 0) continue;
             float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
@@ -184,7 +222,7 @@ static void run_block(void *data, size_t block) {
             if (!lbr)
                 for (int64_t c = 0; c < H; ++c) rh[r * H + c] = gr[H + c] * h[r * H + c];
         }
-        if (!lbr) rows_times(rhs, H, j->Rnp, NP, accn);   /* n reads (r * h) · Rn */
+        if (!lbr) times(rhs, n, H, j->Rnp, NP, accn);   /* the candidate reads (r * h) · Rn */
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
