@@ -260,11 +260,11 @@ def select_masked_rows(ctx: PassContext) -> None:
         (target,) = add_node(graph, "Concat", [rows, add_constant(graph, f"{n.name}/ones", np.ones(rank - 1, np.int64))],
                              {"axis": 0}, name=f"{n.name}/row_shape", dtype=np.int64)
         (per_row,) = add_node(graph, "Expand", [mask, target], name=f"{n.name}/row_mask", dtype=mask.dtype)
-        (cond,) = add_node(graph, "Reshape", [per_row, add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))],
-                           name=f"{n.name}/condition", dtype=mask.dtype)
+        flat_shape = add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))
+        (cond,) = add_node(graph, "Reshape", [per_row, flat_shape], name=f"{n.name}/condition", dtype=mask.dtype)
         (kept,) = add_node(graph, "Compress", [data, cond], {"axis": 0}, name=f"{n.name}/Compress", dtype=data.dtype)
-        (flat,) = add_node(graph, "Reshape", [kept, add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))],
-                           name=f"{n.name}/flatten", dtype=out.dtype, shape=out.shape)
+        (flat,) = add_node(graph, "Reshape", [kept, flat_shape], name=f"{n.name}/flatten", dtype=out.dtype,
+                           shape=out.shape)
         replace_outputs(graph, n, [flat])
         ctx.rewrites += 1
     if ctx.rewrites:

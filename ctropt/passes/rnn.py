@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 from .. import kernels
 from ..graph import CtroptError
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..patterns.matcher import const_value, unique_name
+from ..patterns.matcher import add_constant, add_node, const_value, unique_name
 from .registry import PassContext, register_pass, tidy
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
@@ -120,33 +120,30 @@ def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: Sequen
     keep = kind == "AUGRU" and attrs.att_keep          # needs z itself; every other kind reads u = 1 - z
     flip = np.concatenate([np.full(H, 1.0 if keep else -1.0), np.ones(2 * H)]).astype(np.float32)
     bias = (b[:3 * H] + np.concatenate([b[3 * H:5 * H], np.zeros(H, np.float32) if lbr else b[5 * H:]])) * flip
-
-    def op(op_type, ins, op_attrs=None, dtype=np.float32):
-        out = gs.Variable(unique_name(graph, f"{base}/{op_type.lower()}"), dtype)
-        graph.nodes.append(gs.Node(op_type, unique_name(graph, f"{base}/{op_type}"), op_attrs or {}, ins, [out]))
-        return out
-
-    def const(tag, value):
-        return gs.Constant(unique_name(graph, f"{base}/{tag}"), np.ascontiguousarray(value))
+    const = lambda tag, value: add_constant(graph, f"{base}/{tag}", value)  # noqa: E731
 
     empty = gs.Variable.empty()
     att = inputs.get("att")
     ins = [inputs["X"], const("W", w * flip), const("R", r * flip), const("bias", bias),
            const("Rn_bias", b[5 * H:]) if lbr else empty, inputs.get("initial_h", empty), empty, empty, empty]
     if keep:
-        ins[6] = op("Sub", [const("one", np.array(1.0, np.float32)), att])
+        (ins[6],) = add_node(graph, "Sub", [const("one", np.array(1.0, np.float32)), att], name=f"{base}/one_minus_att",
+                             dtype=np.float32)
     elif kind != "GRU":
         ins[6] = att
     if "mask" in inputs:
-        ins[8] = inputs["mask"] if inputs["mask"].dtype == np.float32 else \
-            op("Cast", [inputs["mask"]], {"to": onnx.TensorProto.FLOAT})
+        ins[8] = inputs["mask"]
+        if ins[8].dtype != np.float32:
+            (ins[8],) = add_node(graph, "Cast", [ins[8]], {"to": onnx.TensorProto.FLOAT}, name=f"{base}/mask",
+                                 dtype=np.float32)
     elif "sequence_lens" in inputs:
-        lens = given = inputs["sequence_lens"]
-        if lens.dtype != np.int64:
-            lens = op("Cast", [lens], {"to": onnx.TensorProto.INT64}, np.int64)
+        ins[7] = given = inputs["sequence_lens"]
+        if given.dtype != np.int64:
+            (ins[7],) = add_node(graph, "Cast", [given], {"to": onnx.TensorProto.INT64}, name=f"{base}/lens",
+                                 dtype=np.int64)
         if given.shape is None or len(given.shape) != 1:  # a [B, 1] squeezed without axes is a scalar at batch 1
-            lens = op("Reshape", [lens, const("minus1", np.array([-1], np.int64))], dtype=np.int64)
-        ins[7] = lens
+            (ins[7],) = add_node(graph, "Reshape", [ins[7], const("minus1", np.array([-1], np.int64))],
+                                 name=f"{base}/lens_1d", dtype=np.int64)
     while ins[-1] is empty:
         ins.pop()
     mode = {"AUGRU": 2 if keep else 1, "AGRU": 3, "AIGRU": 4}.get(kind, 0)
