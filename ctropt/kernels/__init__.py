@@ -63,6 +63,12 @@ def uses_kernels(model) -> bool:
     return any(n.domain == DOMAIN for n in iter_proto_nodes(model.graph))
 
 
+def register_if_used(session_options, model) -> None:
+    """`register` when the onnx ModelProto uses this library's ops; nothing otherwise."""
+    if uses_kernels(model):
+        register(session_options)
+
+
 def register(session_options) -> None:
     """Register the library with onnxruntime SessionOptions; a clear error if it is not built."""
     if not available():

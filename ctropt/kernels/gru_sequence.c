@@ -408,31 +408,35 @@ static int ORT_API_CALL last_opset(const OrtCustomOp *op) { (void)op; return 0x7
 static size_t ORT_API_CALL no_pairs(int **in, int **out) { *in = *out = NULL; return 0; }
 static void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)out; }
 
-static OrtCustomOp gru_scan;
+static OrtCustomOp gru_scan = {
+    .version = ORT_API_VERSION,
+    .GetName = name,
+    .GetExecutionProviderType = provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = n_inputs,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = n_outputs,
+    .GetInputCharacteristic = input_kind,
+    .GetOutputCharacteristic = output_kind,
+    .CreateKernelV2 = create,
+    .KernelComputeV2 = compute,
+    .KernelDestroy = destroy,
+    .GetInputMemoryType = memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .GetStartVersion = one,
+    .GetEndVersion = last_opset,
+    .GetMayInplace = no_pairs,
+    .GetAliasMap = no_pairs,
+    .ReleaseMayInplace = free_pairs,
+    .ReleaseAliasMap = free_pairs,
+};
 
 ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
     ort = base->GetApi(ORT_API_VERSION);
     if (!ort) return NULL;   /* an onnxruntime older than these headers: nothing can be reported */
-    memset(&gru_scan, 0, sizeof gru_scan);
-    gru_scan.version = ORT_API_VERSION;
-    gru_scan.GetName = name;
-    gru_scan.GetExecutionProviderType = provider;
-    gru_scan.GetInputType = input_type;
-    gru_scan.GetInputTypeCount = n_inputs;
-    gru_scan.GetOutputType = output_type;
-    gru_scan.GetOutputTypeCount = n_outputs;
-    gru_scan.GetInputCharacteristic = input_kind;
-    gru_scan.GetOutputCharacteristic = output_kind;
-    gru_scan.CreateKernelV2 = create;
-    gru_scan.KernelComputeV2 = compute;
-    gru_scan.KernelDestroy = destroy;
-    gru_scan.GetInputMemoryType = memory;
-    gru_scan.GetVariadicInputMinArity = gru_scan.GetVariadicOutputMinArity = one;
-    gru_scan.GetVariadicInputHomogeneity = gru_scan.GetVariadicOutputHomogeneity = one;
-    gru_scan.GetStartVersion = one;
-    gru_scan.GetEndVersion = last_opset;
-    gru_scan.GetMayInplace = gru_scan.GetAliasMap = no_pairs;
-    gru_scan.ReleaseMayInplace = gru_scan.ReleaseAliasMap = free_pairs;
     OrtCustomOpDomain *domain = NULL;
     TRY(ort->CreateCustomOpDomain("ai.ctropt.kernels", &domain));
     TRY(ort->CustomOpDomain_Add(domain, &gru_scan));

@@ -29,8 +29,7 @@ def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # every value must stay
-    if kernels.uses_kernels(model):
-        kernels.register(so)
+    kernels.register_if_used(so, model)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     out_names = [o.name for o in sess.get_outputs()]
     return dict(zip(out_names, sess.run(None, {k: v for k, v in feeds.items()})))

@@ -182,8 +182,7 @@ def subgraph_session(nodes: list, leaves: list, outputs: list, opset: int, funct
     so = ort.SessionOptions()
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
-    if kernels.uses_kernels(model):
-        kernels.register(so)
+    kernels.register_if_used(so, model)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
