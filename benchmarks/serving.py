@@ -1,16 +1,17 @@
 """Batch buckets vs the dynamic model on a request mix like seed 002's, paired, in one run.
 
     python benchmarks/serving.py [--only wdl_tf,...] [--buckets 1,8,32,64,128,256,512] [--requests 200] [--rounds 5]
-                                 [--policy measured|pad] [--exact]
+                                 [--policy measured|pad] [--exact] [--backend ort-cpu|openvino-cpu]
 
 For each model: dynamic = `ctropt optimize --passes all` (one model, dynamic batch); bucketed =
 `ctropt specialize --batch BUCKETS` served by `BucketedSession` (policy "measured": a request runs padded on its
 bucket where that was timed faster at start-up, else on the dynamic model; "pad": always padded). `--exact`
-also times each bucket model against the dynamic one at exactly its batch (no padding).
+also times each bucket model against the dynamic one at exactly its batch (no padding). `--backend openvino-cpu`
+runs both on OpenVINO (the models optimized with `--target openvino`).
 The mix: 45 % of requests at the maximum batch (512), 7.4 % at 45, 2.3 % at 1, the rest spread evenly
 over 2..511 (seed 002's search service). Every request runs on both, alternating which goes first; a round is
 the whole mix, and the ratio is total dynamic time / total bucketed time per round (median and range over
-rounds). onnxruntime CPU, 1 thread each.
+rounds). 1 thread each.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="history length to fix (default: left dynamic)")
     ap.add_argument("--policy", default="measured", help="BucketedSession policy: measured or pad")
     ap.add_argument("--exact", action="store_true", help="also time each bucket at exactly its batch")
+    ap.add_argument("--backend", default="ort-cpu", help="where both run: ort-cpu or openvino-cpu")
     args = ap.parse_args()
     buckets = [int(b) for b in args.buckets.split(",")]
     mix = request_mix(args.requests, max(buckets))
@@ -67,11 +69,12 @@ def main() -> None:
     names = [n for n in MODELS if not args.only or n in args.only.split(",")]
     for name in names:
         raw = ctropt.load(MODELS[name])
-        dynamic = ctropt.optimize(raw, passes="all").model
+        target = "openvino" if args.backend.startswith("openvino") else "ort"
+        dynamic = ctropt.optimize(raw, passes="all", target=target).model
         with tempfile.TemporaryDirectory() as tmp:
-            manifest = specialize(raw, tmp, buckets, seq_len=args.seq_len)
-            served = BucketedSession(tmp, threads=1, policy=args.policy)
-            runner = Runner(dynamic, threads=1)
+            manifest = specialize(raw, tmp, buckets, seq_len=args.seq_len, target=target)
+            served = BucketedSession(tmp, args.backend, threads=1, policy=args.policy)
+            runner = Runner(dynamic, args.backend, threads=1)
             feeds = generate_inputs(raw, batch=max(buckets), seq_len=args.seq_len or 10, seed=3)
             for n in (1, 45, max(buckets)):  # warm both
                 part = {k: v[:n] for k, v in feeds.items()}

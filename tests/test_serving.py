@@ -1,5 +1,6 @@
 """Batch buckets: static shapes (fix_shapes), the row-independence check, specialize, BucketedSession, the CLI."""
 
+import gc
 import json
 from pathlib import Path
 
@@ -125,6 +126,56 @@ def test_refusals(tmp_path):
         session.run({"hist": np.ones((3, 6), np.float32)})
     with pytest.raises(CtroptError, match="missing inputs"):
         session.run({})
+
+
+def test_padding_buffers_follow_dynamic_history_lengths(tmp_path):
+    """A history length left dynamic: the padding buffers follow it; outputs with a dynamic dim and extra inputs
+    are fine, a wrong dtype is a clear error."""
+    model = make_model([node("ReduceSum", ["hist", "ax"], ["y"], keepdims=0), node("Add", ["hist", "hist"], ["z"]),
+                        node("Gather", ["table", "ids"], ["e"], axis=0)],
+                       [vi("hist", F, ["B", "T"]), vi("ids", I64, ["B", 2])],
+                       [vi("y", F, ["B"]), vi("z", F, ["B", "T"]), vi("e", F, ["B", 2, 3])],
+                       [init("ax", np.array([1])), init("table", RNG.normal(size=(9, 3)).astype(np.float32))])
+    specialize(model, tmp_path, [4, 16])
+    session = BucketedSession(tmp_path, policy="pad")
+    dynamic = Runner(model)
+    for t in (3, 5, 3):
+        for n in (1, 4, 7, 16, 21):
+            feeds = {"hist": RNG.normal(size=(n, t)).astype(np.float32), "ids": RNG.integers(0, 9, (n, 2))}
+            want, got = dynamic.run(feeds), session.run(feeds)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} t={t} n={n}")
+    kept = session._buffers[16]["ids"]
+    session.run({"hist": np.ones((9, 3), np.float32), "ids": np.zeros((9, 2), np.int64)})
+    assert session._buffers[16]["ids"] is kept  # same shape: the buffer is reused
+    extra = session.run({"hist": np.ones((4, 3), np.float32), "ids": np.zeros((4, 2), np.int64), "other": np.ones(2)})
+    assert extra["y"].tolist() == [3.0] * 4  # inputs the model does not take are ignored, as before
+    with pytest.raises(CtroptError, match="failed to run the model.*int32"):
+        session.run({"hist": np.ones((9, 3), np.float32), "ids": np.zeros((9, 2), np.int32)})
+
+
+def _rss_mib() -> float:
+    return int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmRSS")).split()[1]) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident size from /proc")
+def test_bucket_sessions_hold_one_copy_of_the_weights(tmp_path):
+    """Three buckets and the dynamic model: four onnxruntime sessions, one copy of a 49 MiB table (8 copies
+    before: four sessions, and the model bytes onnxruntime's Python session kept for each)."""
+    table = RNG.normal(size=(200_000, 64)).astype(np.float32)
+    model = make_model([node("Gather", ["table", "ids"], ["e"], axis=0), node("ReduceSum", ["e", "ax"], ["y"],
+                                                                                keepdims=0)],
+                       [vi("ids", I64, ["B", 2])], [vi("y", F, ["B", 64])], [init("table", table), init("ax", np.array([1]))])
+    specialize(model, tmp_path, [1, 4, 16])
+    del model
+    gc.collect()  # specialize's graphs
+    before = _rss_mib()
+    session = BucketedSession(tmp_path, policy="measured", calibrate_runs=2)
+    grown = _rss_mib() - before
+    assert grown < 2 * table.nbytes / 2**20, f"{grown:.0f} MiB for a {table.nbytes / 2**20:.0f} MiB table"
+    assert [list(w.shape) for w in session._weights] == [[200_000, 64]]
+    ids = RNG.integers(0, 200_000, (9, 2))
+    np.testing.assert_allclose(session.run({"ids": ids})["y"], table[ids].sum(1), rtol=1e-6)
 
 
 def test_cli_specialize(tmp_path):

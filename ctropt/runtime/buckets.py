@@ -1,22 +1,29 @@
 """Serving a directory of batch buckets (`ctropt specialize`): run each request on the static model of a bucket
 that holds it (padded, then sliced), split requests larger than the largest bucket, optionally route large
-batches to a second backend (the GPU) above a threshold."""
+batches to a second backend (the GPU) above a threshold. On onnxruntime the sessions share one copy of the
+weights the models have in common."""
 
 from __future__ import annotations
 
 import bisect
+import gc
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
 
 from ..graph import CtroptError, load
 from .inputs import generate_inputs
 from .bench import bench
-from .session import Runner
+from .session import BACKENDS, Runner
 
 POLICIES = ("pad", "measured")
+SHARE_BYTES = 4096  # initializers at least this big that several bucket models hold are stored once
 MARGIN = 0.95  # a bucket is used by the measured policy only when timed at least 5 % faster
 CALIBRATE_SECONDS = 0.05  # per paired timing at start-up (and at least `calibrate_runs` runs each)
 
@@ -51,8 +58,17 @@ class BucketedSession:
         if (gpu_backend is None) != (gpu_threshold is None):
             raise CtroptError("CPU/GPU routing needs both gpu_backend and gpu_threshold")
         self.sizes = sorted(b["batch"] for b in self.manifest["buckets"])
-        self.models = {b["batch"]: load(directory / b["file"]) for b in self.manifest["buckets"]}
-        self.runners = {b: Runner(m, backend, threads) for b, m in self.models.items()}
+        self.files = {b["batch"]: directory / b["file"] for b in self.manifest["buckets"]}
+        dynamic_file = directory / self.manifest["dynamic"]
+        models = {b: load(f) for b, f in self.files.items()}
+        if policy == "measured":
+            models[None] = load(dynamic_file)
+        # The weights every model has are held once, shared by all the sessions (onnxruntime).
+        shared, self._weights = (_shared_initializers(list(models.values())) if BACKENDS[backend][0] == "ort"
+                                 else ([{}] * len(models), []))
+        share = dict(zip(models, shared))
+        # Sessions from the files: given bytes, onnxruntime's Python session keeps them (one more copy each).
+        self.runners = {b: Runner(str(self.files[b]), backend, threads, initializers=share[b]) for b in self.sizes}
         self.gpu_backend, self.gpu_threshold, self.threads = gpu_backend, gpu_threshold, threads
         self._gpu: dict[int, Runner] = {}
         self.inputs = [i["name"] for i in self.manifest["inputs"]]
@@ -62,15 +78,21 @@ class BucketedSession:
         self.costs: dict[int, float] = {}  # bucket -> seconds per run at exactly its batch
         self.padded_costs: dict[int, float] = {}  # bucket -> seconds per padded request (pad, run, slice)
         self._buffers: dict[int, dict[str, np.ndarray]] = {}  # bucket -> input buffers padding is written into
+        self._plans: dict[int, list[tuple[int, int | None]]] = {}
         self.dynamic_costs: dict[int, float] = {}  # rows -> seconds per run of the dynamic model
         if policy == "measured":
-            self.dynamic = Runner(load(directory / self.manifest["dynamic"]), backend, threads)
-            self._calibrate(calibrate_runs)
+            self.dynamic = Runner(str(dynamic_file), backend, threads, initializers=share[None])
+            feeds = generate_inputs(models[self.sizes[-1]], batch=self.sizes[-1], seq_len=self.seq_len or 10)
+        # The sessions hold what they need: the protos (and the input analysis' graphs, in reference cycles)
+        # would be one more copy of every weight until the collector ran.
+        del models
+        gc.collect()
+        if policy == "measured":
+            self._calibrate(calibrate_runs, feeds)
 
-    def _calibrate(self, runs: int) -> None:
+    def _calibrate(self, runs: int, feeds: dict[str, np.ndarray]) -> None:
         """Time each bucket at its batch and the padded path into it (from mid-way below: padding, run, slicing),
         each paired with the dynamic model on the same rows (alternating, so drift hits both alike)."""
-        feeds = generate_inputs(self.models[self.sizes[-1]], batch=self.sizes[-1], seq_len=self.seq_len or 10)
         below = 0
         for b in self.sizes:
             part = {k: v[:b] for k, v in feeds.items()}
@@ -101,11 +123,16 @@ class BucketedSession:
 
     def plan(self, rows: int) -> list[tuple[int, int | None]]:
         """(rows, bucket) per run for a request; bucket None = the dynamic model, unpadded."""
+        if rows in self._plans:
+            return self._plans[rows]
         runs, left = [], rows
         while left > self.sizes[-1]:  # larger than every bucket: full chunks first
             runs.append((self.sizes[-1], self._choose(self.sizes[-1])))
             left -= self.sizes[-1]
-        return runs + [(left, self._choose(left))]
+        runs.append((left, self._choose(left)))
+        if self.costs or self.policy == "pad":  # fixed once calibrated
+            self._plans[rows] = runs
+        return runs
 
     def _choose(self, rows: int) -> int | None:
         """The bucket for `rows`, or None (the dynamic model) where it was measured faster. A bucket must win
@@ -121,7 +148,7 @@ class BucketedSession:
             return self.dynamic
         if self.gpu_threshold is not None and rows >= self.gpu_threshold:
             if bucket not in self._gpu:
-                self._gpu[bucket] = Runner(self.models[bucket], self.gpu_backend, self.threads)
+                self._gpu[bucket] = Runner(str(self.files[bucket]), self.gpu_backend, self.threads)
             return self._gpu[bucket]
         return self.runners[bucket]
 
@@ -138,15 +165,13 @@ class BucketedSession:
         if self.seq_len is not None:
             self._check_history(feeds)
         plan = self.plan(n)
-        if len(plan) == 1 and plan[0][1] in (None, n):  # one run, nothing to pad or slice
-            return self._runner(plan[0][1], n).run({k: feeds[k] for k in self.inputs})
+        if len(plan) == 1:
+            (take, bucket), feeds = plan[0], {k: feeds[k] for k in self.inputs}
+            return self.dynamic.run(feeds) if bucket is None else self._run_padded(feeds, take, bucket)
         parts, start = [], 0
         for take, bucket in plan:
             chunk = {k: feeds[k][start:start + take] for k in self.inputs}
-            if bucket is not None and take < bucket:
-                parts.append(self._run_padded(chunk, take, bucket))
-            else:
-                parts.append(self._runner(bucket, take).run(chunk))
+            parts.append(self.dynamic.run(chunk) if bucket is None else self._run_padded(chunk, take, bucket))
             start += take
         if len(parts) == 1:
             return parts[0]
@@ -155,6 +180,9 @@ class BucketedSession:
     def _run_padded(self, chunk: dict[str, np.ndarray], take: int, bucket: int) -> dict[str, np.ndarray]:
         """Run `take` rows on a bucket: written into the bucket's input buffers, the rest filled with copies of
         the last real row (ids stay valid; rows are independent, so they change nothing), outputs sliced."""
+        runner = self._runner(bucket, take)
+        if take == bucket:
+            return runner.run(chunk)
         buffers = self._buffers.setdefault(bucket, {})
         for k, v in chunk.items():
             buf = buffers.get(k)
@@ -162,7 +190,7 @@ class BucketedSession:
                 buf = buffers[k] = np.empty((bucket,) + v.shape[1:], v.dtype)
             buf[:take] = v
             buf[take:] = v[take - 1]
-        out = self._runner(bucket, take).run(buffers)
+        out = runner.run(buffers)
         return {k: v[:take] for k, v in out.items()}
 
     def _check_history(self, feeds) -> None:
@@ -181,6 +209,36 @@ class _PaddedRun:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.session._run_padded(feeds, self.take, self.bucket)
+
+
+def _shared_initializers(models: list) -> tuple[list[dict], list[np.ndarray]]:
+    """Per model, {name: OrtValue} for its initializers that another model holds too (same name, dtype, shape
+    and bytes; at least SHARE_BYTES), each backed by one array for all; and those arrays (keep them alive)."""
+    count, keyed = {}, []
+    for model in models:
+        keys = {}
+        for t in model.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                continue
+            data = t.raw_data or numpy_helper.to_array(t).tobytes()
+            if len(data) >= SHARE_BYTES:
+                key = (t.name, t.data_type, tuple(t.dims), hashlib.blake2b(data, digest_size=16).digest())
+                keys[t.name] = key
+                count[key] = count.get(key, 0) + 1
+        keyed.append((model, keys))
+    arrays, values, per_model = [], {}, []
+    for model, keys in keyed:
+        mine = {}
+        for t in model.graph.initializer:
+            key = keys.get(t.name)
+            if key is None or count[key] < 2:
+                continue
+            if key not in values:
+                arrays.append(np.ascontiguousarray(numpy_helper.to_array(t)))
+                values[key] = ort.OrtValue.ortvalue_from_numpy(arrays[-1])
+            mine[t.name] = values[key]
+        per_model.append(mine)
+    return per_model, arrays
 
 
 def _medians(result) -> tuple[float, float]:

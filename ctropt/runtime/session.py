@@ -64,10 +64,12 @@ class Runner:
     """One loaded model on one backend; `run(feeds)` returns {output name: array}.
 
     threads: 0 = the runtime's default (all cores). precision: an OpenVINO inference precision hint.
+    initializers: {name: onnxruntime.OrtValue} used instead of the model's own (onnxruntime; the caller keeps
+    them alive), so that several sessions hold one copy of the same weights.
     """
 
     def __init__(self, model: onnx.ModelProto | str, backend: str = "ort-cpu", threads: int = 0,
-                 precision: str | None = None):
+                 precision: str | None = None, initializers: dict | None = None):
         check_backend(backend)
         if precision is not None and precision not in PRECISIONS:
             raise CtroptError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -89,7 +91,7 @@ class Runner:
                 model.ir_version = saved_ir
         try:
             if runtime == "ort":
-                self._init_ort(source, device, threads)
+                self._init_ort(source, device, threads, initializers or {})
             else:
                 self._init_openvino(source, device, threads, precision)
         except CtroptError:
@@ -97,11 +99,13 @@ class Runner:
         except Exception as e:  # the runtimes raise many exception types for unloadable models
             raise CtroptError(f"{backend} cannot load the model: {_first_line(e)}") from None
 
-    def _init_ort(self, source, provider, threads):
+    def _init_ort(self, source, provider, threads, initializers):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 4
+        for name, value in initializers.items():
+            opts.add_initializer(name, value)
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
