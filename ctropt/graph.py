@@ -13,8 +13,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
-# The highest versions onnxruntime 1.31 loads (checked by tests/test_graph.py against the installed
-# runtime): onnx 1.23 writes IR 14, which onnxruntime rejects, so saved models are clamped to these.
+# The highest versions onnxruntime 1.31 loads (tests/test_graph.py checks the installed runtime loads them):
+# onnx 1.23 writes IR 14, which 1.31 rejects, so saved models are clamped to these. (1.32 loads IR 14.)
 MAX_IR_VERSION = 13
 MAX_ONNX_OPSET = 26
 PROTOBUF_LIMIT = 2**31 - 1
