@@ -126,6 +126,8 @@ class Runner:
             config["INFERENCE_PRECISION_HINT"] = precision
         self._compiled = core.compile_model(model, device, config)
         self._request = self._compiled.create_infer_request()
+        # OpenVINO's in-memory reader drops graph inputs no node reads; runs feed only what the model takes.
+        self._ov_inputs = {n for port in self._compiled.inputs for n in port.get_names()}
         onnx_names = set(self._onnx_outputs)
         # OpenVINO gives each output several names; report the ONNX graph output name.
         self.output_names = [next((n for n in sorted(o.get_names()) if n in onnx_names), o.get_any_name())
@@ -135,9 +137,7 @@ class Runner:
         try:
             if BACKENDS[self.backend][0] == "ort":
                 return dict(zip(self.output_names, self._sess.run(None, feeds)))
-            # OpenVINO's in-memory reader drops graph inputs no node reads; feed only what the model takes.
-            names = {n for port in self._compiled.inputs for n in port.get_names()}
-            results = self._request.infer({k: v for k, v in feeds.items() if k in names})
+            results = self._request.infer({k: v for k, v in feeds.items() if k in self._ov_inputs})
             return {name: np.asarray(results[out]) for name, out in zip(self.output_names, self._compiled.outputs)}
         except Exception as e:
             raise CtroptError(f"{self.backend} failed to run the model: {_first_line(e)}") from None
