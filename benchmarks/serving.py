@@ -67,9 +67,9 @@ def main() -> None:
           "| rows padded |" + (" at exactly a bucket's batch: dynamic / bucket |" if args.exact else ""))
     print("|---|---|---|---|---|" + ("---|" if args.exact else ""))
     names = [n for n in MODELS if not args.only or n in args.only.split(",")]
+    target = "openvino" if args.backend.startswith("openvino") else "ort"
     for name in names:
         raw = ctropt.load(MODELS[name])
-        target = "openvino" if args.backend.startswith("openvino") else "ort"
         dynamic = ctropt.optimize(raw, passes="all", target=target).model
         with tempfile.TemporaryDirectory() as tmp:
             manifest = specialize(raw, tmp, buckets, seq_len=args.seq_len, target=target)

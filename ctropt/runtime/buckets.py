@@ -78,7 +78,6 @@ class BucketedSession:
         self.costs: dict[int, float] = {}  # bucket -> seconds per run at exactly its batch
         self.padded_costs: dict[int, float] = {}  # bucket -> seconds per padded request (pad, run, slice)
         self._buffers: dict[int, dict[str, np.ndarray]] = {}  # bucket -> input buffers padding is written into
-        self._plans: dict[int, list[tuple[int, int | None]]] = {}
         self.dynamic_costs: dict[int, float] = {}  # rows -> seconds per run of the dynamic model
         if policy == "measured":
             self.dynamic = Runner(str(dynamic_file), backend, threads, initializers=share[None])
@@ -123,16 +122,11 @@ class BucketedSession:
 
     def plan(self, rows: int) -> list[tuple[int, int | None]]:
         """(rows, bucket) per run for a request; bucket None = the dynamic model, unpadded."""
-        if rows in self._plans:
-            return self._plans[rows]
         runs, left = [], rows
         while left > self.sizes[-1]:  # larger than every bucket: full chunks first
             runs.append((self.sizes[-1], self._choose(self.sizes[-1])))
             left -= self.sizes[-1]
-        runs.append((left, self._choose(left)))
-        if self.costs or self.policy == "pad":  # fixed once calibrated
-            self._plans[rows] = runs
-        return runs
+        return runs + [(left, self._choose(left))]
 
     def _choose(self, rows: int) -> int | None:
         """The bucket for `rows`, or None (the dynamic model) where it was measured faster. A bucket must win
