@@ -295,7 +295,17 @@ def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
 
 
 def to_graph(model: onnx.ModelProto) -> gs.Graph:
-    return gs.import_onnx(model)
+    graph = gs.import_onnx(model)
+    for g in iter_graphs(graph):
+        for n in g.nodes:
+            if n.op == "Loop" and isinstance(n.attrs.get("body"), gs.Graph) and len(n.attrs["body"].inputs) >= 2:
+                body = n.attrs["body"].inputs  # (onnxruntime makes the iteration number of the rank declared)
+                # a carried value's shape may change after the first iteration, whatever the body declares
+                # (paddle2onnx: a scalar 0 that the body makes [1]; a "Reshape to the same shape" removed on the
+                # strength of the declaration gives a Slice 2-D starts): not trusted
+                for t in body[2:]:
+                    t.shape = None
+    return graph
 
 
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:

@@ -243,7 +243,7 @@ def test_batch_statistics_block_dedup_and_say_why(stats, op, why):
 @pytest.mark.parametrize("name", ["din_tf", "dien_tf", "din_torch", "dien_torch"])
 def test_zoo_din_dien(name):
     raw = ctropt.load(zoo.DATA / f"{name}.onnx")
-    result = ctropt.optimize(raw)
+    result = ctropt.optimize(raw, speed=False)
     status = {r.name: r.status for r in result.records}
     assert status["remove-attention-padding"] == "applied"
     if name.startswith("dien"):
@@ -261,7 +261,7 @@ def test_zoo_din_dien(name):
                                   "deepctr_torch_DIEN_GRU_padded_dynamo", "deepctr_DIEN_GRU_where_tf2onnx"])
 def test_thirdparty_din_dien(stem):
     raw = ctropt.load(THIRDPARTY / f"{stem}.onnx")
-    result = ctropt.optimize(raw)
+    result = ctropt.optimize(raw, speed=False)
     status = {r.name: r.status for r in result.records}
     assert status["remove-attention-padding"] == "applied", result.records
     feeds = generate_inputs(raw, batch=8, fill=0.5, one_user=True)
@@ -278,7 +278,7 @@ def test_third_party_din_attention_reads_the_query_once_per_row(name):
     the first layer projected once per row; deepctr-torch's Dice (Transpose → BatchNorm1d → mix → Transpose)
     runs on the rows of one 2-D chain, no Transpose or BatchNormalization left in the region."""
     raw = ctropt.load(THIRDPARTY / f"{name}.onnx")
-    result = ctropt.optimize(raw, passes="all")
+    result = ctropt.optimize(raw, passes="all", speed=False)
     notes = [note for r in result.records if r.name == "remove-attention-padding" for note in r.notes]
     assert any("1 read once per row, its part of 1 layer(s) projected once per row" in n for n in notes), notes
     folded = [r.rewrites for r in result.records if r.name == "fold-fc-affine"]

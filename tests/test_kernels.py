@@ -108,7 +108,7 @@ def test_dien_exports_with_the_kernel_form(path):
     """`all` with rnn_ort_form=kernel: every recurrent layer is one GRUScan, no loop is left, the interface is
     kept, outputs equal the framework's (shipped inputs), and ctropt's Runner registers the library itself."""
     raw = load(path)
-    result = ctropt.optimize(raw, passes="all", options={"rnn_ort_form": "kernel"})
+    result = ctropt.optimize(raw, passes="all", options={"rnn_ort_form": "kernel"}, speed=False)
     assert not result.failed, [(r.name, r.message) for r in result.failed]
     opt = result.model
     assert interface(opt) == interface(raw)
@@ -125,7 +125,7 @@ def test_dien_exports_with_the_kernel_form(path):
     got = Runner(opt).run(feeds)
     diffs = compare_outputs(framework, {k: got[k] for k in framework}, atol=1e-5, rtol=1e-4)
     assert all(d.ok for d in diffs), diffs
-    again = ctropt.optimize(opt, passes="all", options={"rnn_ort_form": "kernel"})
+    again = ctropt.optimize(opt, passes="all", options={"rnn_ort_form": "kernel"}, speed=False)
     assert all(r.status == "unchanged" for r in again.records), [(r.name, r.status) for r in again.records]
 
 
@@ -141,7 +141,7 @@ def test_a_model_with_kernels_and_no_library_is_a_clear_error(tmp_path, monkeypa
 def test_the_kernel_form_without_the_library_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
     with pytest.raises(CtroptError, match="rnn_ort_form=kernel needs.*ctropt kernels build"):
-        ctropt.optimize(load(ZOO / "dien_tf.onnx"), passes="all", options={"rnn_ort_form": "kernel"})
+        ctropt.optimize(load(ZOO / "dien_tf.onnx"), passes="all", options={"rnn_ort_form": "kernel"}, speed=False)
 
 
 def test_bad_shapes_are_refused_by_the_kernel():

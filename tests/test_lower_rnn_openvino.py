@@ -189,7 +189,7 @@ def test_openvino_target_chain(tmp_path):
         model, feeds, want = _model(attrs, static_t, seed=2, layers=layers)
         with pytest.raises(ctropt.CtroptError):  # the fused op as it is: OpenVINO cannot load model-local functions
             _openvino(model)
-        result = ctropt.optimize(model, passes="all", target="openvino", feeds=feeds)
+        result = ctropt.optimize(model, passes="all", target="openvino", feeds=feeds, speed=False)
         assert not result.failed, [(r.name, r.message) for r in result.failed]
         record = next(r for r in result.records if r.name == "lower-rnn-openvino")
         assert record.status == "applied" and record.rewrites == len(layers)
@@ -238,6 +238,6 @@ def test_weights_made_by_nodes():
     assert [n.rsplit(": ", 1)[1] for n in ctx.notes] == ["gru-op", "scan"]
     _check(Runner(once).run(feeds), want, "onnxruntime")
     lower = [p.name for p in ctropt.passes.resolve("all", target="openvino") if p.group == "lower"]
-    result = ctropt.optimize(model, passes=lower, target="openvino", feeds=feeds)
+    result = ctropt.optimize(model, passes=lower, target="openvino", feeds=feeds, speed=False)
     assert not result.failed, [(r.name, r.message) for r in result.failed]
     _check(_openvino(result.model)[0].run(feeds), want, "openvino")

@@ -49,7 +49,7 @@ def _q_params(model):
 
 
 def _optimize(model, passes="fuse-fc,quantize-int8", **options):
-    return ctropt.optimize(model, passes=passes, options={**NO_SPEED_GATE, **options})
+    return ctropt.optimize(model, passes=passes, options={**NO_SPEED_GATE, **options}, speed=False)
 
 
 @pytest.mark.parametrize("rank,bias", [(2, True), (3, True), (2, False)])
@@ -108,7 +108,7 @@ def test_accuracy_gate_rolls_layers_back_and_leaves_the_model_fp32_when_none_fit
 def test_speed_gate_keeps_layers_fp32_unless_measured_faster():
     model = _mlp()
     result = ctropt.optimize(model, passes="fuse-fc,quantize-int8",
-                             options={"calib": _data(), "int8_min_speedup": "1000", "int8_bench_seconds": "0.1"})
+                             options={"calib": _data(), "int8_min_speedup": "1000", "int8_bench_seconds": "0.1"}, speed=False)
     rec = result.records[-1]
     assert rec.status == "unchanged"
     layer_notes = [n for n in rec.notes if "alone on ort-cpu" in n]
@@ -151,8 +151,36 @@ def test_cli_int8_with_calibration_file(tmp_path):
     src, calib = tmp_path / "m.onnx", tmp_path / "calib.npz"
     onnx.save(_mlp(), src)
     np.savez(calib, **_data())
-    res = CliRunner().invoke(app, ["optimize", str(src), "--int8", "--calib", str(calib), "--option", "int8_min_speedup=0"])
+    res = CliRunner().invoke(app, ["optimize", str(src), "--int8", "--calib", str(calib), "--option", "int8_min_speedup=0", "--no-speed-check"])
     assert res.exit_code == 0, res.output
     assert "quantize-int8" in res.output and "→ INT8" in res.output
     res = CliRunner().invoke(app, ["optimize", str(src), "--calib", str(calib), "-o", str(tmp_path / "o.onnx")])
     assert res.exit_code == 2 and "--int8" in res.output
+
+
+def test_worst_row_gate_refuses_what_the_mean_gate_lets_through():
+    """A mean-based bound passes every layer here; the max-error bound on the worst row refuses them all."""
+    model = _mlp()
+    mean_only = _optimize(model, calib=_data(), int8_threshold="1.0", int8_max_abs="1e9").records[-1]
+    assert mean_only.status == "applied"
+    rec = _optimize(model, calib=_data(), int8_threshold="1.0", int8_max_abs="1e-7").records[-1]
+    assert rec.status == "unchanged", rec.notes
+    assert sum("back to FP32" in n and "max abs err" in n for n in rec.notes) == 3
+
+
+@pytest.mark.parametrize("name", ["deepctr_torch_DeepFM_dynamo", "deepctr_torch_WDL_dynamo"])
+def test_int8_keeps_every_row_within_the_bound_on_third_party_exports(name):
+    """Accepted before with a max probability error of 0.025 (a mean-only gate): now every calibration row stays
+    within 0.01, or the layers stay FP32."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "thirdparty" / f"{name}.onnx"
+    raw = ctropt.load(path)
+    calib = ctropt.runtime.generate_inputs(raw, batch=512, seed=5)
+    result = ctropt.optimize(raw, passes="all,quantize-int8", speed=False,
+                             options={"int8_min_speedup": "0", "calib": calib})
+    rec = [r for r in result.records if r.name == "quantize-int8"][0]
+    out = result.model.graph.output[0].name
+    err = np.abs(run_model(result.model, calib)[out] - run_model(raw, calib)[out]).max()
+    assert err <= 0.01 + 1e-6, (err, rec.notes)
+    assert rec.status in ("applied", "unchanged")

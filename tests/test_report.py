@@ -140,7 +140,7 @@ def test_manager_records_diffs_misses_and_the_attempt_of_a_rolled_back_pass():
                             node("Relu", ["a"], ["y"])],
                            [vi("x", F, [2, 4])], [vi("y", F, [2, 3])],
                            [init("w", _w(4, 3)), init("b", _w(2, 3))])  # a [2, 3] bias: not per column
-        result = ctropt.optimize(model, passes=["fuse-fc", "test-break-relu"])
+        result = ctropt.optimize(model, passes=["fuse-fc", "test-break-relu"], speed=False)
         fc, broken = result.records
         assert fc.status == "unchanged" and fc.diff is None
         assert "fc+bias+act: matched 1, declined: 'Relu_y' (the Add is not a per-column bias)" in fc.misses
@@ -179,7 +179,7 @@ def wide_model(branches=400):
 def test_terminal_tree_summarises_a_5000_node_graph():
     model = wide_model()
     assert sum(1 for _ in model.graph.node) > 4800
-    result = ctropt.optimize(model, passes=["eliminate-identity", "fuse-fc"], batch=2)
+    result = ctropt.optimize(model, passes=["eliminate-identity", "fuse-fc"], batch=2, speed=False)
     assert [r.status for r in result.records] == ["applied", "applied"]
     console = Console(record=True, width=120)
     print_pass_diffs(console, result.records)
@@ -222,7 +222,7 @@ class _Tags(html.parser.HTMLParser):
 
 def test_page_is_self_contained_and_well_formed():
     before = _loop_model()
-    result = ctropt.optimize(fc_model(), passes=["fuse-fc", "fuse-rnn"])
+    result = ctropt.optimize(fc_model(), passes=["fuse-fc", "fuse-rnn"], speed=False)
     page = render(result.records, title="t <&> title")
     parser = _Tags()
     parser.feed(page)
@@ -268,7 +268,7 @@ def test_cli_show_diff_report_and_diff(tmp_path):
                                      "thirdparty/torchrec_dlrm_dynamo.onnx"])
 def test_reports_on_third_party_exports(fixture, tmp_path):
     model = load(ROOT / "data" / fixture)
-    result = ctropt.optimize(model, passes="all", verify=False)
+    result = ctropt.optimize(model, passes="all", verify=False, speed=False)
     applied = [r for r in result.records if r.status == "applied"]
     assert applied and all(r.diff is not None for r in applied)
     page = render(result.records, title=fixture)

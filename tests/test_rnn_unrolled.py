@@ -373,7 +373,7 @@ def test_packed_gru_over_fewer_rows_than_the_batch():
         for g in iter_proto_graphs_of(f):
             for v in list(g.input) + list(g.output) + list(g.value_info):
                 assert not any(d.dim_param for d in v.type.tensor_type.shape.dim), (f.name, v.name)
-    records = {r.name: r for r in ctropt.optimize(model).records}
+    records = {r.name: r for r in ctropt.optimize(model, speed=False).records}
     assert records["fuse-rnn"].status == "applied", records["fuse-rnn"].message
 
 

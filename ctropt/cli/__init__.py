@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ..graph import CtroptError, check_output_path, interface, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
+from ..passes.speed import SpeedCheck
 from ..report import write_report
 from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
@@ -106,8 +107,16 @@ def optimize(
                                    "regions) and why the others did not fire."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write a self-contained HTML page: every pass "
                                           "with before/after drawings of what it changed."),
-    bench_passes: bool = typer.Option(False, "--bench-passes", help="Time each applied pass's result against "
-                                      "its input (paired, ~1 s each, at --batch) on the target's runtime."),
+    speed_check: bool = typer.Option(True, "--speed-check/--no-speed-check", help="Time each speed pass against "
+                                     "its input on the target's runtime (paired, 1 thread, --speed-batch rows) "
+                                     "and roll it back when slower; then the whole result against the input."),
+    speed_batch: int = typer.Option(256, "--speed-batch", min=1, help="Rows of the speed check's inputs."),
+    bench_passes: bool = typer.Option(False, "--bench-passes", help="Time every applied pass against its input "
+                                      "(as the speed check does) and only record the ratios: nothing is rolled back "
+                                      "for speed."),
+
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write what each pass did (status, "
+                                            "rewrites, speed ratio, message) and the whole result's speed as JSON."),
 ):
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
@@ -124,8 +133,9 @@ def optimize(
         elif calib is not None:
             raise CtroptError("--calib is calibration data for --int8; add --int8")
         out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
-        if report is not None:
-            check_output_path(report, model, out)
+        for extra in (report, json_out):
+            if extra is not None:
+                check_output_path(extra, model, out)
         m = load(model)
         feeds = load_inputs(inputs, m) if inputs else None
         status = console.status("starting")
@@ -138,28 +148,33 @@ def optimize(
                               + (f" ({record.rewrites} rewrites)" if record.rewrites else "")
                               + (f": {escape(record.message)}" if record.message else ""))
 
+        speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes) \
+            if speed_check or bench_passes else None
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
-                              verify=verify, strict=strict, on_pass=progress, options=options,
-                              bench=_pass_bench(target, feeds, batch, static_seq_len) if bench_passes else None)
+                              verify=verify, strict=strict, on_pass=progress, options=options, speed=speed)
         console.print(f"[bold]{model}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, target {target}")
         with status:
             result = manager.run(m)
         save(result.model, out, protect=(model,))
         table = Table(title=f"{model.name} → {out.name}")
-        for col in ("pass", "status", "matches", "rewrites", "nodes", "max err", "time"):
+        for col in ("pass", "status", "matches", "rewrites", "nodes", "max err", "speed", "time"):
             table.add_column(col, justify="left" if col in ("pass", "status") else "right")
         for r in result.records:
-            style = {"rolled back": "red", "failed": "red", "unchanged": "dim"}.get(r.status, "")
+            style = {"rolled back": "red", "failed": "red", "slower": "yellow", "unchanged": "dim"}.get(r.status, "")
             table.add_row(r.name, f"[{style}]{r.status}[/]" if style else r.status, str(r.matches), str(r.rewrites),
-                          f"{r.nodes_before}→{r.nodes_after}", _fmt_err(r.max_abs_err), f"{r.seconds:.2f}s")
+                          f"{r.nodes_before}→{r.nodes_after}", _fmt_err(r.max_abs_err),
+                          "-" if r.speedup is None else f"{r.speedup:.2f}×", f"{r.seconds:.2f}s")
         console.print(table)
-        for r in result.failed:
-            console.print(f"[red]{r.name} {r.status}[/]: {escape(r.message)}")
+        for r in result.failed + [r for r in result.records if r.status == "slower"]:
+            console.print(f"[{'yellow' if r.status == 'slower' else 'red'}]{r.name} {r.status}[/]: {escape(r.message)}")
+        _print_whole_speed(result)
         for r in result.records:
             if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
                 console.print(f"[bold]{r.name}[/]:\n" + "\n".join(f"  {escape(n)}" for n in r.notes))
         if show_diff:
             print_pass_diffs(console, result.records)
+        if json_out is not None:
+            _write_json(json_out, result, model, out, target)
         console.print(f"saved {out} ({node_count(m)} → {node_count(result.model)} nodes"
                       + ("" if verify else ", outputs NOT verified") + ")")
         if report is not None:
@@ -178,18 +193,28 @@ def optimize(
                 console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}")
 
 
-def _pass_bench(target: str, feeds, batch: int, seq_len: Optional[int]):
-    """A PassManager bench hook: paired time ratio before/after on the target's CPU runtime."""
-    from ..runtime.bench import bench as run_bench
+def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None:
+    import json
 
-    backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
+    speed = result.speed
+    path.write_text(json.dumps({
+        "input": str(model), "output": str(out), "target": target, "kept_input": result.kept_input,
+        "speed": None if speed is None else {"ratio": speed.ratio, "p10": speed.p10, "p90": speed.p90,
+                                             "pairs": speed.pairs},
+        "speed_note": result.speed_note,
+        "passes": [{"name": r.name, "status": r.status, "rewrites": r.rewrites, "nodes": [r.nodes_before, r.nodes_after],
+                    "max_abs_err": r.max_abs_err, "speedup": r.speedup, "seconds": round(r.seconds, 3),
+                    "message": r.message} for r in result.records]}, indent=1))
 
-    def measure(before, after):
-        data = feeds or generate_inputs(before, batch=batch, seq_len=seq_len or DEFAULT_SEQ_LEN)
-        r = run_bench([Runner(before, backend), Runner(after, backend)], data, batch, seconds=1.0)
-        return r.ratio, r.ratio_p10, r.ratio_p90
 
-    return measure
+def _print_whole_speed(result) -> None:
+    """The whole result against the input, as the speed check measured it; loud when the input was kept."""
+    if result.kept_input:
+        console.print(f"[bold red]SLOWER THAN THE INPUT:[/] {escape(result.speed_note)}")
+    elif result.speed is not None:
+        console.print(f"speed: {result.speed} the input's time / the result's (paired, 1 thread)")
+    elif result.speed_note:
+        console.print(f"speed: {escape(result.speed_note)}")
 
 
 @app.command()

@@ -209,7 +209,8 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
         xw_zr = e.op("Add", [e.op("MatMul", [x_t, W_zr]), b_zr])   # [T, B, 2H]
         xw_n = e.op("Add", [e.op("MatMul", [x_t, W_n]), b_n])      # [T, B, H]
     else:
-        tb = e.op("Shape", [x_t], {"end": 2})
+        tb = e.op("Shape", [x_t], {"end": 2}) if int(e.graph.opset or OPSET) >= 15 else \
+            e.op("Slice", [e.op("Shape", [x_t]), e.const(np.array([0], np.int64)), e.const(np.array([2], np.int64))])
         x_2d = e.op("Reshape", [x_t, e.const(np.array([-1, W.shape[0]], np.int64))])
         xw_zr = e.op("Reshape", [e.op("Gemm", [x_2d, W_zr, b_zr]),
                                  e.op("Concat", [tb, e.const(np.array([2 * H], np.int64))], {"axis": 0})])

@@ -100,14 +100,16 @@ def _fc_rules(target: str) -> list[Rewrite]:
         k = m.const("w").shape[0]
         x2, lead = flat_of.get(id(xin), (None, None))
         if x2 is None:  # the first layer of a flat chain: rows of x, and x's leading dims for the way back
+            # the rows get a dim name of their own: onnxruntime plans buffers of one dim name as one size, and
+            # chains over different inputs have different row counts (PaddleRec BST: B*(T+1) and B*(T+2))
             (x2,) = m.op("Reshape", [xin, m.constant("fc/flat", np.array([-1, k], np.int64))],
-                         dtype=dtype_of(xin), shape=["fc_rows", k])
+                         dtype=dtype_of(xin), shape=[f"rows_of_{xin.name}", k])
             (lead,) = m.op("Shape", [xin], dtype=np.int64, shape=[rank])
             (lead,) = m.op("Slice", [lead, m.constant("fc/zero", np.array([0], np.int64)),
                                      m.constant("fc/minus_one", np.array([-1], np.int64))], dtype=np.int64,
                            shape=[rank - 1])
         inputs[0] = x2
-        (y,) = m.op("Gemm", inputs, dtype=dtype_of(xin), shape=["fc_rows", n])
+        (y,) = m.op("Gemm", inputs, dtype=dtype_of(xin), shape=[shape_of(x2)[0] if shape_of(x2) else None, n])
         if act:
             (y,) = m.op(act.op, [y], dict(act.attrs), dtype=y.dtype, shape=y.shape)
         (shape,) = m.op("Concat", [lead, m.constant("fc/cols", np.array([n], np.int64))], {"axis": 0},

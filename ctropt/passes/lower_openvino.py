@@ -67,7 +67,7 @@ def _has_input(node: gs.Node, i: int) -> bool:
 # ----------------------------------------------------------------------------------------- Squeeze / Compress
 
 
-@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10)
+@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10, speed=False)
 def squeeze_explicit_axes(ctx: PassContext) -> None:
     """Squeeze without axes on a value of known rank names its axes (the dims known to be 1), so its rank is static."""
     new_style = _opset(ctx) >= 13
@@ -92,7 +92,7 @@ def squeeze_explicit_axes(ctx: PassContext) -> None:
             ctx.rewrites += 1
 
 
-@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11)
+@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11, speed=False)
 def compress_explicit_axis(ctx: PassContext) -> None:
     """Compress without axis gets axis=0 on its input flattened to 1-D, avoiding OpenVINO's dynamic-rank Squeeze."""
     for g in iter_graphs(ctx.graph):
@@ -187,13 +187,13 @@ def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
             ctx.rewrites += 1
 
 
-@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, order=20)
+@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, order=20, speed=False)
 def scan_outer_scope_as_state(ctx: PassContext) -> None:
     """Values a Scan body reads from the outer scope become explicit pass-through states (OpenVINO miscounts them)."""
     _explicit_outer_values(ctx, "Scan")
 
 
-@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, order=21)
+@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, order=21, speed=False)
 def loop_inline_invariant_constants(ctx: PassContext) -> None:
     """A Loop-carried value the body passes through unchanged and that starts as a constant is read as that constant."""
     for g in iter_graphs(ctx.graph):
@@ -230,7 +230,7 @@ def loop_inline_invariant_constants(ctx: PassContext) -> None:
             ctx.rewrites += 1
 
 
-@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22)
+@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22, speed=False)
 def body_passthrough_identity(ctx: PassContext) -> None:
     """A Loop/Scan body output that is a body input itself is routed through an Identity (OpenVINO's file reader needs it)."""
     for g in iter_graphs(ctx.graph):
@@ -260,7 +260,7 @@ def _direction(node: gs.Node) -> str:
     return d.decode() if isinstance(d, bytes) else str(d)
 
 
-@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, order=30)
+@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, order=30, speed=False)
 def gru_sequence_lens_as_mask(ctx: PassContext) -> None:
     """Forward GRU with sequence_lens (OpenVINO CPU ignores them): run unmasked, zero Y past each length, take Y_h at length-1."""
     for g in iter_graphs(ctx.graph):
@@ -339,7 +339,7 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
 # ----------------------------------------------------------------------------------------- Split + Cast(bool)
 
 
-@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40)
+@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40, speed=False)
 def split_cast_bool_as_compare(ctx: PassContext) -> None:
     """Cast-to-bool of a Split output becomes Not(Equal(x, 0)): OpenVINO CPU otherwise gives every output the first part."""
     _annotate_if(ctx, lambda n: n.outputs if n.op == "Split" else [])

@@ -14,7 +14,9 @@ from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, 
 from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs,
                        model_input_facts, store_input_facts, summary)
 from ..report.diff import ModelDiff, diff_models
+from ..runtime.bench import SpeedVerdict
 from .registry import Pass, PassContext, resolve
+from .speed import SpeedCheck, SpeedGuard, fused_op_counts
 
 
 @dataclasses.dataclass
@@ -22,7 +24,7 @@ class PassRecord:
     """What one pass did: statistics, the node-level change, the numeric check and the time it took."""
 
     name: str
-    status: str  # applied | unchanged | rolled back | failed | skipped
+    status: str  # applied | unchanged | rolled back | failed | slower (rolled back by the speed guard) | skipped
     matches: int = 0
     rewrites: int = 0
     nodes_before: int = 0
@@ -33,7 +35,7 @@ class PassRecord:
     notes: list[str] = dataclasses.field(default_factory=list)
     misses: list[str] = dataclasses.field(default_factory=list)  # a pass that did not fire: its closest attempts
     diff: ModelDiff | None = None  # what it changed (also for a rolled-back pass: what it tried)
-    speedup: float | None = None  # time before / after, paired (PassManager(bench=...))
+    speedup: float | None = None  # time before / after, paired (the speed guard), also for a group it was in
     speedup_p10: float | None = None
     speedup_p90: float | None = None
 
@@ -43,6 +45,9 @@ class OptimizeResult:
     model: onnx.ModelProto
     records: list[PassRecord]
     verified: bool
+    speed: SpeedVerdict | None = None  # the whole result against the input, on the target's runtime
+    speed_note: str = ""  # why the whole result was not timed, or that the input was kept as faster
+    kept_input: bool = False  # the optimized model measured slower than the input: the input is the result
 
     @property
     def failed(self) -> list[PassRecord]:
@@ -58,21 +63,24 @@ class PassManager:
 
     feeds: inputs to verify with (default: generated, `batch` rows, and one row as well); verify=False skips
     the numeric check (the interface check still runs). strict=True raises PassFailed instead of rolling back.
-    bench(before, after) -> (median, p10, p90) of paired time ratios: measured for every applied pass (a
-    CtroptError from it becomes a "not timed" note).
+    speed: a SpeedCheck (or True for the default one): the speed guard (passes/speed.py) times every applied
+    speed pass against the last checkpoint and rolls back what is slower, then the whole result against the
+    input; with `enforce=False` it times every applied pass and only records the ratios.
     """
 
     def __init__(self, passes="all", *, skip=(), target: str = "ort", feeds: dict[str, np.ndarray] | None = None,
                  batch: int = DEFAULT_BATCH, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
                  strict: bool = False, options: dict | None = None,
                  on_pass: Callable[[Pass, PassRecord | None], None] | None = None,
-                 bench: Callable[[onnx.ModelProto, onnx.ModelProto], tuple[float, float, float]] | None = None):
+                 speed: SpeedCheck | bool | None = None):
         self.passes = resolve(passes, skip, target)
         self.target, self.feeds, self.batch = target, feeds, batch
         self.atol, self.rtol, self.verify, self.strict = atol, rtol, verify, strict
         self.options = options or {}
-        self.on_pass, self.bench = on_pass, bench
+        self.on_pass = on_pass
+        self.speed = SpeedCheck() if speed is True else (speed or None)
         self.input_facts = None  # the model's runtime.inputs facts, set by run for the passes
+        self.check_validity = True  # the input passes onnx's full checker, so every pass's result must (set by run)
 
     def _input_options(self) -> dict:
         """A static history length asked of the lowering is the one the generated inputs use."""
@@ -99,17 +107,78 @@ class PassManager:
                 except CtroptError:  # some exports run only at the batch they were traced with
                     pass
         records = []
+        self.check_validity = invalid_reason(model) is None  # an input the checker refuses is kept as valid as it was
         current = to_model(to_graph(model), like=model)  # one normalizing round trip, so passes compare like with like
         self.input_facts = model_input_facts(model)
         store_input_facts(current, self.input_facts)  # id bounds outlive rewrites that hide them (fused tables)
+        start = current
+        guard = SpeedGuard(self.speed, self.target, start) if self.speed else None
+        pending = _Pending(current, reference)
         for p in self.passes:
             if self.on_pass:
                 self.on_pass(p, None)
+            before, kept = current, reference
             record, current, reference = self._run_one(p, current, original_interface, feeds, reference)
             records.append(record)
+            if guard is not None and record.status == "applied":
+                current, reference = self._guard(guard, p, record, pending, (before, kept), (current, reference))
             if self.on_pass:
                 self.on_pass(p, record)
-        return OptimizeResult(current, records, self.verify)
+        if guard is not None and pending.timed:  # a fusion no lowering followed: timed as it is
+            current, reference = self._settle(guard, pending, current, reference)
+        result = OptimizeResult(current, records, self.verify)
+        if guard is not None:
+            self._check_whole(guard, start, result)
+        return result
+
+    def _guard(self, guard: SpeedGuard, p: Pass, record: PassRecord, pending: "_Pending", before, after):
+        """After an applied pass: move the checkpoint, wait for a lowering, or time the group since it.
+        `before` and `after` are (model, outputs to keep) pairs."""
+        timed = bool(p.speed) or not guard.check.enforce
+        fused = fused_op_counts(before[0])
+        if timed and fused and fused == fused_op_counts(after[0]):
+            # between a fusion and its lowering, a pass that neither adds nor lowers fused ops is timed alone:
+            # both sides run the same fused ops (their function bodies)
+            return self._settle(guard, _Pending(*before, [(record, True)]), *after)
+        pending.records.append((record, timed))
+        if not pending.timed:  # nothing to time since the checkpoint: move it
+            pending.reset(*after)
+            return after
+        if fused_op_counts(after[0]):  # fuse, then lower: timed together with the lowering
+            return after
+        return self._settle(guard, pending, *after)
+
+    def _settle(self, guard: SpeedGuard, pending: "_Pending", current, reference):
+        """Time the passes since the checkpoint as one step; keep them, or roll them back when slower."""
+        t0 = time.perf_counter()
+        verdict, note = guard.try_measure(pending.model, current)
+        group = [r for r, _ in pending.records]
+        others = f" (timed together with {', '.join(r.name for r in group[:-1])})" if len(group) > 1 else ""
+        for r in group:
+            if verdict is None:
+                r.notes = r.notes + [note]
+            else:
+                r.speedup, r.speedup_p10, r.speedup_p90 = verdict.ratio, verdict.p10, verdict.p90
+        group[-1].seconds += time.perf_counter() - t0
+        if verdict is not None and verdict.slower and guard.check.enforce:
+            for r in group:
+                r.status, r.rewrites, r.nodes_after = "slower", 0, r.nodes_before
+                r.message = f"rolled back: {verdict} on {guard.where()}{others}"
+            current, reference = pending.model, pending.reference
+        pending.reset(current, reference)
+        return current, reference
+
+    def _check_whole(self, guard: SpeedGuard, start: onnx.ModelProto, result: OptimizeResult) -> None:
+        """The whole result against the input: if it is still slower, the input is the result (and says so)."""
+        if not any(r.status == "applied" for r in result.records):
+            return
+        result.speed, note = guard.try_measure(start, result.model)
+        if result.speed is None:
+            result.speed_note = note
+        elif result.speed.slower and guard.check.enforce:
+            result.model, result.kept_input = start, True
+            result.speed_note = (f"the optimized model measured slower than the input ({result.speed} on "
+                                 f"{guard.where()}): the input is kept")
 
     def _run_one(self, p: Pass, before: onnx.ModelProto, original_interface, feeds, reference):
         """Run one pass; returns its record, the model to go on with and the outputs later passes must keep."""
@@ -135,6 +204,9 @@ class PassManager:
         record.diff = diff_models(before, after)
         if interface(after) != original_interface:
             return self._reject(record, before, t0, "rolled back", "changed the model's inputs/outputs"), before, reference
+        problem = invalid_reason(after) if self.check_validity else None
+        if problem:  # e.g. an op or attribute newer than the model's opset
+            return self._reject(record, before, t0, "rolled back", f"made the model invalid: {problem}"), before, reference
         if reference is not None:
             atol = 1e300 if not p.exact else self.atol
             try:
@@ -153,11 +225,6 @@ class PassManager:
                 reference = outputs
         record.nodes_after = node_count(after)
         record.seconds = time.perf_counter() - t0
-        if self.bench is not None:
-            try:
-                record.speedup, record.speedup_p10, record.speedup_p90 = self.bench(before, after)
-            except CtroptError as e:  # e.g. OpenVINO cannot load the graph before lowering
-                record.notes = record.notes + [f"not timed: {str(e).splitlines()[0][:200]}"]
         return record, after, reference
 
     def _reject(self, record: PassRecord, before, t0, status: str, message: str) -> PassRecord:
@@ -167,6 +234,32 @@ class PassManager:
         if self.strict:
             raise PassFailed(f"pass {record.name} {status}: {message}")
         return record
+
+
+@dataclasses.dataclass
+class _Pending:
+    """The speed guard's checkpoint (the last model timed, with the outputs later passes must keep) and the
+    records of the passes applied since, each with whether it is timed."""
+
+    model: onnx.ModelProto
+    reference: list | None
+    records: list[tuple[PassRecord, bool]] = dataclasses.field(default_factory=list)
+
+    @property
+    def timed(self) -> bool:
+        return any(t for _, t in self.records)
+
+    def reset(self, model, reference) -> None:
+        self.model, self.reference, self.records = model, reference, []
+
+
+def invalid_reason(model: onnx.ModelProto) -> str | None:
+    """Why onnx's full checker (node schemas at the model's opsets, strict shape inference) refuses the model."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # checker and shape-inference errors
+        return str(e).strip().splitlines()[0][:300]
+    return None
 
 
 def _fingerprint(model: onnx.ModelProto) -> str:
@@ -186,6 +279,8 @@ def _has_big_attr(node: onnx.NodeProto) -> bool:
     return any(a.type == onnx.AttributeProto.TENSOR and len(a.t.raw_data) > 1 << 20 for a in node.attribute)
 
 
-def optimize(model: onnx.ModelProto, passes="all", **kwargs) -> OptimizeResult:
-    """Python API: `ctropt.optimize(model, passes=["eliminate-identity", my_pass], target="ort")`."""
-    return PassManager(passes, **kwargs).run(model)
+def optimize(model: onnx.ModelProto, passes="all", *, speed: SpeedCheck | bool | None = True,
+             **kwargs) -> OptimizeResult:
+    """Python API: `ctropt.optimize(model, passes=["eliminate-identity", my_pass], target="ort")`; with the
+    speed guard on, as `ctropt optimize` runs it (speed=False turns it off)."""
+    return PassManager(passes, speed=speed, **kwargs).run(model)

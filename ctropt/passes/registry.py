@@ -54,6 +54,7 @@ class Pass:
     default: bool = True  # part of `all`; opt-in passes (e.g. INT8) say False
     exact: bool = True  # False: outputs change by design (INT8); the pass gates its own accuracy
     rules: "tuple[Rewrite, ...] | Callable[[str], list[Rewrite]]" = ()  # pattern rules (or target → rules), for explain
+    speed: bool | None = None  # there for speed: the speed guard times it (None: fusion and lower passes are)
 
     def rules_for(self, target: str) -> list[Rewrite]:
         """The pattern rules this pass applies for `target` (to explain why it did not fire)."""
@@ -88,6 +89,8 @@ class Pass:
             raise ValueError(f"pass {self.name}: unknown targets {bad}; use {TARGETS}")
         if not self.description:
             self.description = ((self.fn.__doc__ or "").strip().splitlines() or [""])[0]
+        if self.speed is None:
+            self.speed = self.group in ("fusion", "lower")
 
     def __call__(self, ctx: PassContext) -> None:
         self.fn(ctx)
@@ -104,12 +107,15 @@ REGISTRY: dict[str, Pass] = {}
 
 
 def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int = 100,
-                  description: str = "", default: bool = True, rules=(), exact: bool = True):
-    """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`)."""
+                  description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None):
+    """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`).
+
+    speed: whether the speed guard times the pass against its input (default: fusion and lower passes; a pass
+    that makes a model load or compute right on its target, rather than faster, says False)."""
 
     def wrap(fn: Callable[[PassContext], None]) -> Pass:
         p = Pass(name, fn, group, tuple(targets), description, order, default, exact,
-                 rules if callable(rules) else tuple(rules))
+                 rules if callable(rules) else tuple(rules), speed)
         REGISTRY[name] = p
         return p
 

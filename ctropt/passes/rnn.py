@@ -170,7 +170,14 @@ def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict
         branches.append(branch)
     batch = gs.Variable(unique_name(graph, f"{base}/batch"), np.int64)
     big = gs.Variable(unique_name(graph, f"{base}/large_batch"), np.bool_)
-    graph.nodes.append(gs.Node("Shape", f"{base}/shape", {"start": 0, "end": 1}, [inputs["X"]], [batch]))
+    if int(graph.opset or 13) >= 15:  # Shape's start/end attributes are opset 15
+        graph.nodes.append(gs.Node("Shape", f"{base}/shape", {"start": 0, "end": 1}, [inputs["X"]], [batch]))
+    else:
+        shape = gs.Variable(unique_name(graph, f"{base}/x_shape"), np.int64)
+        graph.nodes.append(gs.Node("Shape", f"{base}/shape", {}, [inputs["X"]], [shape]))
+        graph.nodes.append(gs.Node("Slice", f"{base}/batch", {}, [shape] + [
+            gs.Constant(unique_name(graph, f"{base}/{k}"), np.array([v], np.int64)) for k, v in (("b0", 0), ("b1", 1))],
+            [batch]))
     graph.nodes.append(gs.Node("GreaterOrEqual", f"{base}/is_large_batch", {},
                                [batch, gs.Constant(unique_name(graph, f"{base}/max_batch"),
                                                    np.array([GRU_OP_MAX_BATCH], np.int64))], [big]))

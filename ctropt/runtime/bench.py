@@ -64,3 +64,59 @@ def bench(runners: list[Runner], feeds: dict[str, np.ndarray], batch: int, *, se
         result.ratio = float(np.median(ratios))
         result.ratio_p10, result.ratio_p90 = (float(np.percentile(ratios, q)) for q in (10, 90))
     return result
+
+
+@dataclasses.dataclass
+class SpeedVerdict:
+    """time(before)/time(after) of two models, paired: > 1 means `after` is faster."""
+
+    ratio: float
+    p10: float
+    p90: float
+    pairs: int
+    threshold: float
+    high: float  # the upper end of the median's ~95 % interval
+
+    @property
+    def slower(self) -> bool:
+        """Slower beyond doubt: the whole interval of the median lies below the threshold. A close call (a pass
+        at 0.97 on a loaded machine) is kept, so two runs of the same model decide alike."""
+        return self.high < self.threshold
+
+    def __str__(self) -> str:
+        return f"{self.ratio:.2f}× ({self.p10:.2f}–{self.p90:.2f}, {self.pairs} pairs)"
+
+
+def median_interval(ratios: np.ndarray, z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95 % interval of the median (sign test): the k-th smallest and k-th largest ratio."""
+    r = np.sort(ratios)
+    k = max(0, int(np.floor((len(r) - z * np.sqrt(len(r))) / 2)))
+    return float(r[k]), float(r[len(r) - 1 - k])
+
+
+def compare_speed(before: Runner, after: Runner, feeds: dict[str, np.ndarray], *, threshold: float,
+                  seconds: float = 1.5, min_pairs: int = 10, max_pairs: int = 400, warmup: int = 2) -> SpeedVerdict:
+    """Paired, interleaved runs of two models until the median ratio's interval lies clear of `threshold`, or
+    `seconds` are spent. A clear case stops after `min_pairs`; a close one gets the whole budget and counts as
+    not slower (SpeedVerdict.slower)."""
+    for r in (before, after):
+        for _ in range(warmup):
+            r.run(feeds)
+    pairs: list[tuple[float, float]] = []
+    start = time.perf_counter()
+    while len(pairs) < max_pairs:
+        first, second = (before, after) if len(pairs) % 2 == 0 else (after, before)  # A B, B A, ...
+        t0 = time.perf_counter()
+        first.run(feeds)
+        t1 = time.perf_counter()
+        second.run(feeds)
+        t2 = time.perf_counter()
+        pairs.append((t1 - t0, t2 - t1) if first is before else (t2 - t1, t1 - t0))
+        if len(pairs) >= min_pairs and len(pairs) % 2 == 0:
+            ratios = np.array([b / a for b, a in pairs])
+            low, high = median_interval(ratios)
+            if low >= threshold or high < threshold or time.perf_counter() - start > seconds:
+                break
+    ratios = np.array([b / a for b, a in pairs])
+    return SpeedVerdict(float(np.median(ratios)), float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90)),
+                        len(pairs), threshold, median_interval(ratios)[1])

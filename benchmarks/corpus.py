@@ -1,0 +1,215 @@
+"""Never slower, never broken: every export of the corpus (the zoo and tests/data/thirdparty) through
+`ctropt optimize` as a user runs it, checked and timed against its raw export.
+
+    python benchmarks/corpus.py                      # everything; rewrites the corpus table in RESULTS.md
+    python benchmarks/corpus.py --only fuxictr,paddle # stems containing one of these (table printed, not written)
+    python benchmarks/corpus.py --twice              # optimize twice: do the speed guard's decisions repeat?
+    python benchmarks/corpus.py --log run.jsonl      # also keep each export's measurements, a JSON line each
+    python benchmarks/corpus.py --from-log run.jsonl # the table from a kept run, without measuring
+
+Per export: `ctropt optimize RAW -o OPT --json` (exit code, wall time, the guard's keep/rollback decisions),
+`ctropt optimize RAW --target openvino`; both saved models through onnx's full checker; the interface against
+the raw export's; the ort model's outputs against the framework's own (the export's .ref.npz, within 1e-4);
+the openvino model compiled and run in OpenVINO against the same; then raw vs optimized on onnxruntime CPU,
+1 thread, batch 256 (generated inputs), paired and interleaved: the median of time(raw)/time(optimized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from common import ROOT, THIRD, ZOO
+
+from ctropt.graph import CtroptError, interface, load, node_count  # noqa: E402
+from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
+from ctropt.runtime.bench import bench  # noqa: E402
+
+CTROPT = [sys.executable, "-m", "ctropt"]
+BEGIN, END = "<!-- corpus table: benchmarks/corpus.py writes it -->", "<!-- end of corpus table -->"
+LIBRARIES = {"deepctr_torch": "deepctr-torch", "deepctr": "DeepCTR", "fuxictr": "FuxiCTR", "paddlerec": "PaddleRec",
+             "deeprec": "DeepRec", "torchrec": "torchrec"}
+
+
+def exports(only: list[str]) -> list[Path]:
+    found = sorted(ZOO.glob("*.onnx")) + sorted(THIRD.glob("*.onnx"))
+    return [p for p in found if p.with_suffix(".ref.npz").exists() and (not only or any(o in p.stem for o in only))]
+
+
+def library(path: Path) -> str:
+    return next((name for prefix, name in LIBRARIES.items() if path.stem.startswith(prefix + "_")), "zoo")
+
+
+def npz(path: Path) -> dict:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def optimize(raw: Path, out: Path, *extra: str, timeout: int = 300) -> dict:
+    """`ctropt optimize` in a subprocess: exit code, wall time, and its --json record."""
+    report = out.with_suffix(".json")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(CTROPT + ["optimize", str(raw), "-o", str(out), "--json", str(report), *extra],
+                              capture_output=True, text=True, timeout=timeout)
+        code, tail = proc.returncode, (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+    except subprocess.TimeoutExpired:
+        code, tail = "timeout", [f"still running after {timeout} s"]
+    result = {"exit": code, "seconds": time.perf_counter() - t0, "error": tail[0][:160] if code != 0 else ""}
+    if code == 0:
+        result.update(json.loads(report.read_text()))
+    return result
+
+
+def decisions(record: dict) -> list[str]:
+    return [f"{p['name']}:{p['status']}" for p in record.get("passes", []) if p["status"] in ("applied", "slower")]
+
+
+def outputs_error(model: Path, feeds: dict, ref: dict, backend: str) -> tuple[float | None, str]:
+    """Max abs error against the framework's outputs, and a problem in words ('' when within 1e-4)."""
+    try:
+        got = Runner(str(model), backend).run(feeds)
+    except CtroptError as e:
+        return None, str(e)[:120]
+    diffs = compare_outputs(ref, {k: got[k] for k in ref}, atol=1e-4, rtol=1e-4)
+    return max((d.max_abs for d in diffs), default=0.0), "" if all(d.ok for d in diffs) else "outputs differ"
+
+
+def checker(model: Path) -> str:
+    try:
+        onnx.checker.check_model(str(model), full_check=True)
+        return "ok"
+    except Exception as e:  # noqa: BLE001  (checker and shape-inference errors)
+        return str(e).strip().splitlines()[0][:100]
+
+
+def speed(raw: Path, opt: Path, seconds: float) -> str:
+    model = load(raw)
+    feeds = generate_inputs(model, batch=256)
+    try:
+        r = bench([Runner(model, "ort-cpu", 1), Runner(str(opt), "ort-cpu", 1)], feeds, 256, seconds=seconds,
+                  min_runs=10)
+    except CtroptError as e:
+        return f"fails: {str(e)[:60]}"
+    return f"{r.ratio:.2f} ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})"
+
+
+def measure(raw: Path, work: Path, args) -> dict:
+    row = {"model": raw.stem, "library": library(raw), "nodes": node_count(load(raw))}
+    ort = optimize(raw, work / "ort.onnx")
+    row["ort"] = {k: ort.get(k) for k in ("exit", "seconds", "error", "kept_input", "speed")}
+    row["decisions"] = decisions(ort)
+    if args.twice:
+        row["decisions_again"] = decisions(optimize(raw, work / "ort2.onnx"))
+    ov = optimize(raw, work / "ov.onnx", "--target", "openvino")
+    row["ov"] = {k: ov.get(k) for k in ("exit", "seconds", "error")}
+    feeds, ref = npz(raw.with_suffix(".npz")), npz(raw.with_suffix(".ref.npz"))
+    if ort["exit"] == 0:
+        opt = work / "ort.onnx"
+        row["nodes_opt"] = node_count(load(opt))
+        row["checker"] = checker(opt)
+        row["interface"] = interface(load(opt)) == interface(load(raw))
+        row["ort_err"], row["ort_problem"] = outputs_error(opt, feeds, ref, "ort-cpu")
+        row["speed"] = speed(raw, opt, args.seconds)
+    if ov["exit"] == 0:
+        row["ov_checker"] = checker(work / "ov.onnx")
+        row["ov_err"], row["ov_problem"] = outputs_error(work / "ov.onnx", feeds, ref, "openvino-cpu")
+    return row
+
+
+def cell_ok(row: dict) -> str:
+    """What breaks the export's promise, or 'ok'."""
+    problems = []
+    for side in ("ort", "ov"):
+        if row[side]["exit"] != 0:
+            problems.append(f"{side}: exit {row[side]['exit']} {row[side]['error']}")
+        elif row[side]["seconds"] > 60:
+            problems.append(f"{side}: {row[side]['seconds']:.0f} s")
+    if row.get("checker", "ok") != "ok" or row.get("ov_checker", "ok") != "ok":
+        problems.append(f"checker: {row.get('checker') if row.get('checker') != 'ok' else row.get('ov_checker')}")
+    if row.get("interface") is False:
+        problems.append("interface changed")
+    for key in ("ort_problem", "ov_problem"):
+        if row.get(key):
+            problems.append(f"{key[:-8]}: {row[key]}")
+    return "; ".join(problems) or "ok"
+
+
+def table(rows: list[dict], twice: bool) -> str:
+    head = ("| export | library | nodes raw → opt | optimize s (ort / openvino) | rolled back for speed | "
+            "max err vs framework (ort / OpenVINO) | checks | ORT 1 thread b256: raw/opt |"
+            + (" same decisions twice |" if twice else ""))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        slower = [d.split(":")[0] for d in r["decisions"] if d.endswith(":slower")]
+        if r["ort"].get("kept_input"):
+            slower.append("**whole result: input kept**")
+        errs = " / ".join("-" if r.get(k) is None else f"{r[k]:.1e}" for k in ("ort_err", "ov_err"))
+        line = (f"| {r['model']} | {r['library']} | {r['nodes']} → {r.get('nodes_opt', '-')} | "
+                f"{r['ort']['seconds']:.1f} / {r['ov']['seconds']:.1f} | {', '.join(slower) or '-'} | {errs} | "
+                f"{cell_ok(r)} | {r.get('speed', '-')} |")
+        if twice:
+            line += f" {'yes' if r['decisions'] == r.get('decisions_again') else 'NO'} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    ratios = [float(r["speed"].split()[0]) for r in rows if re.match(r"^[0-9.]+ ", r.get("speed", ""))]
+    ok = sum(cell_ok(r) == "ok" for r in rows)
+    geo = float(np.exp(np.mean(np.log(ratios)))) if ratios else float("nan")
+    return (f"{len(rows)} exports from {len({r['library'] for r in rows})} sources; {ok} pass every check; "
+            f"ORT 1 thread, batch 256: min {min(ratios, default=float('nan')):.2f}×, geometric mean {geo:.2f}×, "
+            f"{sum(x < 0.97 for x in ratios)} below 0.97×.")
+
+
+def write_results(text: str) -> None:
+    path = ROOT / "benchmarks/RESULTS.md"
+    results = path.read_text()
+    if BEGIN in results:
+        results = results[:results.index(BEGIN)] + text + results[results.index(END) + len(END):]
+    else:
+        results = results.rstrip() + "\n\n" + text + "\n"
+    path.write_text(results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma list: stems containing one of these")
+    ap.add_argument("--twice", action="store_true", help="optimize each export twice and compare the decisions")
+    ap.add_argument("--seconds", type=float, default=3.0, help="time per raw/optimized comparison")
+    ap.add_argument("--log", type=Path, help="append each export's measurements to this file (JSON lines)")
+    ap.add_argument("--from-log", type=Path, help="write the table from a --log file instead of measuring")
+    args = ap.parse_args()
+    only = [o for o in args.only.split(",") if o]
+    if args.from_log:
+        rows = [json.loads(line) for line in args.from_log.read_text().splitlines() if line.strip()]
+        cmd = f"python benchmarks/corpus.py{' --twice' if 'decisions_again' in rows[0] else ''} --log {args.from_log.name}"
+        args.twice = "decisions_again" in rows[0]
+    else:
+        rows = []
+        for raw in exports(only):
+            with tempfile.TemporaryDirectory(prefix="ctropt-corpus-") as tmp:
+                rows.append(measure(raw, Path(tmp), args))
+            if args.log:
+                with args.log.open("a") as log:
+                    log.write(json.dumps(rows[-1]) + "\n")
+        cmd = "python benchmarks/corpus.py" + (" --twice" if args.twice else "") + (f" --only {args.only}" if only else "")
+    text = "\n".join([BEGIN, f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}). {summary(rows)}", "",
+                      table(rows, args.twice), END])
+    print(text)
+    if not only:
+        write_results(text)
+
+
+if __name__ == "__main__":
+    main()

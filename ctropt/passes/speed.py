@@ -1,0 +1,101 @@
+"""The speed guard: a pass that is there for speed stays only when the target's runtime measures it not slower.
+
+Numerics are checked after every pass; speed is checked like them. After a speed pass has passed the numeric
+check, its result is timed against the last *checkpoint* (the last model measured, at first the input) on the
+target's CPU runtime: paired, interleaved runs (`runtime.bench.compare_speed`) on generated inputs at
+`SpeedCheck.batch` rows (256: a serving batch), one thread. A fusion that leaves ops of the domain ai.ctropt
+(function ops, not lowered yet) is measured together with the lowering that removes them ("fuse, then lower"):
+the checkpoint waits, and the group is kept or rolled back as one. A pass in between that neither adds nor
+lowers fused ops is timed alone against its input (both run the fused ops' function bodies).
+
+Noise: the guard rolls a result back only when it is slower beyond doubt: the whole ~95 % interval of the
+median time ratio (sign test) lies below `1 - margin` (margin 0.03). Pairs are taken until that interval lies
+clear of the threshold, at least 10 and up to `seconds` (1.5 s) per decision: clear cases stop early, close ones
+get the whole budget and are kept. Deciding by the median alone flapped on a loaded 2-core machine (zoo DIEN's
+fold-fc-affine at 0.97, kept in one run and rolled back in the next); `benchmarks/corpus.py --twice` runs the
+whole corpus twice and compares the decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import onnx
+
+from ..graph import CtroptError
+from ..runtime import Runner, generate_inputs
+from ..runtime.bench import SpeedVerdict, compare_speed
+from ..runtime.inputs import DEFAULT_SEQ_LEN
+
+
+@dataclasses.dataclass
+class SpeedCheck:
+    """How the guard measures. enforce=False measures and records only (`--bench-passes`)."""
+
+    batch: int = 256
+    threads: int = 1
+    margin: float = 0.03
+    seconds: float = 1.5
+    seq_len: int | None = None
+    feeds: dict[str, np.ndarray] | None = None
+    enforce: bool = True
+
+    @property
+    def threshold(self) -> float:
+        return 1.0 - self.margin
+
+
+def fused_op_counts(model: onnx.ModelProto) -> collections.Counter:
+    """How many calls of each of the model's own functions (ai.ctropt fused ops a lowering pass still has to
+    replace) it makes; empty when it makes none."""
+    local = {(f.domain, f.name) for f in model.functions}
+    return collections.Counter((n.domain, n.op_type) for n in _all_nodes(model.graph)
+                               if local and (n.domain, n.op_type) in local)
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                yield from _all_nodes(g)
+
+
+class SpeedGuard:
+    """Checkpoints and measurements for one PassManager run on one target."""
+
+    def __init__(self, check: SpeedCheck, target: str, model: onnx.ModelProto):
+        self.check = check
+        self.backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
+        self.feeds = check.feeds if check.feeds is not None else generate_inputs(
+            model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN)
+        self._runners: dict[int, tuple[onnx.ModelProto, Runner | None]] = {}
+
+    def where(self) -> str:
+        return f"{self.backend}, batch {len(next(iter(self.feeds.values()), []))}, {self.check.threads} thread(s)"
+
+    def runner(self, model: onnx.ModelProto) -> Runner:
+        """A session per model, kept while the model is a checkpoint (the next measurement's `before`)."""
+        key = id(model)
+        if key not in self._runners:
+            self._runners[key] = (model, Runner(model, self.backend, threads=self.check.threads))
+        return self._runners[key][1]
+
+    def forget_except(self, *models: onnx.ModelProto) -> None:
+        keep = {id(m) for m in models}
+        self._runners = {k: v for k, v in self._runners.items() if k in keep}
+
+    def measure(self, before: onnx.ModelProto, after: onnx.ModelProto) -> SpeedVerdict:
+        """time(before)/time(after); CtroptError when either cannot run on the target's runtime."""
+        verdict = compare_speed(self.runner(before), self.runner(after), self.feeds,
+                                threshold=self.check.threshold, seconds=self.check.seconds)
+        self.forget_except(before, after)
+        return verdict
+
+    def try_measure(self, before, after) -> tuple[SpeedVerdict | None, str]:
+        try:
+            return self.measure(before, after), ""
+        except CtroptError as e:  # e.g. OpenVINO cannot load the graph before its lowering
+            return None, f"not timed: {str(e).splitlines()[0][:200]}"
