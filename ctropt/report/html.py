@@ -24,7 +24,7 @@ main{padding:12px 24px 60px}
 .timeline{display:flex;gap:2px;margin-top:8px;height:26px}
 .timeline a{flex:1 1 0;min-width:12px;border-radius:3px;text-decoration:none;color:#111;font-size:11px;
  overflow:hidden;white-space:nowrap;padding:4px 3px;box-sizing:border-box}
-.s-applied{background:#86efac}.s-unchanged{background:#e5e7eb;color:#6b7280!important}
+.s-applied{background:#86efac}.s-slower{background:#fde68a}.s-unchanged{background:#e5e7eb;color:#6b7280!important}
 .s-rolled-back,.s-failed{background:#fca5a5}.s-skipped{background:#f3f4f6}
 .timeline a.hit{outline:3px solid #2563eb}
 section.pass{background:#fff;border:1px solid #e5e7eb;border-radius:6px;margin:14px 0;padding:10px 16px}
