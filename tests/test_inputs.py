@@ -73,3 +73,30 @@ def test_dims_and_seed_are_honoured():
     assert a["x"].shape == (5, 7, 3)
     assert generate_inputs(model, batch=5, dims={"T": 2})["x"].shape == (5, 2, 3)
     assert np.array_equal(a["x"], generate_inputs(model, batch=5, seq_len=7)["x"])
+
+
+def test_ids_of_a_sharded_table_stay_below_all_shards_rows_and_an_id_check_is_not_a_length():
+    """TF's partitioned variables (DeepRec's fixed_size_partitioner through tf2onnx): ids deduplicated, the shard
+    chosen by a Mod, the local id by a Div, routed to each shard by a Compress, one Gather per shard; `id >= 0`
+    drops -1 padding. The ids must stay below 5 + 5 rows (past them a generated id indexes no shard), and the
+    comparison does not make them lengths."""
+    rng = np.random.default_rng(0)
+    nodes = [node("Unique", ["ids"], ["uniq"], sorted=1),
+             node("Mod", ["uniq", "two"], ["shard"]), node("Div", ["uniq", "two"], ["local"]),
+             node("Equal", ["shard", "zero"], ["to0"]), node("Equal", ["shard", "one"], ["to1"]),
+             node("Compress", ["local", "to0"], ["local0"], axis=0), node("Compress", ["local", "to1"], ["local1"], axis=0),
+             node("Gather", ["t0", "local0"], ["e0"]), node("Gather", ["t1", "local1"], ["e1"]),
+             node("Concat", ["e0", "e1"], ["y"], axis=0),
+             node("GreaterOrEqual", ["ids", "zero"], ["valid"])]
+    model = make_model(nodes, [vi("ids", I64, ["B"])], [vi("y", F, ["N", 4]), vi("valid", TensorProto.BOOL, ["B"])],
+                       [init("two", np.int64(2)), init("zero", np.int64(0)), init("one", np.int64(1)),
+                        init("t0", rng.normal(size=(5, 4)).astype(np.float32)),
+                        init("t1", rng.normal(size=(5, 4)).astype(np.float32))])
+    from ctropt.graph import to_graph
+    from ctropt.runtime.inputs import analyze_inputs
+
+    facts = analyze_inputs(to_graph(model))["ids"]
+    assert facts.upper == 10 and not facts.is_length
+    ids = generate_inputs(model, batch=64)["ids"]
+    assert ids.min() >= 0 and ids.max() < 10 and ids.max() >= 5  # both shards are exercised
+    run_model(model, {"ids": ids})

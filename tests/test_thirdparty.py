@@ -21,8 +21,8 @@ def npz(path):
         return {k: data[k] for k in data.files}
 
 
-# Exports of the corpus where a pass is still rolled back (the manager's check catches it; the model stays right):
-# what is left of issue #23, each with its cause. The test fails when one of these starts to pass (remove it here).
+# Exports of the corpus where a pass may still be rolled back (the manager's check catches it; the model stays
+# right): what is left of issue #23, each with its cause. Any other rollback fails the test.
 MERGE = {"merge-partitioned-embeddings"}  # DeepRec's embedding_lookup_sparse over fixed_size_partitioner shards:
 KNOWN_ROLLBACKS = {                        # the merged lookup reshapes to the wrong row count
     **{f"deeprec_{m}_tf2onnx": MERGE for m in ("BST", "DCNv2", "DIEN", "DIN", "DeepFM", "MMoE", "WDL")},
@@ -32,9 +32,6 @@ KNOWN_ROLLBACKS = {                        # the merged lookup reshapes to the w
 # A second `all` still changes this export (fold-constants and eliminate-identity in its Loop body, whose carried
 # shapes are not trusted): not idempotent yet.
 NOT_IDEMPOTENT = {"paddlerec_DIEN_dyn_paddle2onnx"}
-# Exports whose generated verification inputs do not run (ids out of a DeepRec sparse lookup's range): verified on
-# the export's own sample batch instead.
-GENERATED_INPUTS_FAIL = {"deeprec_BST_tf2onnx", "deeprec_MMoE_tf2onnx"}
 
 
 def _framework_outputs(path, raw_outputs):
@@ -48,8 +45,7 @@ def _framework_outputs(path, raw_outputs):
 def test_optimize_all_keeps_outputs_interface_and_runtimes(path):
     raw = load(path)
     feeds = npz(path.with_suffix(".npz"))
-    result = ctropt.optimize(raw, passes="all", speed=False,
-                             feeds=feeds if path.stem in GENERATED_INPUTS_FAIL else None)
+    result = ctropt.optimize(raw, passes="all", speed=False)
     failed = [(r.name, r.message) for r in result.failed]
     assert {name for name, _ in failed} <= KNOWN_ROLLBACKS.get(path.stem, set()), failed
     opt = result.model
@@ -70,8 +66,7 @@ def test_optimize_all_keeps_outputs_interface_and_runtimes(path):
 
     if path.stem in NOT_IDEMPOTENT:
         return
-    again = ctropt.optimize(opt, passes="all", speed=False,
-                            feeds=feeds if path.stem in GENERATED_INPUTS_FAIL else None)
+    again = ctropt.optimize(opt, passes="all", speed=False)
     assert all(r.status == "unchanged" or (r.status == "rolled back" and r.name in KNOWN_ROLLBACKS.get(path.stem, ()))
                for r in again.records), [(r.name, r.status) for r in again.records]
 

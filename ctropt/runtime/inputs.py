@@ -111,6 +111,8 @@ def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
     for inp in graph.inputs:
         f = InputFacts()
         _follow(inp, 0, None, f, set(), inp.shape)
+        if f.upper is None and not f.columns:
+            _sharded_bound(inp, f)
         if "len" in inp.name.lower() and inp.dtype is not None and np.issubdtype(inp.dtype, np.number):
             f.is_length = True
         if "mask" in inp.name.lower() and f.upper is None and not f.columns:
@@ -145,7 +147,7 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
                     _follow(node.outputs[0], offset + delta, region, facts, seen, None)
         elif op == "Slice" and pos == [0]:
             _follow(node.outputs[0], offset, _slice_region(node, region, shape), facts, seen, None)
-        elif op in _COMPARE or (op in ("GRU", "LSTM", "RNN") and 4 in pos):
+        elif (op in _COMPARE and not _validity_check(node, pos)) or (op in ("GRU", "LSTM", "RNN") and 4 in pos):
             facts.length(region)
         elif op in ("Loop", "Scan"):
             for p in pos:
@@ -155,6 +157,47 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
         elif op in _PASS_THROUGH and (0 in pos or op in ("Concat", "Max", "Where")):
             for out in node.outputs:
                 _follow(out, offset, region if op != "Transpose" else None, facts, seen, None)
+
+
+def _validity_check(node: gs.Node, pos: list[int]) -> bool:
+    """A comparison with a constant ≤ 0 (`id >= 0`: TF's sparse columns drop -1 padding so) checks ids, not lengths."""
+    other = const_value(node.inputs[1 - pos[0]]) if len(node.inputs) == 2 and len(pos) == 1 else None
+    return other is not None and other.size >= 1 and bool(np.all(np.asarray(other) <= 0))
+
+
+# What a sharded lookup does to an id on its way to a shard (TF's partitioned variables: ids deduplicated, the
+# shard chosen by a floordiv or mod, the id made local by a Sub or floordiv, routed by DynamicPartition).
+_SHARD_WAY = {"Div", "Mod", "Sub", "Compress", "Mul", "Add"}
+
+
+def _sharded_bound(inp: gs.Tensor, facts: InputFacts) -> None:
+    """An id that reaches no table unchanged but, after a Unique and a Div/Mod split, reaches several constant
+    tables (the shards of one partitioned table: DeepRec's fixed_size_partitioner, embedding_lookup_sparse through
+    tf2onnx) stays below the rows of all the shards reached from that Unique together; the smallest such sum
+    when the id feeds several lookups (DeepRec WDL: an embedding column and a linear one)."""
+    # (id of the lookup's Unique, width) → {id of the routed ids: rows of the shards they index}
+    shards: dict[tuple, dict[int, list[int]]] = {}
+    seen, todo = set(), [(inp, None)]
+    while todo and len(seen) < 5000:
+        t, lookup = todo.pop()
+        if (id(t), lookup) in seen:
+            continue
+        seen.add((id(t), lookup))
+        for node in t.outputs:
+            pos = [i for i, x in enumerate(node.inputs) if x is t]
+            if node.op == "Gather" and 1 in pos and lookup is not None:
+                table = const_value(node.inputs[0])
+                if table is not None and table.ndim == 2 and node.attrs.get("axis", 0) == 0:
+                    shards.setdefault((lookup, table.shape[1]), {}).setdefault(id(t), []).append(table.shape[0])
+            elif node.op == "Unique":
+                todo.append((node.outputs[0], id(node)))
+            elif node.op in _SHARD_WAY or (node.op in _PASS_THROUGH and 0 in pos):
+                todo += [(out, lookup) for out in node.outputs]
+    # shards of tables looked up alike share their routed ids (tf2onnx merges the two input layers' identical
+    # routing in DeepRec DeepFM): per routed-ids tensor one shard, so one table's rows are the sum over them
+    sums = [sum(min(rows) for rows in by_ids.values()) for by_ids in shards.values() if len(by_ids) >= 2]
+    if sums:
+        facts.bound(min(sums), None)
 
 
 def _slice_region(node: gs.Node, region, shape):
