@@ -475,6 +475,38 @@ def test_zoo_wdl_partitioned_tables_merge():
         assert_same_outputs(model, result.model, {k: data[k] for k in data.files})
 
 
+def repeats_and_an_empty_row(feeds):
+    """The sample batch with row 2's ids repeating row 1's, and no id in row 0 of the 1-D id columns (-1): so
+    the distinct ids of a column are fewer than its rows."""
+    out = dict(feeds)
+    for k, x in feeds.items():
+        if x.dtype.kind == "i":
+            x = out[k] = x.copy()
+            x[2] = x[1]
+            if x.ndim == 1:
+                x[0] = -1
+    return out
+
+
+@pytest.mark.parametrize("name, shards", [("WDL", 12), ("DIN", 5)])
+def test_deeprec_sparse_lookups_over_shards_merge(name, shards):
+    """DeepRec's feature columns: embedding_lookup_sparse over fixed_size_partitioner(3) tables ([B] ids, -1
+    padded [B, T] histories). The shards look up the Unique ids of the SparseTensor, not the ids input: the merged
+    Gather reads those, one row per distinct id (it read the input and was rolled back: {13, 8} rows for {7, 8})."""
+    path = DATA / f"deeprec_{name}_tf2onnx.onnx"
+    raw = load(path)
+    once, ctx = run_pass(raw, "merge-partitioned-embeddings")
+    assert ctx.matches == ctx.rewrites == shards and ops(once).count("Compress") < ops(raw).count("Compress")
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    with np.load(path.with_suffix(".ref.npz")) as ref:
+        got = ctropt.runtime.run_model(once, feeds)
+        for k in ref.files:
+            np.testing.assert_allclose(got[k].reshape(ref[k].shape), ref[k], atol=1e-5, rtol=1e-4)
+    assert_same_outputs(raw, once, repeats_and_an_empty_row(feeds))
+    assert_same_outputs(raw, once, {k: x[:1] for k, x in feeds.items()})  # one row
+    assert run_pass(once, "merge-partitioned-embeddings")[1].rewrites == 0
+
+
 def test_other_scatters_are_left_alone():
     model = load(ctropt.exporters.zoo.shipped_path("dlrm"))
     assert run_pass(model, "merge-partitioned-embeddings")[1].rewrites == 0

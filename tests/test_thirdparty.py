@@ -23,9 +23,7 @@ def npz(path):
 
 # Exports of the corpus where a pass may still be rolled back (the manager's check catches it; the model stays
 # right): what is left of issue #23, each with its cause. Any other rollback fails the test.
-MERGE = {"merge-partitioned-embeddings"}  # DeepRec's embedding_lookup_sparse over fixed_size_partitioner shards:
-KNOWN_ROLLBACKS = {                        # the merged lookup reshapes to the wrong row count
-    **{f"deeprec_{m}_tf2onnx": MERGE for m in ("BST", "DCNv2", "DIEN", "DIN", "DeepFM", "MMoE", "WDL")},
+KNOWN_ROLLBACKS = {
     # a Loop body's carried value changes shape after the first iteration: a Slice's ends become 2-D
     "paddlerec_DIEN_dyn_paddle2onnx": {"fuse-fc", "eliminate-identity"},
 }
