@@ -51,8 +51,8 @@ def prune_training_ops(ctx: PassContext) -> None:
 
     def inference_dropout(m):
         node = m.root
-        if len(node.outputs) > 1 and node.outputs[1].outputs:
-            return False
+        if len(node.outputs) > 1 and (node.outputs[1].outputs or any(o is node.outputs[1] for o in m.graph.outputs)):
+            return False  # the mask is read, or is a graph output
         if len(node.inputs) > 2 and node.inputs[2].name:
             mode = const_value(node.inputs[2])
             return mode is not None and not bool(np.asarray(mode).ravel()[0])
@@ -209,6 +209,8 @@ CHAIN_RULES = (
 @register_pass("eliminate-identity", group="cleanup", order=10, rules=NO_OP_RULES + CHAIN_RULES)
 def eliminate_identity(ctx: PassContext) -> None:
     """Remove ops that do nothing (Identity, Cast/Reshape to the same type/shape, x*1, ...) and merge Reshape/Transpose chains."""
+    if any(t.dtype is None or t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.outputs):
+        annotate_shapes(ctx.graph)  # the no-op rules read types and shapes: known on the first run as on a second
     ctx.apply(*NO_OP_RULES, *CHAIN_RULES)
 
 
