@@ -19,6 +19,7 @@ from ctropt.graph import CtroptError, interface, load, save
 from ctropt.runtime import Runner, compare_outputs, generate_inputs
 
 from helpers import F, I64, init, make_model, node, ops, run_pass, vi
+from test_thirdparty import KNOWN_ROLLBACKS  # passes still rolled back on an export, each with its cause there
 
 BOOL, I32 = TensorProto.BOOL, TensorProto.INT32
 ROOT = Path(__file__).parent
@@ -106,6 +107,31 @@ def test_compress_explicit_axis(tmp_path, rank):
     lower(model, "compress-explicit-axis", {"x": x, "c": np.zeros(0, bool)}, tmp_path)  # empty selection
 
 
+@pytest.mark.parametrize("axis", [None, 0])
+def test_compress_flattens_its_condition(tmp_path, axis):
+    """paddle2onnx's masked_select: Compress by a [N, 3, 3] mask, which onnxruntime reads flat; OpenVINO gathers
+    by NonZero of the mask as it is ([3, n] values from a rank-3 mask), or builds a dynamic-rank Squeeze."""
+    attrs = {} if axis is None else {"axis": axis}
+    model = make_model([node("Compress", ["x", "c"], ["s"], **attrs), node("Relu", ["s"], ["y"])],
+                       [vi("x", F, ["N", 3, 3] if axis is None else ["M"]), vi("c", BOOL, ["N", 3, 3])],
+                       [vi("y", F, None)])
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(4, 3, 3)).astype(np.float32)
+    feeds = {"x": x if axis is None else x.ravel(), "c": rng.random((4, 3, 3)) > 0.5}
+    assert openvino_fails(model, feeds, tmp_path)
+    flattened = ["Reshape", "Reshape"] if axis is None else ["Reshape"]
+    once = lower(model, "compress-explicit-axis", feeds, tmp_path, flattened + ["Compress", "Relu"])
+    compress = next(n for n in once.graph.node if n.op_type == "Compress")
+    assert [(a.name, a.i) for a in compress.attribute] == [("axis", 0)]
+    lower(model, "compress-explicit-axis", {**feeds, "c": np.zeros((4, 3, 3), bool)}, tmp_path)  # nothing selected
+
+
+def test_compress_with_axis_and_flat_condition_is_left():
+    model = make_model([node("Compress", ["x", "c"], ["y"], axis=1)], [vi("x", F, ["N", 4]), vi("c", BOOL, [4])],
+                       [vi("y", F, None)])
+    assert run_pass(model, "compress-explicit-axis")[1].rewrites == 0
+
+
 def _scan_reading_outer_value():
     body = helper.make_graph(
         [node("Mul", ["h", "w"], ["hw"]), node("Add", ["hw", "xt"], ["h2"]), node("Tanh", ["h2"], ["yt"])], "body",
@@ -169,6 +195,31 @@ def test_body_passthrough_identity(tmp_path):
     assert [n.op_type for n in body.node].count("Identity") == 2
 
 
+def _loop_with_inputs_named_like_outer_values():
+    """paddle2onnx's while loop: body inputs named after the outer values that feed them (cond and the state)."""
+    body = helper.make_graph(
+        [node("Add", ["h", "w"], ["h2"]), node("Identity", ["cond"], ["c2"])], "body",
+        [vi("i", I64, []), vi("cond", BOOL, []), vi("h", F, ["N", 3])], [vi("c2", BOOL, []), vi("h2", F, ["N", 3])])
+    return make_model(
+        [node("Relu", ["x"], ["h"]), node("Loop", ["M", "cond", "h"], ["hT"], body=body)],
+        [vi("x", F, ["N", 3])], [vi("hT", F, ["N", 3])],
+        [init("M", np.array(3, np.int64)), init("cond", np.array(True)),
+         init("w", np.array([0.5, -1, 0.25], np.float32))])
+
+
+def test_body_inputs_own_names(tmp_path):
+    """OpenVINO takes a body input named like an outer tensor for that tensor (an invariant input) and then finds
+    fewer loop-carried parameters than the Loop has carried inputs."""
+    model = _loop_with_inputs_named_like_outer_values()
+    feeds = {"x": np.random.default_rng(12).normal(size=(2, 3)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "body-inputs-own-names", feeds, tmp_path, ["Relu", "Loop"])
+    outer = {t.name for t in once.graph.initializer} | {i.name for i in once.graph.input} | {
+        o for n in once.graph.node for o in n.output}
+    body = body_of(once, "Loop")
+    assert [i.name for i in body.input][0] == "i" and outer.isdisjoint(i.name for i in body.input)
+
+
 def _gru_with_lengths(initial_h: bool):
     T, H, I = 4, 3, 2
     rng = np.random.default_rng(4)
@@ -218,6 +269,26 @@ def test_split_cast_bool_as_compare(tmp_path):
                  ["Equal", "Cast", "Split"] + ["Equal", "Not", "Squeeze"] * 3)
 
 
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk_ties_by_index(tmp_path, largest):
+    """tf2onnx sorts segment ids with TopK (SegmentMax, embedding_lookup_sparse: DeepRec); ONNX orders equal values
+    by index, OpenVINO CPU at random (and differently from run to run)."""
+    model = make_model([node("TopK", ["x", "k"], ["v", "i"], largest=largest)], [vi("x", I64, ["N"])],
+                       [vi("v", I64, None), vi("i", I64, None)], [init("k", np.array([30], np.int64))])
+    feeds = {"x": np.random.default_rng(13).integers(0, 4, size=40)}
+    assert openvino_fails(model, feeds, tmp_path)
+    once = lower(model, "topk-ties-by-index", feeds, tmp_path)
+    assert {"Unique", "Range", "Gather"} <= set(ops(once)) and ops(once).count("TopK") == 1
+
+
+def test_topk_of_floats_or_unsorted_is_left():
+    model = make_model([node("TopK", ["x", "k"], ["v", "i"]), node("TopK", ["z", "k"], ["w", "j"], sorted=0)],
+                       [vi("x", F, ["N"]), vi("z", I64, ["N"])],
+                       [vi(n, t, None) for n, t in (("v", F), ("i", I64), ("w", I64), ("j", I64))],
+                       [init("k", np.array([3], np.int64))])
+    assert run_pass(model, "topk-ties-by-index")[1].rewrites == 0
+
+
 # ----------------------------------------------------------------------------------------- end to end
 
 E2E = [
@@ -226,6 +297,8 @@ E2E = [
     ZOO / "wdl_tf.onnx",
     *sorted(THIRDPARTY.glob("deepctr_DIEN_*_tf2onnx.onnx")),
     ROOT / "data" / "keras_gru_tf2onnx.onnx",
+    THIRDPARTY / "paddlerec_DLRM_paddle2onnx.onnx",  # masked_select by a rank-3 mask
+    THIRDPARTY / "paddlerec_DIEN_dyn_paddle2onnx.onnx",  # while loop whose body inputs are named like outer values
 ]
 
 
@@ -246,7 +319,7 @@ def test_openvino_target_end_to_end(path, tmp_path):
             assert all(d.ok for d in compare_outputs(references[1], {k: got[k] for k in references[1]}, atol=1e-4))
 
     result = ctropt.optimize(raw, target="openvino", feeds=feeds[1], speed=False)
-    assert not result.failed, [(r.name, r.message) for r in result.failed]
+    assert {r.name for r in result.failed} <= KNOWN_ROLLBACKS.get(path.stem, set()), result.failed
     # A lowering, or a fusion that removed the troublesome form (wdl's partitioned lookups), made it loadable.
     assert any(r.status == "applied" and (r.name in LOWER_PASSES or ctropt.REGISTRY[r.name].group == "fusion")
                for r in result.records), "no lowering fired"
@@ -258,6 +331,21 @@ def test_openvino_target_end_to_end(path, tmp_path):
             got = ov.run(f)
             diffs = compare_outputs(reference, {k: got[k] for k in reference}, atol=1e-4, rtol=1e-4)
             assert all(d.ok for d in diffs), diffs
+
+
+@pytest.mark.parametrize("path", [THIRDPARTY / "paddlerec_DLRM_paddle2onnx.onnx",
+                                  THIRDPARTY / "paddlerec_DIEN_dyn_paddle2onnx.onnx", ZOO / "wdl_tf.onnx"],
+                         ids=lambda p: p.stem)
+def test_openvino_target_on_the_sample_batch(path, tmp_path):
+    """The lowered export gives the framework's outputs in OpenVINO on the batch shipped with it."""
+    with np.load(path.with_suffix(".npz")) as f, np.load(path.with_suffix(".ref.npz")) as r:
+        feeds, reference = dict(f), dict(r)
+    result = ctropt.optimize(load(path), target="openvino", speed=False)
+    assert {r.name for r in result.failed} <= KNOWN_ROLLBACKS.get(path.stem, set()), result.failed
+    for ov in openvino_sessions(result.model, tmp_path):
+        got = ov.run(feeds)
+        diffs = compare_outputs(reference, {k: got[k] for k in reference}, atol=1e-4, rtol=1e-4)
+        assert all(d.ok for d in diffs), diffs
 
 
 LOWER_PASSES = {name for name, p in ctropt.REGISTRY.items() if p.group == "lower" and "openvino" in p.targets}

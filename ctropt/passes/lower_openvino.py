@@ -6,7 +6,15 @@ What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes 
 - `squeeze-explicit-axes`: Squeeze without axes has a dynamic output rank when a dim is unknown; the CPU
   plugin refuses dynamic-rank Squeeze. The axes become the dims known to be 1.
 - `compress-explicit-axis`: Compress without `axis` is converted by OpenVINO as flatten + axis-less Squeeze
-  (dynamic rank again). A 1-D input gets axis=0; any other is flattened by a Reshape first.
+  (dynamic rank again). A 1-D input gets axis=0; any other is flattened by a Reshape first. The condition is
+  flattened too: onnxruntime reads any condition as flat (paddle2onnx's masked_select passes a [B, F, F] mask:
+  PaddleRec DLRM), but OpenVINO gathers by NonZero of the condition as it is, so a rank-3 mask gives [3, n]
+  selected values, and the Reshape after it 3x the rows (the CPU plugin's Concat then refuses the shapes).
+- `body-inputs-own-names`: paddle2onnx names a while loop's body inputs after the outer values that feed them
+  (the Loop's cond and carried inputs). OpenVINO's ONNX frontend takes a body parameter whose name is a tensor
+  of the enclosing graph for an invariant input read from there, so it finds fewer loop-carried parameters than
+  carried inputs and refuses the Loop ("canonical inputs size (7), does not match ... (9)": PaddleRec DIEN with
+  dynamic history length). A renamed body input is the same value: onnxruntime's outputs do not change.
 - `scan-outer-scope-as-state`: OpenVINO's Scan converter counts values a Scan body reads from the outer
   scope as body parameters and so miscounts the states; they become explicit pass-through states.
 - `loop-inline-invariant-constants`: weights threaded through a Loop as pass-through carried values are
@@ -14,6 +22,11 @@ What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes 
 - `body-passthrough-identity`: a Loop/Scan body output that is directly a body input (tf2onnx passes
   weights through Keras while-loops that way) makes OpenVINO's file reader add a body parameter and miscount
   the loop-carried values; an Identity in between fixes it.
+- `topk-ties-by-index`: ONNX's TopK puts equal values in index order; OpenVINO's CPU plugin orders them at random,
+  differently from run to run. tf2onnx sorts segment ids with a full-length TopK (SegmentMax, the sparse lookups of
+  TF feature columns: DeepRec BST), so rows are scattered to the wrong places. The keys become distinct, rank·n +
+  index (rank from a sorted Unique), whose TopK has no ties; exact on onnxruntime (int64), and in OpenVINO, which
+  runs int64 as int32, while n² < 2³¹ (n, the entries sorted, up to 46340).
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
-from ..patterns.matcher import dtype_of, shape_of, unique_name
+from ..patterns.matcher import P, Match, Rewrite, Var, dtype_of, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -92,25 +105,48 @@ def squeeze_explicit_axes(ctx: PassContext) -> None:
             ctx.rewrites += 1
 
 
-@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11, speed=False)
+def _rank(t: gs.Tensor) -> int | None:
+    shape = shape_of(t)
+    return None if shape is None else len(shape)
+
+
+def _flattened(m: Match, t: gs.Tensor, name: str) -> gs.Variable:
+    """`t` reshaped to 1-D, next to the match."""
+    base = m.root.name or m.root.op
+    minus_one = _constant(m.graph, f"{base}/minus_one", np.array([-1], dtype=np.int64))
+    (flat,) = m.op("Reshape", [t, minus_one], name=f"{base}/{name}", dtype=dtype_of(t), shape=[None])
+    return flat
+
+
+def _compress_not_plain(m: Match) -> bool | str:
+    """True unless the Compress has an axis and a condition of rank 1 (then OpenVINO reads it as onnxruntime does)."""
+    if "axis" in m.root.attrs and _rank(m["condition"]) == 1:
+        return "has an axis and a 1-D condition already"
+    return True
+
+
+def _compress_on_flat(m: Match) -> list:
+    """Compress(x, condition) as onnxruntime reads it: without an axis on x flattened, the condition always flat."""
+    data, condition, axis = m["x"], m["condition"], m.root.attrs.get("axis")
+    if axis is None and _rank(data) != 1:
+        data = _flattened(m, data, "flat")
+    if _rank(condition) != 1:
+        condition = _flattened(m, condition, "flat_condition")
+    out = m.root.outputs[0]
+    (y,) = m.op("Compress", [data, condition], {"axis": 0 if axis is None else axis}, dtype=out.dtype, shape=out.shape)
+    return [y]
+
+
+COMPRESS_RULES = (
+    Rewrite("compress-on-flat", P.Compress(Var("x"), Var("condition")), _compress_on_flat, _compress_not_plain),
+)
+
+
+@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11, speed=False, rules=COMPRESS_RULES)
 def compress_explicit_axis(ctx: PassContext) -> None:
-    """Compress without axis gets axis=0 on its input flattened to 1-D, avoiding OpenVINO's dynamic-rank Squeeze."""
-    for g in iter_graphs(ctx.graph):
-        for node in list(g.nodes):
-            if node.op != "Compress" or "axis" in node.attrs:
-                continue
-            ctx.matches += 1
-            data = node.inputs[0]
-            shape = shape_of(data)
-            if shape is None or len(shape) != 1:
-                flat = gs.Variable(unique_name(ctx.graph, f"{node.name}/flat"), dtype=data.dtype,
-                                   shape=None if shape is None else [None])
-                minus_one = _constant(ctx.graph, f"{node.name}/minus_one", np.array([-1], dtype=np.int64))
-                g.nodes.append(gs.Node("Reshape", unique_name(ctx.graph, f"{node.name}/Reshape"), inputs=[data, minus_one],
-                                       outputs=[flat]))
-                node.inputs[0] = flat
-            node.attrs["axis"] = 0
-            ctx.rewrites += 1
+    """Compress gets an axis (0, on its input flattened to 1-D when it had none) and a 1-D condition."""
+    _annotate_if(ctx, lambda n: n.inputs[:2] if n.op == "Compress" else [])
+    ctx.apply(*COMPRESS_RULES)
 
 
 # ----------------------------------------------------------------------------------------- Loop / Scan bodies
@@ -185,6 +221,32 @@ def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
                 states = len(node.inputs) - int(node.attrs["num_scan_inputs"])
                 _thread_through(ctx.graph, node, body, t, states, states, states, states)
             ctx.rewrites += 1
+
+
+def _rename_shadowing_inputs(root: gs.Graph, graph: gs.Graph, around: frozenset = frozenset()) -> int:
+    """Give every Loop/Scan body input named like a value of a scope around it (`around`: names visible in
+    `graph`'s enclosing scopes) a name of its own, nested bodies included; returns how many bodies changed."""
+    visible = around | frozenset(graph.tensors())
+    changed = 0
+    for node in graph.nodes:
+        for sub in _subgraphs(node):
+            if node.op in ("Loop", "Scan"):
+                shadowing = [t for t in sub.inputs if t.name in visible]
+                for t in shadowing:
+                    t.name = unique_name(root, f"{t.name}/body")
+                changed += bool(shadowing)
+            changed += _rename_shadowing_inputs(root, sub, visible)
+    return changed
+
+
+@register_pass("body-inputs-own-names", group="lower", targets=TARGETS, order=19, speed=False)
+def body_inputs_own_names(ctx: PassContext) -> None:
+    """A Loop/Scan body input named like a value around the body gets a name of its own (OpenVINO reads the outer one).
+
+    paddle2onnx's while loops name their body inputs after the values that feed them."""
+    changed = _rename_shadowing_inputs(ctx.graph, ctx.graph)
+    ctx.matches += changed
+    ctx.rewrites += changed
 
 
 @register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, order=20, speed=False)
@@ -368,3 +430,66 @@ def split_cast_bool_as_compare(ctx: PassContext) -> None:
             ctx.rewrites += 1
         if replaced:
             g.nodes = [n for n in g.nodes if id(n) not in replaced]
+
+
+# ----------------------------------------------------------------------------------------- TopK ties
+
+
+def _sorts_integers_by_value(m: Match) -> bool | str:
+    """A sorted TopK over a 1-D integer vector (where ties are common: ids, segment ids)."""
+    if int(m.root.attrs.get("sorted", 1)) != 1:
+        return "unsorted: any order of ties is right"
+    dtype, shape = dtype_of(m["x"]), shape_of(m["x"])
+    if dtype is None or np.dtype(dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+        return f"sorts {dtype}, not int32/int64"
+    if shape is None or len(shape) != 1:
+        return "input not known to be 1-D"
+    if _ties_broken_already(m["x"]):
+        return "keys already distinct (rank·n + index)"
+    return True
+
+
+def _ties_broken_already(x: gs.Tensor) -> bool:
+    """x is rank·n + Range(n), the distinct keys `_topk_ties_by_index` sorts."""
+    add = x.inputs[0] if len(x.inputs) == 1 else None
+    return add is not None and add.op == "Add" and any(len(t.inputs) == 1 and t.inputs[0].op == "Range"
+                                                       for t in add.inputs)
+
+
+def _value_ranks(m: Match, x: gs.Tensor, largest: bool) -> gs.Variable:
+    """Each element's place among x's distinct values (0 for the smallest, or for the largest when `largest`)."""
+    i64, one = np.int64, _constant(m.graph, "one_i64", np.int64(1))
+    keys = x if np.dtype(dtype_of(x)) == np.int64 else m.op("Cast", [x], {"to": onnx.TensorProto.INT64}, dtype=i64)[0]
+    distinct, _, rank, _ = m.op("Unique", [keys], {"sorted": 1}, outputs=4, dtype=i64)
+    if not largest:
+        return rank
+    (count,) = m.op("Size", [distinct], dtype=i64, shape=[])
+    (last,) = m.op("Sub", [count, one], dtype=i64, shape=[])
+    return m.op("Sub", [last, rank], dtype=i64)[0]
+
+
+def _topk_ties_by_index(m: Match) -> list:
+    """TopK(x, k) as onnxruntime computes it (ties in index order): TopK of the distinct keys rank·n + index, whose
+    order has no ties, then x gathered in that order."""
+    x, i64 = m["x"], np.int64
+    rank = _value_ranks(m, x, bool(int(m.root.attrs.get("largest", 1))))
+    (n,) = m.op("Size", [x], dtype=i64, shape=[])
+    zero, one = _constant(m.graph, "zero_i64", i64(0)), _constant(m.graph, "one_i64", i64(1))
+    (index,) = m.op("Range", [zero, n, one], dtype=i64, shape=[None])
+    (scaled,) = m.op("Mul", [rank, n], dtype=i64, shape=[None])
+    (distinct_keys,) = m.op("Add", [scaled, index], dtype=i64, shape=[None])
+    _, order = m.op("TopK", [distinct_keys, m["k"]], {"axis": 0, "largest": 0, "sorted": 1}, outputs=2, dtype=i64)
+    (values,) = m.op("Gather", [x, order], {"axis": 0}, dtype=dtype_of(x), shape=[None])
+    return [values, order]
+
+
+TOPK_RULES = (
+    Rewrite("topk-ties-by-index", P.TopK(Var("x"), Var("k")), _topk_ties_by_index, _sorts_integers_by_value),
+)
+
+
+@register_pass("topk-ties-by-index", group="lower", targets=TARGETS, order=41, speed=False, rules=TOPK_RULES)
+def topk_ties_by_index(ctx: PassContext) -> None:
+    """A sorted TopK over integers keeps ties in index order, as ONNX says (OpenVINO CPU orders them at random)."""
+    _annotate_if(ctx, lambda n: n.inputs[:1] if n.op == "TopK" else [])
+    ctx.apply(*TOPK_RULES)

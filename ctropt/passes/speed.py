@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from ..graph import CtroptError
-from ..runtime import Runner, generate_inputs
+from ..runtime import Runner, compare_outputs, generate_inputs
 from ..runtime.bench import SpeedVerdict, compare_speed
 from ..runtime.inputs import DEFAULT_SEQ_LEN
 
@@ -96,6 +96,22 @@ class SpeedGuard:
 
     def try_measure(self, before, after) -> tuple[SpeedVerdict | None, str]:
         try:
+            wrong = self._wrong_on_target(before, after)
+            if wrong:
+                return None, f"not timed: {wrong}"
             return self.measure(before, after), ""
         except CtroptError as e:  # e.g. OpenVINO cannot load the graph before its lowering
             return None, f"not timed: {str(e).splitlines()[0][:200]}"
+
+    def _wrong_on_target(self, before, after) -> str:
+        """On OpenVINO, a model may run fast because it runs wrong (zoo wdl_tf's raw export: an empty output at
+        batch 256, 0.19× "faster"): both sides are checked against onnxruntime's outputs (where every model the
+        manager keeps is verified) before they are timed, and a wrong side is never kept for speed."""
+        if self.backend.startswith("ort"):
+            return ""
+        truth = Runner(after, "ort-cpu", threads=self.check.threads).run(self.feeds)
+        for side, model in (("the model before", before), ("the result", after)):
+            got = self.runner(model).run(self.feeds)
+            if not all(d.ok for d in compare_outputs(truth, {k: got[k] for k in truth if k in got}, atol=1e-4, rtol=1e-3)):
+                return f"{side} gives wrong outputs on {self.backend}"
+        return ""
