@@ -160,9 +160,14 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
 
 
 def _validity_check(node: gs.Node, pos: list[int]) -> bool:
-    """A comparison with a constant ≤ 0 (`id >= 0`: TF's sparse columns drop -1 padding so) checks ids, not lengths."""
-    other = const_value(node.inputs[1 - pos[0]]) if len(node.inputs) == 2 and len(pos) == 1 else None
-    return other is not None and other.size >= 1 and bool(np.all(np.asarray(other) <= 0))
+    """`id >= 0` or `id > -1` (TF's sparse columns drop -1 padding so) checks ids, not lengths. (`id < 0`, Keras
+    3's wrap of negative ids, stays read as a length: that keeps generated ids small where no table bounds them.)"""
+    if len(node.inputs) != 2 or len(pos) != 1:
+        return False
+    keeps_valid = (pos[0] == 0 and node.op in ("GreaterOrEqual", "Greater")) or \
+        (pos[0] == 1 and node.op in ("LessOrEqual", "Less"))
+    other = const_value(node.inputs[1 - pos[0]])
+    return keeps_valid and other is not None and other.size >= 1 and bool(np.all(np.asarray(other) <= 0))
 
 
 # What a sharded lookup does to an id on its way to a shard (TF's partitioned variables: ids deduplicated, the
