@@ -299,11 +299,11 @@ def to_graph(model: onnx.ModelProto) -> gs.Graph:
     for g in iter_graphs(graph):
         for n in g.nodes:
             if n.op == "Loop" and isinstance(n.attrs.get("body"), gs.Graph) and len(n.attrs["body"].inputs) >= 2:
-                body = n.attrs["body"].inputs  # (onnxruntime makes the iteration number of the rank declared)
                 # a carried value's shape may change after the first iteration, whatever the body declares
                 # (paddle2onnx: a scalar 0 that the body makes [1]; a "Reshape to the same shape" removed on the
-                # strength of the declaration gives a Slice 2-D starts): not trusted
-                for t in body[2:]:
+                # strength of the declaration gives a Slice 2-D starts): not trusted. The iteration number and
+                # condition keep theirs: onnxruntime makes the iteration number of the rank declared.
+                for t in n.attrs["body"].inputs[2:]:
                     t.shape = None
     return graph
 

@@ -135,8 +135,8 @@ class PassManager:
         """After an applied pass: move the checkpoint, wait for a lowering, or time the group since it.
         `before` and `after` are (model, outputs to keep) pairs."""
         timed = bool(p.speed) or not guard.check.enforce
-        fused = fused_op_counts(before[0])
-        if timed and fused and fused == fused_op_counts(after[0]):
+        fused, fused_after = fused_op_counts(before[0]), fused_op_counts(after[0])
+        if timed and fused and fused == fused_after:
             # between a fusion and its lowering, a pass that neither adds nor lowers fused ops is timed alone:
             # both sides run the same fused ops (their function bodies)
             return self._settle(guard, _Pending(*before, [(record, True)]), *after)
@@ -144,7 +144,7 @@ class PassManager:
         if not pending.timed:  # nothing to time since the checkpoint: move it
             pending.reset(*after)
             return after
-        if fused_op_counts(after[0]):  # fuse, then lower: timed together with the lowering
+        if fused_after:  # fuse, then lower: timed together with the lowering
             return after
         return self._settle(guard, pending, *after)
 

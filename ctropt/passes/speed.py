@@ -24,7 +24,7 @@ import dataclasses
 import numpy as np
 import onnx
 
-from ..graph import CtroptError
+from ..graph import CtroptError, iter_proto_nodes
 from ..runtime import Runner, compare_outputs, generate_inputs
 from ..runtime.bench import SpeedVerdict, compare_speed
 from ..runtime.inputs import DEFAULT_SEQ_LEN
@@ -51,16 +51,8 @@ def fused_op_counts(model: onnx.ModelProto) -> collections.Counter:
     """How many calls of each of the model's own functions (ai.ctropt fused ops a lowering pass still has to
     replace) it makes; empty when it makes none."""
     local = {(f.domain, f.name) for f in model.functions}
-    return collections.Counter((n.domain, n.op_type) for n in _all_nodes(model.graph)
+    return collections.Counter((n.domain, n.op_type) for n in iter_proto_nodes(model.graph)
                                if local and (n.domain, n.op_type) in local)
-
-
-def _all_nodes(graph: onnx.GraphProto):
-    for n in graph.node:
-        yield n
-        for a in n.attribute:
-            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                yield from _all_nodes(g)
 
 
 class SpeedGuard:
@@ -71,7 +63,7 @@ class SpeedGuard:
         self.backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
         self.feeds = check.feeds if check.feeds is not None else generate_inputs(
             model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN)
-        self._runners: dict[int, tuple[onnx.ModelProto, Runner | None]] = {}
+        self._runners: dict[int, tuple[onnx.ModelProto, Runner]] = {}  # the model is kept so its id stays its own
 
     def where(self) -> str:
         return f"{self.backend}, batch {len(next(iter(self.feeds.values()), []))}, {self.check.threads} thread(s)"
