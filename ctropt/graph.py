@@ -308,6 +308,31 @@ def to_graph(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def loop_varying_values(graph: gs.Graph) -> list[gs.Tensor]:
+    """In every Loop body: the carried inputs that change from one iteration to the next and the body values
+    computed from them, whose declared or inferred shapes may hold for the first iteration only (paddle2onnx
+    declares a scalar that is [1] from the first iteration on). A value passed through unchanged (tf2onnx threads a
+    Keras GRU's sequence and weights that way) keeps its shape from one iteration to the next."""
+    found = []
+    for g in iter_graphs(graph):
+        for n in g.nodes:
+            body = n.attrs.get("body") if n.op == "Loop" else None
+            if not isinstance(body, gs.Graph) or len(body.inputs) < 2:
+                continue
+            varying = [t for t, out in zip(body.inputs[2:], body.outputs[1:]) if not _passed_through(t, out)]
+            seen = {id(t) for t in varying}
+            for node in body.nodes:  # in topological order
+                if any(id(t) in seen for t in node.inputs):
+                    varying += [o for o in node.outputs if id(o) not in seen]
+                    seen.update(id(o) for o in node.outputs)
+            found += varying
+    return found
+
+
+def _passed_through(t: gs.Tensor, out: gs.Tensor) -> bool:
+    return out is t or (len(out.inputs) == 1 and out.inputs[0].op == "Identity" and out.inputs[0].inputs[0] is t)
+
+
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     """Export a graphsurgeon graph, keeping `like`'s model-level fields and opset imports."""
     graph.toposort(recurse_subgraphs=True, mode="nodes")  # "full" also sorts functions: recursion bug in gs 0.6.1

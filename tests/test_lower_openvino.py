@@ -220,6 +220,36 @@ def test_body_inputs_own_names(tmp_path):
     assert [i.name for i in body.input][0] == "i" and outer.isdisjoint(i.name for i in body.input)
 
 
+def _history_padded_or_truncated_then_concatenated(length=6, width=4):
+    """tf.cond(T < L, pad the history to L, else slice it to L), then the target item appended (DeepRec BST)."""
+    pad = helper.make_graph(
+        [node("Sub", ["L", "T"], ["p"]), node("Concat", ["z4", "p", "z1"], ["pads"], axis=0),
+         node("Pad", ["x", "pads"], ["padded"])], "then", [], [vi("padded", F, None)])
+    cut = helper.make_graph([node("Slice", ["x", "z1", "L", "one"], ["cut"])], "else", [], [vi("cut", F, None)])
+    return make_model(
+        [node("Shape", ["x"], ["shape"]), node("Gather", ["shape", "one"], ["T"], axis=0),
+         node("Greater", ["L", "T"], ["c1"]), node("Squeeze", ["c1", "z1"], ["c"]),
+         node("If", ["c"], ["h"], then_branch=pad, else_branch=cut), node("Unsqueeze", ["y", "one"], ["y1"]),
+         node("Concat", ["h", "y1"], ["seq"], axis=1), node("MatMul", ["seq", "W"], ["mm"]),
+         node("Add", ["mm", "seq"], ["s"]), node("ReduceSum", ["s", "one"], ["out"], keepdims=0)],
+        [vi("x", F, ["B", "T", width]), vi("y", F, ["B", width])], [vi("out", F, ["B", width])],
+        [init("L", np.array([length], np.int64)), init("one", np.array([1], np.int64)),
+         init("z4", np.zeros(4, np.int64)), init("z1", np.zeros(1, np.int64)),
+         init("W", np.random.default_rng(3).normal(size=(width, width)).astype(np.float32))])
+
+
+@pytest.mark.parametrize("history", [3, 6, 9])  # padded, as is, truncated
+def test_concat_into_if_branches(tmp_path, history):
+    model = _history_padded_or_truncated_then_concatenated()
+    rng = np.random.default_rng(history)
+    feeds = {"x": rng.normal(size=(5, history, 4)).astype(np.float32), "y": rng.normal(size=(5, 4)).astype(np.float32)}
+    assert openvino_fails(model, feeds, tmp_path)  # garbage values up to 1e37
+    once = lower(model, "concat-into-if-branches", feeds, tmp_path,
+                 ["Shape", "Gather", "Greater", "Squeeze", "If", "Unsqueeze", "MatMul", "Add", "ReduceSum"])
+    branches = [helper.get_attribute_value(a) for n in once.graph.node if n.op_type == "If" for a in n.attribute]
+    assert [b.node[-1].op_type for b in branches] == ["Concat", "Concat"]
+
+
 def _gru_with_lengths(initial_h: bool):
     T, H, I = 4, 3, 2
     rng = np.random.default_rng(4)
@@ -265,7 +295,7 @@ def test_split_cast_bool_as_compare(tmp_path):
                        [init("r", np.array([[0], [1], [2]], np.int32)), init("ax", np.array([0], np.int64))])
     feeds = {"x": np.array([0, 1, 2, 0, 2, 1, 1], np.int32)}
     assert openvino_fails(model, feeds, tmp_path)
-    once = lower(model, "split-cast-bool-as-compare", feeds, tmp_path,
+    lower(model, "split-cast-bool-as-compare", feeds, tmp_path,
                  ["Equal", "Cast", "Split"] + ["Equal", "Not", "Squeeze"] * 3)
 
 
@@ -334,7 +364,8 @@ def test_openvino_target_end_to_end(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", [THIRDPARTY / "paddlerec_DLRM_paddle2onnx.onnx",
-                                  THIRDPARTY / "paddlerec_DIEN_dyn_paddle2onnx.onnx", ZOO / "wdl_tf.onnx"],
+                                  THIRDPARTY / "paddlerec_DIEN_dyn_paddle2onnx.onnx", ZOO / "wdl_tf.onnx",
+                                  THIRDPARTY / "deeprec_BST_tf2onnx.onnx"],
                          ids=lambda p: p.stem)
 def test_openvino_target_on_the_sample_batch(path, tmp_path):
     """The lowered export gives the framework's outputs in OpenVINO on the batch shipped with it."""

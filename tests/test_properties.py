@@ -31,8 +31,8 @@ while building, so float32 rounding stays far below the tolerance. Every model p
 in onnxruntime at batch 1 and 5 (others are rejected; none are in practice).
 
 Budget (CI): PASS_EXAMPLES per pass and target, ALL_EXAMPLES for `all`, derandomized (the examples follow from
-each test id): about 50 s on 2 cores. Known bugs the generator steers around are listed at MODEL_OPTIONS, each
-with a strict xfail test at the end of the file.
+each test id): about 50 s on 2 cores. Known bugs the generator steers around would be listed at MODEL_OPTIONS, each
+with a strict xfail test at the end of the file; there are none now.
 """
 
 from __future__ import annotations
@@ -91,27 +91,11 @@ FOCUS = {
     "compress-explicit-axis": ("split", "concat"),
 }
 
-# Known bugs the generator steers around, per pass (each has a strict xfail test below with its minimal model):
-# - fuse-fc (test_fuse_fc_idempotent_with_dead_reader): the pattern rewriter removes dead nodes only after
-#   matching, so fuse-fc first declines an FC whose MatMul output also has a dead reader ("matched with its
-#   activation"), removes that reader, and fuses on a second run. Its models have no dead nodes.
-# - dedup-user-side (test_dedup_user_side_keeps_output_type): a graph output computed from history ids ([B, L])
-#   alone becomes a Gather with no type or shape, changing the interface. No such output is generated for it (or
-#   for `all`, which runs it).
-# - eliminate-common-subexpressions (test_cse_idempotent_with_equal_outputs): a duplicate that is a graph output is
-#   kept as an Identity of the node kept, and that Identity can itself be a duplicate (of another output's, or of an
-#   Identity already there), merged only by a second run. No two graph outputs compute the same thing (for CSE and
-#   `all`).
-# - fuse-parallel-embeddings (test_fuse_parallel_embeddings_idempotent_with_dead_lookups): the same with lookups
-#   that only a dead Concat reads: grouped with the live ones, they leave those unfused on the first run (then the
-#   dead ones are removed), and a second run fuses them. Its models have no dead nodes.
-MODEL_OPTIONS = {
-    "fuse-fc": {"dead_nodes": False},
-    "fuse-parallel-embeddings": {"dead_nodes": False},
-    "dedup-user-side": {"user_side_outputs": False},
-    "eliminate-common-subexpressions": {"equal_outputs": False},
-    "all": {"user_side_outputs": False, "equal_outputs": False},
-}
+# Known bugs the generator steers around, per pass (each with a strict xfail test at the end of the file with its
+# minimal model). None now: the five hypothesis found (fuse-fc and fuse-parallel-embeddings not idempotent with dead
+# readers, dedup-user-side losing an output's type, CSE chaining equal outputs, fold-constants re-declaring a folded
+# output's dims) are fixed, and their models are regression tests at the end of the file.
+MODEL_OPTIONS: dict[str, dict] = {"all": {}}
 
 KINDS = ("fc", "unary", "prelu", "binary", "matmul", "gemm", "cast_identity", "dropout", "batchnorm", "reduce",
          "concat", "split", "gather", "embeddings", "history", "constant", "flatten", "transpose", "layout_pair",
@@ -756,14 +740,7 @@ def models(draw, focus=(), dead_nodes=True, value_info=None, user_side_outputs=T
         for v in outputs:
             firsts.setdefault(keys.get(v.name, v.name), v)
         outputs = list(firsts.values())
-    # Known bug (see test_fold_constants_keeps_output_dims): fold-constants gives an output it folds to a constant
-    # the constant's dims where the model declared them unknown. Such outputs are declared with their dims.
-    computed = {i.name for i in b.inputs}
-    for n in b.nodes:
-        if computed.intersection(n.input):
-            computed.update(n.output)
-    declared = [_value_info(v.name, F32, v.shape, v.name not in computed or draw(st.integers(0, 5)) > 0)
-                for v in outputs]
+    declared = [_value_info(v.name, F32, v.shape, draw(st.integers(0, 5)) > 0) for v in outputs]
     declared += [_value_info(n, e, s) for n, e, s in b.extra_outputs]
     nodes = b.nodes if dead_nodes else _live(b.nodes, [v.name for v in declared])
     graph = helper.make_graph(nodes, "g", b.inputs, declared,
@@ -870,6 +847,7 @@ def _assert_sound(model, passes, target):
     again = ctropt.optimize(out, passes=passes, target=target, speed=False, strict=True, verify=False)  # only: changed?
     changed = {r.name: (r.status, r.message) for r in again.records if r.status != "unchanged"}
     assert not changed, f"not idempotent: a second run changed {changed}"
+    return out
 
 
 @pytest.mark.parametrize(("name", "target"), CASES, ids=[f"{t}:{n}" for n, t in CASES])
@@ -888,10 +866,10 @@ def test_all_pipeline_is_sound(model):
     _assert_sound(model, ["all"], "ort")
 
 
-# ----------------------------------------------------------------------------------------- known bugs
-# The minimal models hypothesis found (shrunk by hand where noted) for the bugs the generator steers around
-# (MASK_AS_OUTPUT, the fold-constants note in models(), MODEL_OPTIONS). Each is a strict xfail: when the pass is
-# fixed it passes, the xfail fails, and the exclusion in the generator should go.
+# ----------------------------------------------------------------------------------------- bugs found
+# The minimal models hypothesis found (shrunk by hand where noted), kept as regression tests now that the passes
+# are fixed. A new bug the generator must steer around gets its model here as a strict xfail, and its exclusion at
+# MODEL_OPTIONS.
 
 
 def _model(nodes, inputs, outputs, initializers=()):
@@ -915,20 +893,17 @@ def test_prune_training_ops_keeps_mask_output():
     _assert_sound(model, ["prune-training-ops"], "ort")
 
 
-@pytest.mark.xfail(strict=True, raises=ctropt.PassFailed,
-                   reason="fold-constants gives a graph output it folds to a constant the constant's dims where the "
-                          "model declared them unknown ([?] -> [2]): the interface changes")
 def test_fold_constants_keeps_output_dims():
+    """Found by hypothesis: a graph output folded to a constant was declared with the constant's dims ([?] -> [2])."""
     value = numpy_helper.from_array(np.array([0.5, -1.0], np.float32))
     model = _model([helper.make_node("Constant", [], ["v1"], value=value)], [X2],
                    [helper.make_tensor_value_info("v1", F32, [None])])
     _assert_sound(model, ["fold-constants"], "ort")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuse-fc is not idempotent when the MatMul output has a dead reader: the first run "
-                          "declines the FC (two readers) but removes the dead one, the second fuses to Gemm")
 def test_fuse_fc_idempotent_with_dead_reader():
+    """Found by hypothesis: the FC was declined for its dead second reader, which the first run removed, so a second
+    run fused it; the rewriter now removes dead nodes before matching."""
     model = _model([helper.make_node("MatMul", ["x", "W"], ["v2"]), helper.make_node("Relu", ["v2"], ["v3"]),
                     helper.make_node("Relu", ["v2"], ["v4"])],
                    [X2], [helper.make_tensor_value_info("v4", F32, ["B", 1])], [W21])
@@ -944,32 +919,29 @@ def test_eliminate_identity_idempotent_without_value_info():
     _assert_sound(model, ["eliminate-identity"], "ort")
 
 
-@pytest.mark.xfail(strict=True, raises=ctropt.PassFailed,
-                   reason="dedup-user-side makes a graph output computed from history ids alone a Gather with no "
-                          "type or shape: the interface changes (elem type 1 -> 0, dims (B, 2, 1) -> None)")
 def test_dedup_user_side_keeps_output_type():
+    """Found by hypothesis: a graph output computed from history ids alone became a Gather with no type or shape."""
     table = ("table", np.array([[0.1, -0.2], [0.3, 0.05]], np.float32))
     model = _model([helper.make_node("Gather", ["table", "ids0"], ["v2"]),
-                    helper.make_node("MatMul", ["v2", "W"], ["v5"])],
-                   [helper.make_tensor_value_info("ids0", TensorProto.INT64, ["B", 2])],
-                   [helper.make_tensor_value_info("v5", F32, ["B", 2, 1])], [table, W21])
-    _assert_sound(model, ["dedup-user-side"], "ort")
+                    helper.make_node("MatMul", ["v2", "W"], ["v5"]), helper.make_node("Relu", ["x"], ["v6"])],
+                   [helper.make_tensor_value_info("ids0", TensorProto.INT64, ["B", 2]), X2],
+                   [helper.make_tensor_value_info("v5", F32, ["B", 2, 1]),
+                    helper.make_tensor_value_info("v6", F32, ["B", 2])], [table, W21])
+    once = _assert_sound(model, ["dedup-user-side"], "ort")
+    assert "Unique" in [n.op_type for n in once.graph.node]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="eliminate-common-subexpressions keeps each duplicate graph output as an Identity of the "
-                          "node kept; those Identities are duplicates too, merged only by a second run")
 def test_cse_idempotent_with_equal_outputs():
+    """Found by hypothesis: equal graph outputs became Identities of the node kept, which a second run merged into a
+    chain; an Identity writing a graph output is no longer a duplicate to merge."""
     model = _model([helper.make_node("Relu", ["x"], [o]) for o in ("v1", "v2", "v3")], [X2],
                    [helper.make_tensor_value_info(o, F32, ["B", 2]) for o in ("v1", "v2", "v3")])
     _assert_sound(model, ["eliminate-common-subexpressions"], "ort")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuse-parallel-embeddings is not idempotent when some lookups are read only by a dead "
-                          "Concat: grouped with them, the live lookups stay separate on the first run (which removes "
-                          "the dead ones), and a second run fuses them")
 def test_fuse_parallel_embeddings_idempotent_with_dead_lookups():
+    """Found by hypothesis: lookups read only by a dead Concat kept the live ones apart on the first run (which
+    removed the dead ones), and a second run fused them; dead nodes now go first."""
     table = np.array([[0.06, -0.07], [0.32, 0.05]], np.float32)
     nodes = [helper.make_node("Gather", ["t1", "bag"], ["e1"]),
              helper.make_node("ReduceSum", ["e1", "axis"], ["s1"], keepdims=0),

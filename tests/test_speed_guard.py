@@ -19,23 +19,27 @@ def light():
     return make_model([node("Relu", ["x"], ["y"])], [vi("x", F, ["B", WIDTH])], [vi("y", F, ["B", WIDTH])])
 
 
-def slow_down(ctx):
-    """y := Relu(x) + 0 * (x·W1·W2·W3·W4): the same values, many times the work."""
+def add_heavy_zero_branch(ctx, last, prefix: str) -> None:
+    """`last`'s output := its value + 0 * (x·W1·W2·W3·W4): the same values, many times the work."""
     import onnx_graphsurgeon as gs
 
     from ctropt.patterns.matcher import add_node
 
-    relu = next(n for n in ctx.graph.nodes if n.op == "Relu")
-    if any(n.op == "MatMul" for n in ctx.graph.nodes):
-        return
-    h, out = relu.inputs[0], relu.outputs[0]
+    out, h = last.outputs[0], ctx.graph.inputs[0]
     for i in range(4):
-        w = gs.Constant(f"w{i}", (RNG.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH) / 2).astype(np.float32))
+        w = gs.Constant(f"{prefix}w{i}", (RNG.normal(size=(WIDTH, WIDTH)) / np.sqrt(WIDTH) / 2).astype(np.float32))
         (h,) = add_node(ctx.graph, "MatMul", [h, w], dtype=np.float32)
-    (zeroed,) = add_node(ctx.graph, "Mul", [h, gs.Constant("zero", np.zeros(1, np.float32))], dtype=np.float32)
-    relu.outputs = [gs.Variable("relu_out", np.float32)]
-    ctx.graph.nodes.append(gs.Node("Add", "plus_zero", inputs=[relu.outputs[0], zeroed], outputs=[out]))
+    (zeroed,) = add_node(ctx.graph, "Mul", [h, gs.Constant(f"{prefix}zero", np.zeros(1, np.float32))],
+                         dtype=np.float32)
+    last.outputs = [gs.Variable(f"{prefix}before", np.float32)]
+    ctx.graph.nodes.append(gs.Node("Add", f"{prefix}add", inputs=[last.outputs[0], zeroed], outputs=[out]))
     ctx.matches = ctx.rewrites = 1
+
+
+def slow_down(ctx):
+    """y := Relu(x) + 0 * (x·W1·W2·W3·W4)."""
+    if not any(n.op == "MatMul" for n in ctx.graph.nodes):
+        add_heavy_zero_branch(ctx, next(n for n in ctx.graph.nodes if n.op == "Relu"), "")
 
 
 def speed_up(ctx):
@@ -101,6 +105,36 @@ def test_a_fusion_is_timed_with_the_lowering_that_follows_it():
     assert rec["fuse-rnn"].speedup is not None and rec["fuse-rnn"].speedup == rec["lower-rnn-ort"].speedup
     assert rec["fuse-rnn"].status == rec["lower-rnn-ort"].status
     assert rec["fuse-fc"].speedup != rec["fuse-rnn"].speedup  # timed alone, between the fusion and its lowering
+
+
+def add_second_branch(ctx):
+    """Slower alone: a second heavy branch multiplied by 0, which `drop_heavy_after_second` needs to fire."""
+    if not any(n.name == "second_add" for n in ctx.graph.nodes):
+        add_heavy_zero_branch(ctx, ctx.graph.outputs[0].inputs[0], "second_")
+
+
+def drop_heavy_after_second(ctx):
+    """Fires only after `add_second_branch`: y = Relu(x), both heavy branches gone."""
+    if not any(n.name == "second_add" for n in ctx.graph.nodes):
+        return
+    relu = next(n for n in ctx.graph.nodes if n.op == "Relu")
+    out = ctx.graph.outputs[0]
+    out.inputs[0].outputs = []
+    relu.outputs = [out]
+    ctx.graph.cleanup()
+    ctx.matches = ctx.rewrites = 1
+
+
+def test_a_pass_slower_alone_is_kept_when_a_later_pass_needs_it(temp_pass):
+    """Pass by pass the guard rolls `add_second_branch` back, and `drop_heavy_after_second` never fires; with every
+    verified pass in one line the result is many times faster, so that line is the result."""
+    slow = ctropt.optimize(light(), passes=[temp_pass("t-slow-down", slow_down)], speed=False).model
+    passes = [temp_pass("t-enable", add_second_branch), temp_pass("t-payoff", drop_heavy_after_second)]
+    result = ctropt.optimize(slow, passes=passes, speed=FAST_CHECK)
+    enable, payoff = result.records
+    assert enable.status == payoff.status == "applied", result.records
+    assert enable.speedup < 0.9 and enable.message.startswith("kept although 0.")
+    assert ops(result.model) == ["Relu"] and result.speed.ratio > 2 and not result.kept_input
 
 
 def test_cli_says_what_was_rolled_back_for_speed_and_turns_it_off(tmp_path):

@@ -22,21 +22,15 @@ def npz(path):
 
 
 # Exports of the corpus where a pass may still be rolled back (the manager's check catches it; the model stays
-# right): what is left of issue #23, each with its cause. Any other rollback fails the test.
-KNOWN_ROLLBACKS = {
-    # a Loop body's carried value changes shape after the first iteration: a Slice's ends become 2-D
-    "paddlerec_DIEN_dyn_paddle2onnx": {"fuse-fc", "eliminate-identity"},
-}
-# A second `all` still changes this export (fold-constants and eliminate-identity in its Loop body, whose carried
-# shapes are not trusted): not idempotent yet.
-NOT_IDEMPOTENT = {"paddlerec_DIEN_dyn_paddle2onnx"}
+# right), each with its cause. Any other rollback fails the test. None now (PaddleRec DIEN with dynamic history
+# length was the last: its Loop's carried shapes, see graph._forget_carried_shapes).
+KNOWN_ROLLBACKS: dict[str, set[str]] = {}
 
 
-def _framework_outputs(path, raw_outputs):
-    """The framework's outputs; a scalar the export declares but onnxruntime returns as [1] (PaddleRec DIEN's aux
-    loss, in the raw export too) is compared by value."""
-    ref = npz(path.with_suffix(".ref.npz"))
-    return {k: v.reshape(raw_outputs[k].shape) if v.size == raw_outputs[k].size else v for k, v in ref.items()}
+def _like(values, model_outputs):
+    """`values` in the shapes of the optimized model's outputs where the sizes agree: the raw export of PaddleRec
+    DIEN with aux loss computes its declared scalar as [1], which ctropt repairs (reshape_outputs_as_declared)."""
+    return {k: v.reshape(model_outputs[k].shape) if v.size == model_outputs[k].size else v for k, v in values.items()}
 
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
@@ -48,10 +42,12 @@ def test_optimize_all_keeps_outputs_interface_and_runtimes(path):
     assert {name for name, _ in failed} <= KNOWN_ROLLBACKS.get(path.stem, set()), failed
     opt = result.model
     assert interface(opt) == interface(raw)
-    if invalid_reason(raw) is None:  # PaddleRec DIEN-aux's export itself fails strict shape inference
-        assert invalid_reason(opt) is None
+    assert invalid_reason(opt) is None
+    assert [r.split(":")[0] for r in result.repairs] == (
+        ["output save_infer_model/scale_1.tmp_0 is declared [] but the export computes [1]"]
+        if path.stem == "paddlerec_DIEN_aux_paddle2onnx" else [])
 
-    framework = _framework_outputs(path, Runner(raw).run(feeds))
+    framework = npz(path.with_suffix(".ref.npz"))
     got = Runner(opt).run(feeds)
     diffs = compare_outputs(framework, {k: got[k] for k in framework}, atol=1e-5, rtol=1e-4)
     assert all(d.ok for d in diffs), diffs
@@ -59,11 +55,11 @@ def test_optimize_all_keeps_outputs_interface_and_runtimes(path):
     try:
         raw_ov = Runner(raw, "openvino-cpu").run(feeds)
     except CtroptError:
-        return  # OpenVINO cannot run this export as it is; the openvino target's lowering owns that
-    assert all(d.ok for d in compare_outputs(raw_ov, Runner(opt, "openvino-cpu").run(feeds), atol=1e-5, rtol=1e-4))
+        raw_ov = None  # OpenVINO cannot run this export as it is; the openvino target's lowering owns that
+    if raw_ov is not None:
+        opt_ov = Runner(opt, "openvino-cpu").run(feeds)
+        assert all(d.ok for d in compare_outputs(_like(raw_ov, opt_ov), opt_ov, atol=1e-5, rtol=1e-4))
 
-    if path.stem in NOT_IDEMPOTENT:
-        return
     again = ctropt.optimize(opt, passes="all", speed=False)
     assert all(r.status == "unchanged" or (r.status == "rolled back" and r.name in KNOWN_ROLLBACKS.get(path.stem, ()))
                for r in again.records), [(r.name, r.status) for r in again.records]

@@ -156,6 +156,8 @@ def optimize(
         with status:
             result = manager.run(m)
         save(result.model, out, protect=(model,))
+        for repair in result.repairs:
+            console.print(f"[yellow]repaired the export:[/] {escape(repair)}")
         table = Table(title=f"{model.name} → {out.name}")
         for col in ("pass", "status", "matches", "rewrites", "nodes", "max err", "speed", "time"):
             table.add_column(col, justify="left" if col in ("pass", "status") else "right")
@@ -165,8 +167,10 @@ def optimize(
                           f"{r.nodes_before}→{r.nodes_after}", _fmt_err(r.max_abs_err),
                           "-" if r.speedup is None else f"{r.speedup:.2f}×", f"{r.seconds:.2f}s")
         console.print(table)
-        for r in result.failed + [r for r in result.records if r.status == "slower"]:
-            console.print(f"[{'yellow' if r.status == 'slower' else 'red'}]{r.name} {r.status}[/]: {escape(r.message)}")
+        for r in result.records:  # why a pass was rolled back, or kept although it was slower alone
+            if r.message and r.status in ("rolled back", "failed", "slower", "applied"):
+                color = {"slower": "yellow", "applied": "green"}.get(r.status, "red")
+                console.print(f"[{color}]{r.name} {r.status}[/]: {escape(r.message)}")
         _print_whole_speed(result)
         for r in result.records:
             if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
@@ -201,7 +205,7 @@ def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None
         "input": str(model), "output": str(out), "target": target, "kept_input": result.kept_input,
         "speed": None if speed is None else {"ratio": speed.ratio, "p10": speed.p10, "p90": speed.p90,
                                              "pairs": speed.pairs},
-        "speed_note": result.speed_note,
+        "speed_note": result.speed_note, "repairs": result.repairs,
         "passes": [{"name": r.name, "status": r.status, "rewrites": r.rewrites, "nodes": [r.nodes_before, r.nodes_after],
                     "max_abs_err": r.max_abs_err, "speedup": r.speedup, "seconds": round(r.seconds, 3),
                     "message": r.message} for r in result.records]}, indent=1))

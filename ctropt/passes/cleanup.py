@@ -13,9 +13,9 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from ..graph import annotate_shapes, iter_graphs
+from ..graph import annotate_shapes, iter_graphs, loop_varying_values
 from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import dtype_of, renameable, replace_outputs, shape_of
+from ..patterns.matcher import dtype_of, renameable, replace_outputs, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -211,7 +211,17 @@ def eliminate_identity(ctx: PassContext) -> None:
     """Remove ops that do nothing (Identity, Cast/Reshape to the same type/shape, x*1, ...) and merge Reshape/Transpose chains."""
     if any(t.dtype is None or t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.outputs):
         annotate_shapes(ctx.graph)  # the no-op rules read types and shapes: known on the first run as on a second
-    ctx.apply(*NO_OP_RULES, *CHAIN_RULES)
+    # A Loop body's values that change per iteration may change shape after the first one (PaddleRec DIEN with
+    # dynamic history: a "Reshape to the same shape" removed on the strength of a declared scalar that is [1] from
+    # the first iteration on gave a Slice 2-D ends): the rules see their shapes as unknown.
+    hidden = [(t, t.shape) for t in loop_varying_values(ctx.graph) if t.shape is not None]
+    for t, _ in hidden:
+        t.shape = None
+    try:
+        ctx.apply(*NO_OP_RULES, *CHAIN_RULES)
+    finally:
+        for t, shape in hidden:
+            t.shape = shape
 
 
 # ----------------------------------------------------------------------------------------- constants
@@ -224,15 +234,29 @@ def fold_constants(ctx: PassContext) -> None:
     cap = int(ctx.options.get("fold_size_cap", FOLD_SIZE_CAP))
     saved = G_LOGGER.severity
     G_LOGGER.severity = G_LOGGER.ERROR
+    declared = [(t.name, t.dtype, t.shape) for t in ctx.graph.outputs]
     try:
         ctx.graph.toposort(recurse_subgraphs=True, mode="nodes")
         ctx.graph.fold_constants(size_threshold=cap, recurse_subgraphs=True, error_ok=True)
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
     finally:
         G_LOGGER.severity = saved
+    _keep_declared_outputs(ctx.graph, declared)
     folded = before - _node_total(ctx.graph)
     ctx.matches += max(folded, 0)
     ctx.rewrites += max(folded, 0)
+
+
+def _keep_declared_outputs(graph: gs.Graph, declared: list) -> None:
+    """A graph output folded to a constant would be declared with the constant's dims ([?] becomes [2]): it is
+    an Identity of the constant instead, declared as before."""
+    for i, (name, dtype, shape) in enumerate(declared):
+        t = graph.outputs[i]
+        if isinstance(t, gs.Constant) and (shape is None or list(shape) != list(t.values.shape)):
+            t.name = unique_name(graph, f"{name}/folded")
+            out = gs.Variable(name, dtype=dtype or t.values.dtype, shape=shape)
+            graph.nodes.append(gs.Node("Identity", unique_name(graph, f"{name}/keep"), inputs=[t], outputs=[out]))
+            graph.outputs[i] = out
 
 
 def _constant_key(c: gs.Constant):
@@ -287,7 +311,10 @@ def eliminate_common_subexpressions(ctx: PassContext) -> None:
     for g in list(iter_graphs(ctx.graph)):
         g.toposort(recurse_subgraphs=False, mode="nodes")
         seen: dict = {}
+        graph_outputs = {id(t) for t in g.outputs}
         for node in list(g.nodes):
+            if node.op == "Identity" and all(id(o) in graph_outputs for o in node.outputs):
+                continue  # a graph output equal to another is an Identity of it: merging two only chains them
             if node.op in NONDETERMINISTIC or not node.outputs or any(
                 isinstance(v, gs.Graph) or (isinstance(v, list) and any(isinstance(s, gs.Graph) for s in v))
                 for v in node.attrs.values()

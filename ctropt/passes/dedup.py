@@ -166,6 +166,9 @@ def dedup_user_side(ctx: PassContext) -> None:
         ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
                  "--option user_inputs=a,b)")
         return
+    if all(any(s is i for s in seeds) for i in graph.inputs):
+        ctx.note("left as is: every input is user side (no candidate item to share the user's work with)")
+        return
     opset = int(getattr(graph, "opset", None) or 0)
     batches = _batches(probe)
     excluded: set[int] = set()
@@ -277,11 +280,13 @@ def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], prob
     graph_outputs = {id(t) for t in graph.outputs}
     for n in nodes:
         for o in n.outputs:
+            declared = (o.dtype, o.shape)
             o.shape = None  # one row per distinct user now: the batch dim's name no longer applies
             outside = [c for c in o.outputs if id(c) not in inside]
             if not outside and id(o) not in graph_outputs:
                 continue
             full = op("Gather", [o, inverse], {"axis": 0})
+            full.dtype, full.shape = declared  # one row per row again
             for c in outside:
                 c.inputs[c.inputs.index(o)] = full
             if id(o) in graph_outputs:  # the graph output keeps its name: the per-row value takes it

@@ -399,6 +399,7 @@ def fuse_parallel_embeddings(ctx: PassContext) -> None:
     """Lookups of one batch into tables of one width, read together by Concats, Sums or row sums (pooled bags) →
     one Gather on the concatenated tables, ids offset per lookup, that those consumers read whole. Lookups also
     read elsewhere stay. Runs after the attention and user-side passes, which start from the separate lookups."""
+    ctx.graph.cleanup(remove_unused_graph_inputs=False)  # a dead Concat reading lookups would keep them apart
     for group, fused in _fused_groups(ctx.graph):
         ctx.matches += len(group)
         ctx.rewrites += bool(fused)

@@ -22,6 +22,9 @@ What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes 
 - `body-passthrough-identity`: a Loop/Scan body output that is directly a body input (tf2onnx passes
   weights through Keras while-loops that way) makes OpenVINO's file reader add a body parameter and miscount
   the loop-carried values; an Identity in between fixes it.
+- `concat-into-if-branches`: the CPU plugin gives garbage (values up to 1e37, different from run to run) for an
+  If output that a Concat reads (tf.cond pad-or-truncate of a history before the target item is appended: DeepRec
+  BST). With the Concat moved into both branches, the If's output is the Concat's and the values are exact.
 - `topk-ties-by-index`: ONNX's TopK puts equal values in index order; OpenVINO's CPU plugin orders them at random,
   differently from run to run. tf2onnx sorts segment ids with a full-length TopK (SegmentMax, the sparse lookups of
   TF feature columns: DeepRec BST), so rows are scattered to the wrong places. The keys become distinct, rank·n +
@@ -312,6 +315,34 @@ def body_passthrough_identity(ctx: PassContext) -> None:
             if changed:
                 ctx.matches += 1
                 ctx.rewrites += 1
+
+
+@register_pass("concat-into-if-branches", group="lower", targets=TARGETS, order=23, speed=False)
+def concat_into_if_branches(ctx: PassContext) -> None:
+    """An If output read only by a Concat: the Concat runs in both branches and the If gives its result."""
+    for g in iter_graphs(ctx.graph):
+        graph_outputs = {id(t) for t in g.outputs}
+        for node in list(g.nodes):
+            if node.op != "If" or len(node.outputs) != 1 or id(node.outputs[0]) in graph_outputs:
+                continue
+            out = node.outputs[0]
+            if len(out.outputs) != 1 or out.outputs[0].op != "Concat":
+                continue
+            cat = out.outputs[0]
+            ctx.matches += 1
+            for branch in ("then_branch", "else_branch"):
+                body = node.attrs[branch]
+                result = gs.Variable(unique_name(ctx.graph, f"{cat.name}/{branch}"), dtype=dtype_of(cat.outputs[0]))
+                inputs = [body.outputs[0] if t is out else t for t in cat.inputs]
+                body.nodes.append(gs.Node("Concat", unique_name(ctx.graph, f"{cat.name}/{branch}"), dict(cat.attrs),
+                                          inputs=inputs, outputs=[result]))
+                body.outputs[0] = result
+            g.nodes.remove(node)
+            g.nodes[g.nodes.index(cat)] = node  # after what the Concat's other inputs need
+            node.outputs = list(cat.outputs)
+            cat.inputs.clear()
+            cat.outputs.clear()
+            ctx.rewrites += 1
 
 
 # ----------------------------------------------------------------------------------------- GRU sequence_lens

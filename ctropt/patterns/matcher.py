@@ -493,8 +493,10 @@ class Rewrite:
 
 
 def apply_rewrites(graph: gs.Graph, rules: list[Rewrite], *, max_rounds: int = 20) -> tuple[int, int]:
-    """Apply rules until nothing matches; returns (matches, rewrites). Cleans the graph between rounds."""
+    """Apply rules until nothing matches; returns (matches, rewrites). Cleans the graph first and between rounds:
+    a dead reader would keep a rule that wants a value read once from matching until a second run."""
     matches = rewrites = 0
+    graph.cleanup(remove_unused_graph_inputs=False)
     for _ in range(max_rounds):
         changed = 0
         for g in list(iter_graphs(graph)):
