@@ -23,7 +23,7 @@ def add_heavy_zero_branch(ctx, last, prefix: str) -> None:
     """`last`'s output := its value + 0 * (x·W1·W2·W3·W4): the same values, many times the work."""
     import onnx_graphsurgeon as gs
 
-    from ctropt.patterns.matcher import add_node
+    from ctropt.graph.edit import add_node
 
     out, h = last.outputs[0], ctx.graph.inputs[0]
     for i in range(4):

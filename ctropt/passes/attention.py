@@ -21,11 +21,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import topological_order
-from ..patterns.matcher import const_value, unique_name
+from ..graph.edit import const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.session import subgraph_session
-from .registry import PassContext, register_pass, tidy
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 LAYOUT_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "MatMulInteger", "QLinearMatMul"}

@@ -14,8 +14,8 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
-from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import dtype_of, renameable, replace_outputs, shape_of, unique_name
+from ..patterns import Const, P, Rewrite, Var
+from ..graph.edit import const_value, dtype_of, renameable, replace_outputs, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -45,38 +45,45 @@ def infer_shapes(ctx: PassContext) -> None:
         ctx.note(problem)
 
 
-@register_pass("prune-training-ops", group="cleanup", order=5)
-def prune_training_ops(ctx: PassContext) -> None:
-    """Drop training-only ops left in inference exports (Dropout in inference mode with its mask unused)."""
-
-    def inference_dropout(m):
-        node = m.root
-        if len(node.outputs) > 1 and (node.outputs[1].outputs or any(o is node.outputs[1] for o in m.graph.outputs)):
-            return False  # the mask is read, or is a graph output
-        if len(node.inputs) > 2 and node.inputs[2].name:
-            mode = const_value(node.inputs[2])
-            return mode is not None and not bool(np.asarray(mode).ravel()[0])
-        return True
-
-    ctx.apply(Rewrite("dropout", P.Dropout(Var("x"), ...), lambda m: [m["x"]], _keeps_interface(inference_dropout)))
-
-
-# ----------------------------------------------------------------------------------------- no-op ops
-
-
 def _keeps_interface(cond=None):
     """Wrap a condition: also refuse when dropping the node would only move it (graph output fed by a non-renameable value)."""
 
     def check(m):
-        if cond is not None and not cond(m):
-            return False
+        verdict = True if cond is None else cond(m)
+        if verdict is not True:
+            return verdict
         out = m.root.outputs[0]
         x = m.values.get("x")
         if x is not None and any(o is out for o in m.graph.outputs) and not renameable(m.graph, x):
-            return False
+            return "its output is a graph output and its input cannot take the name"
         return True
 
     return check
+
+
+def _inference_dropout(m) -> bool | str:
+    node = m.root
+    if len(node.outputs) > 1 and (node.outputs[1].outputs or any(o is node.outputs[1] for o in m.graph.outputs)):
+        return "its mask is read, or is a graph output"
+    if len(node.inputs) > 2 and node.inputs[2].name:
+        mode = const_value(node.inputs[2])
+        if mode is None or bool(np.asarray(mode).ravel()[0]):
+            return "training_mode is not a constant false"
+    return True
+
+
+TRAINING_RULES = (
+    Rewrite("dropout", P.Dropout(Var("x"), ...), lambda m: [m["x"]], _keeps_interface(_inference_dropout)),
+)
+
+
+@register_pass("prune-training-ops", group="cleanup", order=5, rules=TRAINING_RULES)
+def prune_training_ops(ctx: PassContext) -> None:
+    """Drop training-only ops left in inference exports (Dropout in inference mode with its mask unused)."""
+    ctx.apply(*TRAINING_RULES)
+
+
+# ----------------------------------------------------------------------------------------- no-op ops
 
 
 def _static(shape) -> bool:
@@ -334,3 +341,10 @@ def eliminate_common_subexpressions(ctx: PassContext) -> None:
             ctx.rewrites += 1
     if ctx.rewrites:
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
+
+
+def tidy(ctx: PassContext) -> None:
+    """What the cleanup passes would still find in the nodes a pass built (casts to the same type, equal
+    constants, shapes known statically): done by that pass, so that it is idempotent under `all`."""
+    for cleanup in (fold_constants, eliminate_identity, dedup_initializers, eliminate_common_subexpressions):
+        cleanup(PassContext(ctx.graph, ctx.target, dict(ctx.options)))

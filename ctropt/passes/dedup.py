@@ -19,11 +19,12 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import is_sequence_node
-from ..patterns.matcher import add_constant, add_node, const_value, unique_name
+from ..graph.edit import add_constant, add_node, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.session import subgraph_session
-from .registry import PassContext, register_pass, tidy
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
 OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track

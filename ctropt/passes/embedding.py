@@ -18,9 +18,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs, nodes_near
-from ..patterns import Const, P, Rewrite, Var, const_value
-from ..patterns.matcher import add_constant, add_node, dtype_of, replace_outputs, shape_of, unique_name
-from .registry import PassContext, register_pass, tidy
+from ..patterns import Const, P, Rewrite, Var
+from ..graph.edit import add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of, unique_name
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 
 @dataclasses.dataclass

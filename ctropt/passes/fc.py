@@ -22,9 +22,10 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns import Const, Match, P, Rewrite, Var
-from ..patterns.matcher import add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of
+from ..graph.edit import const_value, dtype_of, shape_of
 from .layout import cancel_layout_pairs
-from .registry import PassContext, register_pass, tidy
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 # Activations onnxruntime folds into FusedGemm (GemmActivationFusion) and OpenVINO into FullyConnected.
 ACTIVATIONS = "Relu|Sigmoid|Tanh|LeakyRelu|Elu|HardSigmoid|Selu|Softsign"
@@ -163,57 +164,73 @@ def _gathered_projection(c: gs.Tensor):
     return g, p
 
 
-@register_pass("fold-fc-affine", group="fusion", order=62)
+def _fc_width(m: Match) -> int | str:
+    """The FC's output width, or why it cannot take a per-column scale into its weight."""
+    fc, w = m.node("fc"), m.const("W")
+    if any(fc.attrs.get(a, d) != d for a, d in (("transA", 0), ("alpha", 1.0), ("beta", 1.0))):
+        return "a Gemm with transA, alpha or beta"
+    if w.ndim != 2 or w.dtype not in FLOAT_TYPES:
+        return "its weight is not a 2-D float matrix"
+    return w.shape[0] if fc.attrs.get("transB", 0) else w.shape[1]
+
+
+def _affine_foldable(m: Match) -> bool | str:
+    width = _fc_width(m)
+    if isinstance(width, str):
+        return width
+    if _per_column(m["s"], width) is None:
+        return "the scale is not per column"
+    if "t" in m.values and _per_column(m["t"], width) is None:
+        return "the shift is not per column"
+    readers = m.root.outputs[0].outputs
+    if "t" not in m.values and len(readers) == 1 and readers[0].op == "Add" and any(
+            u is not m.root.outputs[0] and _per_column(u, width) is not None for u in readers[0].inputs):
+        return "the per-column Add after it folds with it"
+    fc = m.node("fc")
+    c = fc.inputs[2] if len(fc.inputs) > 2 else None
+    c_value = const_value(c) if c is not None else None
+    if c is not None and c_value is None and _gathered_projection(c) is None:
+        return "the FC's bias is neither a constant nor a gathered projection"
+    if c_value is not None and c_value.ndim > 1 and c_value.shape[0] != 1:
+        return "the FC's bias is not per column"
+    return True
+
+
+def _fold_affine(m: Match) -> list:
+    """``Gemm(a, W, c) · s (+ t)`` → ``Gemm(a, W·s, c·s + t)``; a gathered projection bias is scaled at its source."""
+    fc, w, x = m.node("fc"), m.const("W"), m.node("fc").outputs[0]
+    width = _fc_width(m)
+    s = _per_column(m["s"], width)
+    t = _per_column(m["t"], width) if "t" in m.values else np.zeros(width)
+    c = fc.inputs[2] if len(fc.inputs) > 2 else None
+    c_value = const_value(c) if c is not None else np.zeros(width)
+    w_s = w * (s[:, None] if fc.attrs.get("transB", 0) else s[None, :])
+    if c_value is not None:
+        bias = m.constant(f"{fc.name}/affine_bias", (c_value.reshape(-1) * s + t).astype(w.dtype))
+    else:
+        gather, proj = _gathered_projection(c)
+        pw, pb = const_value(proj.inputs[1]), const_value(proj.inputs[2])
+        (p2,) = m.op("Gemm", [proj.inputs[0], m.constant(f"{proj.name}/affine", (pw * s).astype(pw.dtype)),
+                              m.constant(f"{proj.name}/affine_bias", (pb.reshape(-1) * s + t).astype(pb.dtype))],
+                     name=f"{proj.name}/affine", dtype=x.dtype)
+        (bias,) = m.op("Gather", [p2, gather.inputs[1]], dict(gather.attrs), name=f"{gather.name}/affine",
+                       dtype=x.dtype)
+    return m.op("Gemm", [m["a"], m.constant(f"{fc.name}/affine", w_s.astype(w.dtype)), bias],
+                {"transB": fc.attrs.get("transB", 0)}, name=f"{fc.name}/affine", dtype=x.dtype, shape=x.shape)
+
+
+_FC = P.Gemm(Var("a"), Const("W"), ..., _name="fc", _shared=True)  # its output may also be read as is (Dice)
+AFFINE_RULES = (
+    Rewrite("fc-scale-shift", P.Add(P.Mul(_FC, Var("s")), Var("t")), _fold_affine, _affine_foldable),
+    Rewrite("fc-scale", P.Mul(_FC, Var("s")), _fold_affine, _affine_foldable),
+)
+
+
+@register_pass("fold-fc-affine", group="fusion", order=62, rules=AFFINE_RULES)
 def fold_fc_affine(ctx: PassContext) -> None:
     """``Gemm(a, W, c) · s + t`` with s, t per column (a folded BatchNormalization: Dice) → a second
     ``Gemm(a, W·s, c·s + t)`` when the FC's output is also read as is, else the same Gemm: a Gemm costs less
     than two broadcast elementwise ops on onnxruntime CPU (measured 68 µs vs 124 µs at [1280, 16])."""
-    graph = ctx.graph
-    for mul in [n for n in graph.nodes if n.op == "Mul"]:
-        x = next((u for u in mul.inputs if u.inputs and u.inputs[0].op == "Gemm"), None)
-        fc = x.inputs[0] if x is not None else None
-        if fc is None or len(fc.inputs) < 2 or any(fc.attrs.get(a, d) != d for a, d in
-                                                   (("transA", 0), ("alpha", 1.0), ("beta", 1.0))):
-            continue
-        w = const_value(fc.inputs[1])
-        if w is None or w.ndim != 2 or w.dtype not in FLOAT_TYPES:
-            continue
-        width = w.shape[0] if fc.attrs.get("transB", 0) else w.shape[1]
-        s = _per_column(mul.inputs[1] if mul.inputs[0] is x else mul.inputs[0], width)
-        if s is None:
-            continue
-        ctx.matches += 1
-        readers = mul.outputs[0].outputs
-        add = readers[0] if len(readers) == 1 and readers[0].op == "Add" else None
-        t = _per_column(next(u for u in add.inputs if u is not mul.outputs[0]), width) if add is not None else None
-        if t is None:
-            add, t = None, np.zeros(width)
-        c = fc.inputs[2] if len(fc.inputs) > 2 else None
-        c_value = const_value(c) if c is not None else np.zeros(width)
-        w_s = w * (s[:, None] if fc.attrs.get("transB", 0) else s[None, :])
-        if c_value is not None:
-            if c_value.ndim > 1 and c_value.shape[0] != 1:
-                continue
-            bias = add_constant(graph, f"{fc.name}/affine_bias", (c_value.reshape(-1) * s + t).astype(w.dtype))
-        else:
-            found = _gathered_projection(c)
-            if found is None:
-                continue
-            gather, proj = found
-            pw, pb = const_value(proj.inputs[1]), const_value(proj.inputs[2])
-            scaled_w = add_constant(graph, f"{proj.name}/affine", (pw * s).astype(pw.dtype))
-            scaled_b = add_constant(graph, f"{proj.name}/affine_bias", (pb.reshape(-1) * s + t).astype(pb.dtype))
-            (p2,) = add_node(graph, "Gemm", [proj.inputs[0], scaled_w, scaled_b], name=f"{proj.name}/affine",
-                             dtype=x.dtype)
-            (bias,) = add_node(graph, "Gather", [p2, gather.inputs[1]], dict(gather.attrs),
-                               name=f"{gather.name}/affine", dtype=x.dtype)
-        (z,) = add_node(graph, "Gemm", [fc.inputs[0], add_constant(graph, f"{fc.name}/affine", w_s.astype(w.dtype)),
-                                        bias], {"transB": fc.attrs.get("transB", 0)},
-                        name=f"{fc.name}/affine", dtype=x.dtype, shape=x.shape)
-        replace_outputs(graph, add or mul, [z])
-        ctx.rewrites += 1
-    if ctx.rewrites:
-        graph.cleanup()
-        graph.toposort(mode="nodes")
+    if ctx.apply(*AFFINE_RULES):
         tidy(ctx)
         ctx.note(f"{ctx.rewrites} per-column scale/shift after an FC (a folded BatchNormalization) → a Gemm")

@@ -19,7 +19,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
-from ..patterns.matcher import add_constant, add_node, const_value, redirect_consumers, replace_outputs, shape_of
+from ..patterns import Const, P, Rewrite, Var
+from ..graph.edit import add_constant, add_node, const_value, redirect_consumers, replace_outputs, shape_of
 from .registry import PassContext, register_pass
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu",
@@ -27,34 +28,38 @@ ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu"
                "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Identity", "Not", "Cast"}
 
 
-@register_pass("fold-batchnorm", group="cleanup", order=12, speed=True)
+def _inference_statistics(m) -> bool | str:
+    if len(m.root.outputs) != 1 or m.root.attrs.get("training_mode", 0):
+        return "training mode (running statistics are outputs)"
+    shape = shape_of(m["x"])
+    if shape is None or len(shape) < 2:
+        return "the input's rank is unknown: the per-channel constants cannot be placed"
+    return True
+
+
+def _batchnorm_as_affine(m) -> list:
+    scale, bias, mean, var = (m.const(k).astype(np.float64) for k in ("scale", "bias", "mean", "var"))
+    s = scale / np.sqrt(var + m.root.attrs.get("epsilon", 1e-5))
+    dtype, out, name = m.const("scale").dtype, m.root.outputs[0], m.root.name
+    per_channel = (-1,) + (1,) * (len(shape_of(m["x"])) - 2)
+    mul = m.constant(f"{name}/scale", s.reshape(per_channel).astype(dtype))
+    add = m.constant(f"{name}/shift", (bias - mean * s).reshape(per_channel).astype(dtype))
+    (scaled,) = m.op("Mul", [m["x"], mul], name=f"{name}/Mul", dtype=out.dtype, shape=out.shape)
+    return m.op("Add", [scaled, add], name=f"{name}/Add", dtype=out.dtype, shape=out.shape)
+
+
+BATCHNORM_RULES = (
+    Rewrite("batchnorm-affine", P.BatchNormalization(Var("x"), Const("scale"), Const("bias"), Const("mean"),
+                                                     Const("var")), _batchnorm_as_affine, _inference_statistics),
+)
+
+
+@register_pass("fold-batchnorm", group="cleanup", order=12, speed=True, rules=BATCHNORM_RULES)
 def fold_batchnorm(ctx: PassContext) -> None:
     """Inference BatchNormalization with constant statistics → Mul + Add by per-channel constants."""
-    graph = ctx.graph
-    if any(n.op == "BatchNormalization" and n.inputs[0].shape is None for n in graph.nodes):
-        annotate_shapes(graph)  # the rank of the input places the per-channel constants
-    for n in list(graph.nodes):
-        if n.op != "BatchNormalization" or len(n.outputs) != 1 or n.attrs.get("training_mode", 0):
-            continue
-        params = [const_value(t) for t in n.inputs[1:5]]
-        shape = shape_of(n.inputs[0])
-        if len(params) != 4 or any(p is None for p in params) or shape is None or len(shape) < 2:
-            continue
-        ctx.matches += 1
-        scale, bias, mean, var = (p.astype(np.float64) for p in params)
-        s = scale / np.sqrt(var + n.attrs.get("epsilon", 1e-5))
-        dtype = params[0].dtype
-        per_channel = (-1,) + (1,) * (len(shape) - 2)
-        mul = add_constant(graph, f"{n.name}/scale", (s.reshape(per_channel)).astype(dtype))
-        add = add_constant(graph, f"{n.name}/shift", ((bias - mean * s).reshape(per_channel)).astype(dtype))
-        out = n.outputs[0]
-        (scaled,) = add_node(graph, "Mul", [n.inputs[0], mul], name=f"{n.name}/Mul", dtype=out.dtype, shape=out.shape)
-        (shifted,) = add_node(graph, "Add", [scaled, add], name=f"{n.name}/Add", dtype=out.dtype, shape=out.shape)
-        replace_outputs(graph, n, [shifted])
-        ctx.rewrites += 1
-    if ctx.rewrites:
-        graph.cleanup()
-        graph.toposort(mode="nodes")
+    if any(n.op == "BatchNormalization" and n.inputs[0].shape is None for n in ctx.graph.nodes):
+        annotate_shapes(ctx.graph)  # the rank of the input places the per-channel constants
+    ctx.apply(*BATCHNORM_RULES)
 
 
 def _inverse(perm: list[int]) -> list[int]:

@@ -39,7 +39,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
-from ..patterns.matcher import P, Match, Rewrite, Var, dtype_of, shape_of, unique_name
+from ..patterns.matcher import P, Match, Rewrite, Var
+from ..graph.edit import dtype_of, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -83,29 +84,31 @@ def _has_input(node: gs.Node, i: int) -> bool:
 # ----------------------------------------------------------------------------------------- Squeeze / Compress
 
 
-@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10, speed=False)
+def _ones_known(m: Match) -> bool | str:
+    if "axes" in m.root.attrs:
+        return "its axes are named"
+    shape = shape_of(m["x"])
+    if shape is None:
+        return "the input's rank is unknown"
+    return True if any(_is_one(d) for d in shape) else "no dim of the input is known to be 1"
+
+
+def _squeeze_named_axes(m: Match) -> list:
+    out = m.root.outputs[0]
+    axes = [i for i, d in enumerate(shape_of(m["x"])) if _is_one(d)]
+    if int(getattr(m.graph, "opset", None) or 13) >= 13:
+        return m.op("Squeeze", [m["x"], _constant(m.graph, f"{m.root.name}/axes", np.array(axes, np.int64))],
+                    name=m.root.name, dtype=out.dtype, shape=out.shape)
+    return m.op("Squeeze", [m["x"]], {"axes": axes}, name=m.root.name, dtype=out.dtype, shape=out.shape)
+
+
+SQUEEZE_RULES = (Rewrite("squeeze-without-axes", P.Squeeze(Var("x")), _squeeze_named_axes, _ones_known),)
+
+
+@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10, speed=False, rules=SQUEEZE_RULES)
 def squeeze_explicit_axes(ctx: PassContext) -> None:
     """Squeeze without axes on a value of known rank names its axes (the dims known to be 1), so its rank is static."""
-    new_style = _opset(ctx) >= 13
-    for g in iter_graphs(ctx.graph):
-        for node in list(g.nodes):
-            if node.op != "Squeeze" or _has_input(node, 1) or "axes" in node.attrs:
-                continue
-            shape = shape_of(node.inputs[0])
-            if shape is None:
-                continue
-            axes = [i for i, d in enumerate(shape) if _is_one(d)]
-            if not axes:
-                continue
-            ctx.matches += 1
-            if new_style:
-                c = _constant(ctx.graph, f"{node.name}/axes", np.array(axes, dtype=np.int64))
-                while len(node.inputs) > 1:
-                    node.inputs.pop()
-                node.inputs.append(c)
-            else:
-                node.attrs["axes"] = axes
-            ctx.rewrites += 1
+    ctx.apply(*SQUEEZE_RULES)
 
 
 def _rank(t: gs.Tensor) -> int | None:
@@ -432,35 +435,32 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
 # ----------------------------------------------------------------------------------------- Split + Cast(bool)
 
 
-@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40, speed=False)
+def _non_bool_split_part(m: Match) -> bool | str:
+    x = m["x"]
+    producer = x.inputs[0] if len(x.inputs) == 1 else None
+    if producer is None or producer.op != "Split" or len(producer.outputs) < 2:
+        return "not a part of a Split"
+    dtype = dtype_of(x)
+    return True if dtype is not None and np.dtype(dtype) != np.bool_ else "a bool or untyped part"
+
+
+def _not_equal_zero(m: Match) -> list:
+    x, base = m["x"], m.root.name or "Cast"
+    zero = _constant(m.graph, f"{base}/zero", np.zeros((), dtype=dtype_of(x)))
+    (eq,) = m.op("Equal", [x, zero], name=f"{base}/Equal", dtype=np.bool_, shape=shape_of(x))
+    return m.op("Not", [eq], name=f"{base}/Not", dtype=np.bool_, shape=m.root.outputs[0].shape)
+
+
+SPLIT_BOOL_RULES = (Rewrite("cast-split-part-to-bool", P.Cast(Var("x"), to=onnx.TensorProto.BOOL), _not_equal_zero,
+                            _non_bool_split_part),)
+
+
+@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40, speed=False,
+               rules=SPLIT_BOOL_RULES)
 def split_cast_bool_as_compare(ctx: PassContext) -> None:
     """Cast-to-bool of a Split output becomes Not(Equal(x, 0)): OpenVINO CPU otherwise gives every output the first part."""
     _annotate_if(ctx, lambda n: n.outputs if n.op == "Split" else [])
-    for g in iter_graphs(ctx.graph):
-        replaced = set()
-        for node in list(g.nodes):
-            if node.op != "Cast" or node.attrs.get("to") != onnx.TensorProto.BOOL:
-                continue
-            x = node.inputs[0]
-            producer = x.inputs[0] if len(x.inputs) == 1 else None
-            dtype = dtype_of(x)
-            if producer is None or producer.op != "Split" or len(producer.outputs) < 2 or dtype is None:
-                continue
-            if np.dtype(dtype) == np.bool_:
-                continue
-            ctx.matches += 1
-            base = node.name or "Cast"
-            zero = _constant(ctx.graph, f"{base}/zero", np.zeros((), dtype=dtype))
-            eq = gs.Variable(unique_name(ctx.graph, f"{base}/is_zero"), dtype=np.bool_, shape=shape_of(x))
-            out = node.outputs[0]
-            node.outputs.clear()
-            g.nodes.append(gs.Node("Equal", unique_name(ctx.graph, f"{base}/Equal"), inputs=[x, zero], outputs=[eq]))
-            g.nodes.append(gs.Node("Not", unique_name(ctx.graph, f"{base}/Not"), inputs=[eq], outputs=[out]))
-            node.inputs.clear()
-            replaced.add(id(node))
-            ctx.rewrites += 1
-        if replaced:
-            g.nodes = [n for n in g.nodes if id(n) not in replaced]
+    ctx.apply(*SPLIT_BOOL_RULES)
 
 
 # ----------------------------------------------------------------------------------------- TopK ties

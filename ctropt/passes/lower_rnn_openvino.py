@@ -53,8 +53,9 @@ import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, iter_graphs
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..patterns.matcher import const_value, dtype_of, shape_of, unique_name
-from .registry import PassContext, register_pass, tidy
+from ..graph.edit import const_value, dtype_of, shape_of, unique_name
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 FORMS = ("auto", "scan", "gru-op", "augru-unrolled")
 MAX_UNROLL = 512  # steps: longer chains would bloat the graph (18 nodes per step)

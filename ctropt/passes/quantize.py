@@ -43,7 +43,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, runnable_model
-from ..patterns.matcher import const_value
+from ..graph.edit import const_value
 from ..runtime import Runner, generate_inputs, store_input_facts
 from ..runtime.bench import bench
 from ..runtime.inputs import read_npz

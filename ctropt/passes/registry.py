@@ -174,10 +174,3 @@ def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
             seen.add(p.name)
             result.append(p)
     return result
-
-
-def tidy(ctx: PassContext) -> None:
-    """What the cleanup passes would still find in the nodes a pass built (casts to the same type, equal
-    constants, shapes known statically): done by that pass, so that it is idempotent under `all`."""
-    for name in ("fold-constants", "eliminate-identity", "dedup-initializers", "eliminate-common-subexpressions"):
-        REGISTRY[name](PassContext(ctx.graph, ctx.target, dict(ctx.options)))

@@ -2,7 +2,7 @@
 ai.ctropt sequence op (``ctropt.ops.rnn``); `lower-rnn-ort` turns those into what onnxruntime runs fastest:
 stock ONNX ops, or ctropt's own kernel (``ctropt.kernels``) when asked to.
 
-Dialects (each reader lives beside this module and identifies the cell by meaning, ``ctropt.patterns.gru_cell``):
+Dialects (each reader lives beside this module and identifies the cell by meaning, ``ctropt.passes.gru_cell``):
 - ONNX GRU ops (torch ``nn.GRU``, tf2onnx's GRU rewriter): ``rnn_unrolled.fuse_gru_ops``;
 - Scan/Loop layers (tf2onnx from ``dynamic_rnn``, Keras GRU, DeepCTR's while loops): ``rnn_loops``;
 - cells unrolled over time (a Python loop over steps in PyTorch): ``rnn_unrolled.fuse_unrolled_cells``.
@@ -17,8 +17,9 @@ import onnx_graphsurgeon as gs
 from .. import kernels
 from ..graph import CtroptError
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..patterns.matcher import add_constant, add_node, const_value, unique_name
-from .registry import PassContext, register_pass, tidy
+from ..graph.edit import add_constant, add_node, const_value, unique_name
+from .cleanup import tidy
+from .registry import PassContext, register_pass
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
 ORT_FORMS = ("auto", "scan", "gru-op", "kernel")

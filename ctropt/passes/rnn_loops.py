@@ -15,7 +15,7 @@ Rather than one pattern per dialect, a layer is read by meaning on a throwaway c
 1. roles of the carried values (counter: ``v + 1`` from a constant start; invariant: passed through; the
    float state, and possibly a copy of it) and of the per-step inputs (Scan slices, or reads ``S[t]`` /
    ``S[:, t]`` of an outer tensor, each checked numerically against numpy on random data);
-2. the cell: the first tensor after the Tanh that :func:`ctropt.patterns.gru_cell.identify_gru_cell` reads as
+2. the cell: the first tensor after the Tanh that :func:`ctropt.passes.gru_cell.identify_gru_cell` reads as
    a GRU-family cell of (h, x_t[, a_t]); a one-wide per-step input is the score a_t, or else a 0/1 mask;
 3. the masking, by running the body step on random states, inputs, masks and lengths around t: with
    valid = t < len (or m_t), the new state must be ``where(valid, cell, h)`` (``cell`` if neither), each stacked
@@ -38,8 +38,8 @@ import onnx_graphsurgeon as gs
 
 from ..graph import iter_proto_graphs
 from ..ops.rnn import add_sequence_node, is_sequence_node
-from ..patterns.gru_cell import CellMatch, identify_gru_cell
-from ..patterns.matcher import const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
+from .gru_cell import CellMatch, identify_gru_cell
+from ..graph.edit import const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
 from ..runtime.session import subgraph_session
 
 _PROBE_BATCH = 8

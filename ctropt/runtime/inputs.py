@@ -22,7 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, to_graph
-from ..patterns import const_value
+from ..graph.edit import const_value
 
 # Ops an id passes through unchanged in value (shape may change).
 _PASS_THROUGH = {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Tile",

@@ -156,7 +156,7 @@ def subgraph_session(nodes: list, leaves: list, outputs: list, opset: int, funct
     import onnx_graphsurgeon as gs
     import onnxruntime as ort
 
-    from ..patterns.matcher import const_value
+    from ..graph.edit import const_value
 
     swap = {id(t): gs.Variable(f"leaf{i}", np.dtype(d), None) for i, (t, d) in enumerate(leaves)}
     inputs = list(swap.values())

@@ -1,0 +1,124 @@
+"""Editing graphsurgeon graphs: constants' values, shapes and dtypes as far as known, new nodes and constants
+with unique names, and moving readers from one value to another. Used by the pattern layer and every pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from . import iter_graphs
+
+
+def const_value(t: gs.Tensor) -> np.ndarray | None:
+    """The value of a constant tensor: an initializer or the output of a Constant node, in any scope."""
+    if isinstance(t, gs.Constant):
+        return t.values
+    if len(t.inputs) == 1 and t.inputs[0].op == "Constant":
+        attrs = t.inputs[0].attrs
+        if "value" in attrs:
+            v = attrs["value"]
+            return v.values if isinstance(v, gs.Constant) else np.asarray(v)
+        for key, dtype in (("value_float", np.float32), ("value_int", np.int64),
+                           ("value_floats", np.float32), ("value_ints", np.int64)):
+            if key in attrs:
+                return np.asarray(attrs[key], dtype=dtype)
+    return None
+
+
+def is_all_zeros(t: gs.Tensor, depth: int = 0) -> bool:
+    """True if `t` is all zeros by construction (a constant, ConstantOfShape(0), or Expand/Reshape/... of one)."""
+    if depth > 12:
+        return False
+    v = const_value(t)
+    if v is not None:
+        return v.size == 0 or (np.issubdtype(v.dtype, np.number) and not np.any(v))
+    if len(t.inputs) != 1:
+        return False
+    n = t.inputs[0]
+    if n.op == "ConstantOfShape":
+        value = n.attrs.get("value")
+        if value is None:
+            return True
+        arr = value.values if isinstance(value, gs.Constant) else np.asarray(value)
+        return not np.any(arr)
+    if n.op in ("Expand", "Tile", "Reshape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Transpose", "Flatten",
+                "Slice", "Neg", "Abs", "Relu") and n.inputs:
+        return is_all_zeros(n.inputs[0], depth + 1)
+    return False
+
+
+def shape_of(t: gs.Tensor) -> list | None:
+    """The (possibly symbolic) shape of a value or constant, None when unknown."""
+    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
+    return None if shape is None else list(shape)
+
+
+def dtype_of(t: gs.Tensor):
+    return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+
+
+# ----------------------------------------------------------------------------------------- state
+
+
+def add_constant(graph: gs.Graph, name: str, value: np.ndarray) -> gs.Constant:
+    """A new constant with a name unique in `graph`."""
+    return gs.Constant(unique_name(graph, name), np.ascontiguousarray(value))
+
+
+def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1,
+             name: str | None = None, domain: str | None = None, dtype=None, shape=None) -> list[gs.Variable]:
+    """Append a node to `graph` (names made unique) and return its new output tensors."""
+    base = unique_name(graph, name or op)
+    outs = [gs.Variable(unique_name(graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
+    graph.nodes.append(gs.Node(op, base, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
+    return outs
+
+
+def unique_name(graph: gs.Graph, name: str) -> str:
+    """A name no tensor or node of `graph` or its subgraphs uses yet (collected once per graph, then kept up to date)."""
+    taken = graph.__dict__.get("_ctropt_names")  # not getattr: graphsurgeon's __getattr__ logs misses as errors
+    if taken is None:
+        taken = {n for g in iter_graphs(graph) for n in g.tensors()} | {n.name for g in iter_graphs(graph) for n in g.nodes}
+        graph.__dict__["_ctropt_names"] = taken
+    candidate, i = name, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{name}_{i}"
+    taken.add(candidate)
+    return candidate
+
+
+def replace_outputs(graph: gs.Graph, root: gs.Node, new: list) -> None:
+    """Make `new[i]` take the place of `root.outputs[i]`; graph outputs keep their names."""
+    graph_outputs = {id(t) for t in graph.outputs}
+    for old, repl in zip(list(root.outputs), new):
+        if repl is None or repl is old:
+            continue
+        if id(old) not in graph_outputs:
+            redirect_consumers(old, repl)
+        elif renameable(graph, repl):
+            # The node that makes `repl` writes the graph output instead; `repl`'s readers follow.
+            producer = repl.inputs[0]
+            redirect_consumers(repl, old)
+            old.inputs.clear()
+            producer.outputs[producer.outputs.index(repl)] = old
+        else:
+            old.inputs.clear()
+            graph.nodes.append(gs.Node("Identity", unique_name(graph, f"{old.name}/keep"), inputs=[repl], outputs=[old]))
+    root.outputs.clear()
+
+
+def renameable(graph: gs.Graph, t: gs.Tensor) -> bool:
+    """True if `t` is made by a node of `graph` and is not itself a graph output (so it may take another name)."""
+    if len(t.inputs) != 1 or any(o is t for o in graph.outputs):
+        return False
+    producer = t.inputs[0]
+    return any(n is producer for n in graph.nodes)
+
+
+def redirect_consumers(old: gs.Tensor, new: gs.Tensor) -> None:
+    """Every node that reads `old` (in any scope) reads `new` instead."""
+    for user in list(old.outputs):
+        for i, t in enumerate(user.inputs):
+            if t is old:
+                user.inputs[i] = new
