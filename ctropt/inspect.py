@@ -14,7 +14,7 @@ from .kernels import DOMAIN as KERNELS
 from .ops import DOMAIN
 from .ops.rnn import SequenceAttrs, is_sequence_node
 from .passes.registry import Pass, PassContext
-from .patterns import const_value
+from .graph.edit import const_value
 from .runtime.inputs import model_input_facts, store_input_facts
 
 RECURRENT_OPS = {"GRU", "LSTM", "RNN"}
