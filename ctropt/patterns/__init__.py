@@ -13,6 +13,7 @@ Var or Const may bind a value from an outer scope, but nodes of an outer scope a
 match (a rewrite inside a body cannot change them).
 """
 
+from ..graph.edit import const_value  # a graph helper, kept here for the pattern API's users
 from .matcher import (
     Any,
     Const,
@@ -40,6 +41,7 @@ __all__ = [
     "Rewrite",
     "Var",
     "apply_rewrites",
+    "const_value",
     "explain",
     "find_matches",
     "is_commutative",
