@@ -464,15 +464,44 @@ def _interface(node: gs.Node, shapes: _Shapes, opset: int):
 
 
 def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Plan:
+    """Reads a recurrent Scan/Loop by meaning, phase by phase (see the module docstring): its plan, or _Skip."""
     body: gs.Graph = node.attrs["body"]
-    if any(isinstance(v, gs.Graph) or (isinstance(v, list) and any(isinstance(x, gs.Graph) for x in v))
-           for n in body.nodes for v in n.attrs.values()):
+    if _has_nested_subgraph(body):
         raise _Skip("nested subgraph in the body")
     inits, b_in, b_out, scan_outs, out_axes, slices, slice_srcs, in_axes = _interface(node, shapes, opset)
     n_carried = len(inits)
     finals, stacked_outs = list(node.outputs[:n_carried]), list(node.outputs[n_carried:])
+    counters, invariants, floats = _carried_roles(graph, inits, b_in, b_out, finals)
+    used_stacked = [j for j, t in enumerate(stacked_outs) if _used(graph, t)]
+    copy = _probe_copy(node, inits, counters, invariants)
+    rng = np.random.default_rng(0)  # one stream for every probe below, consumed in this order
+    x_step, extra = _per_step_inputs(node, copy, slice_srcs, in_axes, b_in, floats, shapes, opset, rng)
+    cell = _find_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
+    outer, padded_output = _masking(copy, cell, x_step, used_stacked, shapes, opset, rng)
+    T_static = shapes.dim(x_step.source, x_step.time_axis)
+    trim = _steps_to_trim(x_step, (cell.att, cell.mask), T_static, shapes)
+    if node.op == "Loop":
+        _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
+    state = cell.state
+    h0 = None if is_all_zeros(inits[state]) else inits[state]
+    passthrough = [(finals[k], inits[k]) for k in invariants if _used(graph, finals[k])]
+    return _Plan(cell.match, x_step, cell.att, cell.mask, outer.lens, outer.lens_rank, h0, padded_output,
+                 [(stacked_outs[j], out_axes[j]) for j in used_stacked],
+                 [finals[k] for k in [state] + cell.aliases if _used(graph, finals[k])], passthrough, trim)
 
-    # ---- carried values: counters (v + 1 from a constant), invariants (passed through), float values
+
+def _has_nested_subgraph(body: gs.Graph) -> bool:
+    """True if a node of `body` holds a graph attribute (an If, a Loop, a Scan inside the step)."""
+    return any(isinstance(v, gs.Graph) or (isinstance(v, list) and any(isinstance(x, gs.Graph) for x in v))
+               for n in body.nodes for v in n.attrs.values())
+
+
+# ---- carried values
+
+
+def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals: list) -> tuple[dict, dict, list]:
+    """Roles of the carried values: (counters: k → start, for v + 1 from a constant; invariants: k → outer init,
+    for values passed through; floats: the k of the float values, the state and possibly a copy of it)."""
     counters, invariants, floats = {}, {}, []
     for k, (vi, vo) in enumerate(zip(b_in, b_out)):
         if _strip_identity(vo) is vi:
@@ -493,9 +522,49 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     for k in counters:
         if _used(graph, finals[k]):
             raise _Skip(f"the final value of counter {b_in[k].name} is used")
-    used_stacked = [j for j, t in enumerate(stacked_outs) if _used(graph, t)]
+    return counters, invariants, floats
 
-    # ---- a copy of the body to probe: constants in place of constant invariants and outer values
+
+# ---- a copy of the body to probe
+
+
+@dataclasses.dataclass
+class _BodyCopy:
+    """A throwaway copy of the body, constants in place of constant invariants and outer values.
+
+    `inputs`: all of its inputs; `carried_in` / `carried_out`: its carried values; `scan_outs`: its stacked outputs;
+    `outer_of`: id of a copy's tensor → the outer value it stands for (invariants, values read from outside);
+    `t_sources`: (tensor, offset) with value t + offset at step t; `extra_leaves`: a Loop's condition (fed True)."""
+
+    graph: gs.Graph
+    inputs: list
+    carried_in: list
+    carried_out: list
+    scan_outs: list
+    outer_of: dict
+    t_sources: list
+    extra_leaves: list
+
+    @property
+    def base_leaves(self) -> list:
+        """The leaves every probe feeds with :meth:`t_feeds`: the step-time sources, then the extra leaves."""
+        return [s for s, _ in self.t_sources] + self.extra_leaves
+
+    def t_feeds(self, t: int) -> list[np.ndarray]:
+        """Values of :attr:`base_leaves` at step t."""
+        feeds = []
+        for src, offset in self.t_sources:
+            dt = np.dtype(src.dtype) if src.dtype is not None else np.dtype(np.int64)
+            shape = tuple(d if isinstance(d, int) else 1 for d in (src.shape or []))
+            feeds.append(np.full(shape, t + offset, dtype=dt))
+        return feeds + [np.array(True)] * len(self.extra_leaves)
+
+
+def _probe_copy(node: gs.Node, inits: list, counters: dict, invariants: dict) -> _BodyCopy:
+    """A copy of the body to probe: constants in place of constant invariants and outer values; the step-time
+    sources (the counters, and a Loop's iteration number)."""
+    body: gs.Graph = node.attrs["body"]
+    n_carried = len(inits)
     orig = body.tensors()
     bc = body.copy()
     c_in = list(bc.inputs)
@@ -521,33 +590,32 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     if node.op == "Loop":
         t_sources.append((c_in[0], 0))
         extra_leaves.append(c_in[1])
+    return _BodyCopy(bc, c_in, c_b_in, c_b_out, c_scan_outs, outer_of, t_sources, extra_leaves)
 
-    def t_feeds(t):
-        feeds = []
-        for src, offset in t_sources:
-            dt = np.dtype(src.dtype) if src.dtype is not None else np.dtype(np.int64)
-            shape = tuple(d if isinstance(d, int) else 1 for d in (src.shape or []))
-            feeds.append(np.full(shape, t + offset, dtype=dt))
-        return feeds + [np.array(True)] * len(extra_leaves)
 
-    base_leaves = [s for s, _ in t_sources] + extra_leaves
+# ---- per-step inputs
 
-    # ---- per-step inputs: Scan slices and reads S[t] / S[:, t] of outer values
+
+def _per_step_inputs(node: gs.Node, copy: _BodyCopy, slice_srcs: list, in_axes: list, b_in: list, floats: list,
+                     shapes: _Shapes, opset: int, rng) -> tuple[_Step, _Step | None]:
+    """The per-step inputs, Scan slices and reads S[t] / S[:, t] of outer values (checked on `rng`'s data):
+    (x_t, the one wide input; the narrow one, if any). All float32, as the float carried values."""
+    n_carried = len(b_in)
     steps: list[_Step] = []
-    for sl, src, ax in zip(c_in[n_carried:] if node.op == "Scan" else [], slice_srcs, in_axes):
+    for sl, src, ax in zip(copy.inputs[n_carried:] if node.op == "Scan" else [], slice_srcs, in_axes):
         s = shapes.shape(src)
         if s is None or len(s) not in (2, 3) or (len(s) == 3 and not s[2]):
             raise _Skip(f"scanned input {src.name} of unknown rank or width")
         steps.append(_Step(sl, src, ax, 1 if len(s) == 2 else int(s[2]), len(s) - 1,
                            shapes.dtype(src) or np.dtype(np.float32), scanned=True))
-    rng = np.random.default_rng(0)
-    for rn in list(bc.nodes):
-        if rn.op not in ("Gather", "Slice") or not rn.inputs or id(rn.inputs[0]) not in outer_of:
+    base_leaves = copy.base_leaves
+    for rn in list(copy.graph.nodes):
+        if rn.op not in ("Gather", "Slice") or not rn.inputs or id(rn.inputs[0]) not in copy.outer_of:
             continue
-        src = outer_of[id(rn.inputs[0])]
+        src = copy.outer_of[id(rn.inputs[0])]
         if const_value(src) is not None:
             continue
-        step = _read_step(rn, src, base_leaves, t_feeds, shapes, opset, rng)
+        step = _read_step(rn, src, base_leaves, copy.t_feeds, shapes, opset, rng)
         if step is not None:
             steps.append(step)
     wide = [s for s in steps if s.width > 1]
@@ -557,44 +625,92 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     x_step, extra = wide[0], (narrow[0] if narrow else None)
     if x_step.dtype != np.float32 or any(np.dtype(b_in[k].dtype) != np.float32 for k in floats):
         raise _Skip("not float32")
+    return x_step, extra
 
-    # ---- the cell: the first tensor after the Tanh that reads as a GRU-family cell of one float carried value,
-    # the narrow per-step input (if any) as the attention score, else as a mask
-    cell = None
+
+# ---- the cell
+
+
+@dataclasses.dataclass
+class _Cell:
+    """The cell found in the body copy: its `match`, the tensor `new` that is its output, the carried value `state`
+    it updates (of width H), the per-step score `att` and `mask` (None if absent), the copies of the state."""
+
+    match: CellMatch
+    new: gs.Tensor
+    state: int
+    H: int
+    att: _Step | None
+    mask: _Step | None
+    aliases: list
+
+
+def _search_cell(copy: _BodyCopy, x_step: _Step, extra: _Step | None, b_in: list, inits: list, floats: list,
+                 shapes: _Shapes, opset: int) -> tuple[CellMatch, gs.Tensor, int, _Step | None, int]:
+    """The first tensor after the Tanh that reads as a GRU-family cell of one float carried value, the narrow
+    per-step input (if any) as the attention score, else as none: (match, tensor, state, score step, H)."""
     options = [(k, a) for k in floats for a in ([extra] if extra is not None and extra.dtype != np.bool_ else [])
                + [None]]
     for state, att_step in options:
         H = shapes.dim(b_in[state], -1) or shapes.dim(inits[state], -1)
         if not H:
             continue
-        for cand in _candidates(bc, c_b_out[state]):
-            cell = identify_gru_cell(cand, c_b_in[state], x_step.leaf, att_step.leaf if att_step else None,
+        for cand in _candidates(copy.graph, copy.carried_out[state]):
+            cell = identify_gru_cell(cand, copy.carried_in[state], x_step.leaf, att_step.leaf if att_step else None,
                                      hidden=H, x_width=x_step.width, opset=opset,
                                      att_column=None if att_step else -2)
             if cell is not None:
-                c_new = cand
-                break
-        if cell is not None:
-            break
-    if cell is None:
-        raise _Skip("no GRU-family cell found in the body")
+                return cell, cand, state, att_step, H
+    raise _Skip("no GRU-family cell found in the body")
+
+
+def _find_cell(copy: _BodyCopy, x_step: _Step, extra: _Step | None, b_in: list, inits: list, floats: list,
+               shapes: _Shapes, opset: int) -> _Cell:
+    """The cell (:func:`_search_cell`); a narrow per-step input that is not the score must be a 0/1 mask, and a
+    second float value (Keras' previous output) a copy of the state: starting equal (updated alike: see _masking)."""
+    match, new, state, att_step, H = _search_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
     mask_step = extra if extra is not None and att_step is None else None
     if mask_step is not None and not _binary(mask_step.source, shapes):
         raise _Skip(f"per-step value {mask_step.source.name} is neither an attention score nor a 0/1 mask")
-    h_in, h_out = c_b_in[state], c_b_out[state]
-    # A second float value (Keras' previous output) is a copy of the state if it starts equal and is updated alike.
     aliases = [k for k in floats if k != state]
     for k in aliases:
         if not (inits[k] is inits[state] or (is_all_zeros(inits[k]) and is_all_zeros(inits[state]))):
             raise _Skip(f"a second recurrent value {b_in[k].name} that does not start as the state")
+    return _Cell(match, new, state, H, att_step, mask_step, aliases)
 
-    # ---- masking and outputs, by running the step
-    step_leaves = [h_in] + [c_b_in[k] for k in aliases] + [x_step.leaf] + \
-        [s.leaf for s in (att_step, mask_step) if s is not None] + base_leaves
-    outs = [c_new, h_out] + [c_b_out[k] for k in aliases] + [c_scan_outs[j] for j in used_stacked]
-    probe = _Probe(outs, step_leaves, opset)
+
+# ---- masking and outputs
+
+
+@dataclasses.dataclass
+class _Outer:
+    """Outer values the step reads besides its leaves: proven zeros and the sequence lengths, as (leaf, outer)."""
+
+    zeros: list
+    lens_c: list
+    lens: gs.Tensor | None
+    lens_rank: int
+
+
+def _masking(copy: _BodyCopy, cell: _Cell, x_step: _Step, used_stacked: list, shapes: _Shapes, opset: int,
+             rng) -> tuple[_Outer, str]:
+    """The masking and the outputs, by running the step: (its outer values, the padded_output of its stacked ones)."""
+    step_leaves = [copy.carried_in[cell.state]] + [copy.carried_in[k] for k in cell.aliases] + [x_step.leaf] + \
+        [s.leaf for s in (cell.att, cell.mask) if s is not None] + copy.base_leaves
+    outs = [cell.new, copy.carried_out[cell.state]] + [copy.carried_out[k] for k in cell.aliases] + \
+        [copy.scan_outs[j] for j in used_stacked]
+    outer = _outer_values(_Probe(outs, step_leaves, opset).unresolved, copy.outer_of, cell.mask, shapes)
+    probe = _Probe(outs, step_leaves + [u for u, _ in outer.zeros] + [u for u, _ in outer.lens_c], opset)
+    if probe.unresolved:
+        raise _Skip("the step uses values from outside")
+    return outer, _padded_output(probe, copy, cell, x_step, outer, used_stacked, shapes, rng)
+
+
+def _outer_values(unresolved: list, outer_of: dict, mask_step: _Step | None, shapes: _Shapes) -> _Outer:
+    """The values from outside that the step uses: each must be all zeros or (one of them) the sequence lengths,
+    an integer or float tensor of rank 1 or [B, 1] (checked by the probe); not with a per-step mask."""
     zeros, lens_c = [], []
-    for u in probe.unresolved:
+    for u in unresolved:
         outer = outer_of.get(id(u))
         if outer is None:
             raise _Skip(f"the step uses {u.name}, which is not an input of the loop")
@@ -602,7 +718,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
         if is_all_zeros(outer):
             zeros.append((u, outer))
         elif dt is not None and (np.issubdtype(dt, np.integer) or np.issubdtype(dt, np.floating)):
-            lens_c.append((u, outer))  # the lengths, if the probe below agrees
+            lens_c.append((u, outer))  # the lengths, if the probe agrees
         else:
             raise _Skip(f"the step uses {outer.name}, neither lengths nor zeros")
     if len({id(o) for _, o in lens_c}) > 1:
@@ -613,44 +729,59 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     lens_rank = len(shapes.shape(lens) or [0]) if lens is not None else 0
     if lens is not None and lens_rank not in (1, 2):
         raise _Skip("sequence lengths of rank other than 1 or [B, 1]")
-    probe = _Probe(outs, step_leaves + [u for u, _ in zeros] + [u for u, _ in lens_c], opset)
-    if probe.unresolved:
-        raise _Skip("the step uses values from outside")
-    B = _PROBE_BATCH
-    masked = lens is not None or mask_step is not None
+    return _Outer(zeros, lens_c, lens, lens_rank)
+
+
+def _probe_feeds(t: int, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, shapes: _Shapes,
+                 rng) -> tuple[np.ndarray, list, np.ndarray]:
+    """Random values for the step at t (drawn from `rng` in the order of the leaves): (h, the feeds, valid), with
+    valid [B, 1] = t < len, or m_t, or all true."""
+    B, H = _PROBE_BATCH, cell.H
+    hv = rng.normal(size=(B, H)).astype(np.float32)
+    feeds = [hv] + [hv] * len(cell.aliases) + [rng.normal(size=(B, x_step.width)).astype(x_step.dtype)]
+    if cell.att is not None:
+        feeds.append(rng.uniform(0.05, 0.95, size=(B, 1) if cell.att.rank == 2 else (B,)).astype(cell.att.dtype))
+    valid = np.ones((B, 1), bool)
+    if cell.mask is not None:
+        mv = rng.random(B) < 0.5
+        mv[:2] = [True, False]
+        valid = mv[:, None]
+        feeds.append(mv.reshape((B, 1) if cell.mask.rank == 2 else (B,)).astype(cell.mask.dtype))
+    feeds += copy.t_feeds(t)
+    for u, o in outer.zeros:
+        rank = len(shapes.shape(o) or [0, 0])
+        feeds.append(np.zeros((B, H) if rank == 2 else (H,) if rank == 1 else (B,) + (1,) * (rank - 1),
+                              dtype=shapes.dtype(o) or np.float32))
+    if outer.lens is not None:
+        lens_float = np.issubdtype(shapes.dtype(outer.lens), np.floating)
+        lv = np.array([0, t, t + 1, t + 5, max(t - 1, 0), 1] + ([t + 0.5, t - 0.5] if lens_float else [t + 2, -1]))
+        valid = (t < lv)[:, None]
+        feeds += [lv.reshape((B,) if outer.lens_rank == 1 else (B, 1)).astype(shapes.dtype(o))
+                  for _, o in outer.lens_c]
+    return hv, feeds, valid
+
+
+def _padded_output(probe: _Probe, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, used_stacked: list,
+                   shapes: _Shapes, rng) -> str:
+    """Runs the step at t = 0, 3, 7: the new state (and its copies) must be where(valid, cell, h) (the cell's output
+    if nothing masks), each used stacked output where(valid, cell, 0) ("zero") or where(valid, cell, h) ("state");
+    the padded_output that all of them agree on ("zero" first)."""
+    B, H = _PROBE_BATCH, cell.H
+    masked = outer.lens is not None or cell.mask is not None
     padded = {j: {"zero", "state"} for j in used_stacked}
-    lens_float = lens is not None and np.issubdtype(shapes.dtype(lens), np.floating)
     for t in (0, 3, 7):
-        hv = rng.normal(size=(B, H)).astype(np.float32)
-        feeds = [hv] + [hv] * len(aliases) + [rng.normal(size=(B, x_step.width)).astype(x_step.dtype)]
-        if att_step is not None:
-            feeds.append(rng.uniform(0.05, 0.95, size=(B, 1) if att_step.rank == 2 else (B,)).astype(att_step.dtype))
-        valid = np.ones((B, 1), bool)
-        if mask_step is not None:
-            mv = rng.random(B) < 0.5
-            mv[:2] = [True, False]
-            valid = mv[:, None]
-            feeds.append(mv.reshape((B, 1) if mask_step.rank == 2 else (B,)).astype(mask_step.dtype))
-        feeds += t_feeds(t)
-        for u, outer in zeros:
-            rank = len(shapes.shape(outer) or [0, 0])
-            feeds.append(np.zeros((B, H) if rank == 2 else (H,) if rank == 1 else (B,) + (1,) * (rank - 1),
-                                  dtype=shapes.dtype(outer) or np.float32))
-        if lens is not None:
-            lv = np.array([0, t, t + 1, t + 5, max(t - 1, 0), 1] + ([t + 0.5, t - 0.5] if lens_float else [t + 2, -1]))
-            valid = (t < lv)[:, None]
-            feeds += [lv.reshape((B,) if lens_rank == 1 else (B, 1)).astype(shapes.dtype(o)) for _, o in lens_c]
+        hv, feeds, valid = _probe_feeds(t, copy, cell, x_step, outer, shapes, rng)
         try:
             vals = probe.run(feeds)
         except Exception as e:
             raise _Skip(f"the step does not run on probe values ({str(e).splitlines()[0][:120]})") from None
         c = np.asarray(vals[0], np.float32).reshape(B, H)
         kept = np.where(valid, c, hv)
-        for v in vals[1:2 + len(aliases)]:
+        for v in vals[1:2 + len(cell.aliases)]:
             if not np.allclose(np.asarray(v, np.float32).reshape(B, H), kept, atol=1e-6, rtol=1e-6):
                 raise _Skip("the new state is not where(valid step, cell, h)" if masked
                             else "the new state is not the cell's output")
-        for j, y in zip(used_stacked, vals[2 + len(aliases):]):
+        for j, y in zip(used_stacked, vals[2 + len(cell.aliases):]):
             y = np.asarray(y, np.float32).reshape(B, H)
             if not np.allclose(y, np.where(valid, c, 0.0), atol=1e-6, rtol=1e-6):
                 padded[j].discard("zero")
@@ -659,12 +790,17 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     kinds = set.intersection(*padded.values()) if padded else {"zero", "state"}
     if not kinds:
         raise _Skip("padded steps' outputs are neither zeros nor the kept state")
-    padded_output = "zero" if "zero" in kinds else "state"
+    return "zero" if "zero" in kinds else "state"
 
-    # ---- all per-step inputs span the same steps; a Loop runs exactly that many
-    T_static = shapes.dim(x_step.source, x_step.time_axis)
-    trim = []  # per-step inputs read from a tensor that may be longer than the input: cut to its length
-    for other in (att_step, mask_step):
+
+# ---- all per-step inputs span the same steps (a Loop runs exactly that many: _check_trip_count)
+
+
+def _steps_to_trim(x_step: _Step, others: tuple, T_static: int | None, shapes: _Shapes) -> list[int]:
+    """ids of the per-step inputs among `others` (score, mask) read from a tensor that may be longer than the input:
+    they are cut to its length. One known to be shorter is a _Skip."""
+    trim = []
+    for other in others:
         if other is None or (other.scanned and x_step.scanned):
             continue
         To = shapes.dim(other.source, other.time_axis)
@@ -677,14 +813,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
                                                                               shapes)
         if not same:
             trim.append(id(other))
-    if node.op == "Loop":
-        _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
-
-    h0 = None if is_all_zeros(inits[state]) else inits[state]
-    passthrough = [(finals[k], inits[k]) for k in invariants if _used(graph, finals[k])]
-    return _Plan(cell, x_step, att_step, mask_step, lens, lens_rank, h0, padded_output,
-                 [(stacked_outs[j], out_axes[j]) for j in used_stacked],
-                 [finals[k] for k in [state] + aliases if _used(graph, finals[k])], passthrough, trim)
+    return trim
 
 
 def _binary(t: gs.Tensor, shapes: _Shapes, depth: int = 0) -> bool:
@@ -900,10 +1029,22 @@ def _aigru_split(X: gs.Tensor, width: int, shapes: _Shapes):
 
 
 def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> str:
-    cell = plan.cell
-    attrs = dataclasses.replace(cell.attrs, padded_output=plan.padded)
-    H = attrs.hidden_size
+    """Replaces the layer by one sequence op as `plan` says: the line that describes what was done."""
     name = node.name
+    attrs = dataclasses.replace(plan.cell.attrs, padded_output=plan.padded)
+    X, att, attrs = _x_and_att(graph, plan, attrs, shapes, name)
+    inputs = _sequence_inputs(graph, plan, X, att, shapes, name)
+    outputs, batch, steps = _sequence_outputs(graph, plan, attrs, X, shapes, name)
+    add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{name}/{attrs.op_type}"))
+    new = _replacements(graph, node, plan, outputs, batch, steps, attrs.hidden_size)
+    _remove_loop(graph, node, new)
+    return _summary(node, plan, attrs)
+
+
+def _x_and_att(graph: gs.Graph, plan: _Plan, attrs, shapes: _Shapes, name: str):
+    """X batch-major and the attention score [B, T] (None if none): a packed column of X, the score read per step
+    (cut to X's steps if needed), or A of X = P * A (then the kind becomes AIGRU). Returns (X, att, attrs)."""
+    cell = plan.cell
     X = _batch_major(graph, plan.x.source, plan.x.time_axis, shapes, name)
     att = None
     if cell.att_column is not None:
@@ -920,6 +1061,13 @@ def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> st
             X, A = split
             att = _as_bt(graph, A, shapes, name)
             attrs = dataclasses.replace(attrs, kind="AIGRU")
+    return X, att, attrs
+
+
+def _sequence_inputs(graph: gs.Graph, plan: _Plan, X: gs.Tensor, att: gs.Tensor | None, shapes: _Shapes,
+                     name: str) -> dict:
+    """The sequence op's inputs: X, the weights, the lengths (flat, ceiled if float) or the mask, h0, the score."""
+    cell = plan.cell
     inputs = {"X": X, "W": _const(graph, f"{name}/W", cell.W.astype(np.float32)),
               "R": _const(graph, f"{name}/R", cell.R.astype(np.float32)),
               "B": _const(graph, f"{name}/B", cell.B.astype(np.float32))}
@@ -939,6 +1087,12 @@ def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> st
         inputs["initial_h"] = plan.h0
     if att is not None:
         inputs["att"] = att
+    return inputs
+
+
+def _sequence_outputs(graph: gs.Graph, plan: _Plan, attrs, X: gs.Tensor, shapes: _Shapes, name: str):
+    """New tensors for the outputs the plan uses (Y [B, T, H], Y_h [B, H]): (outputs, batch, steps)."""
+    H = attrs.hidden_size
     xs = shapes.shape(X)
     batch, steps = (xs[0], xs[1]) if xs is not None and len(xs) == 3 else (None, None)
     outputs = {}
@@ -946,8 +1100,13 @@ def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> st
         outputs["Y"] = _new(graph, f"{name}/{attrs.op_type}/Y", np.float32, [batch, steps, H])
     if plan.finals:
         outputs["Y_h"] = _new(graph, f"{name}/{attrs.op_type}/Y_h", np.float32, [batch, H])
-    add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{name}/{attrs.op_type}"))
+    return outputs, batch, steps
 
+
+def _replacements(graph: gs.Graph, node: gs.Node, plan: _Plan, outputs: dict, batch, steps, H: int) -> list:
+    """For each output of the layer, the tensor that replaces it (None if unused): Y (batch-major; a Transpose back
+    to batch-major reads it directly) or one time-major Transpose of it, Y_h, or the passed-through init."""
+    name = node.name
     new = [None] * len(node.outputs)
     y_tm = None
     for out, axis in plan.stacked:
@@ -976,13 +1135,21 @@ def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> st
         if id(repl) in seen and any(o is out for o in graph.outputs):
             new[i] = _op(graph, "Identity", [repl], None, f"{name}/copy", repl.dtype, repl.shape)
         seen.add(id(repl))
+    return new
+
+
+def _remove_loop(graph: gs.Graph, node: gs.Node, new: list) -> None:
+    """Routes the layer's outputs to `new` and removes it (its dead body no longer reads outer values)."""
     replace_outputs(graph, node, new)
     node.inputs.clear()
-    for n in node.attrs["body"].nodes:  # the dead body no longer reads outer values
+    for n in node.attrs["body"].nodes:
         n.inputs.clear()
     graph.nodes.remove(node)
 
-    details = [f"H {H}"]
+
+def _summary(node: gs.Node, plan: _Plan, attrs) -> str:
+    """The line that says which layer became which op, and how."""
+    details = [f"H {attrs.hidden_size}"]
     if attrs.kind == "AUGRU":
         details.append(f"att_keep {attrs.att_keep}")
     if attrs.linear_before_reset:
