@@ -171,12 +171,38 @@ def _width(t: gs.Tensor) -> int | None:
 
 
 def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, att_column, h_new):
+    """The phases of the module docstring on a runnable region; `rng` is consumed by them in turn."""
     sigmoids = region.uses("Sigmoid")
     tanhs = region.uses("Tanh")
     if len(tanhs) != 1:
         return None
     tanh = tanhs[0]
     # 1. gate pre-activations: affine in (h, x)
+    gates = _gate_maps(region, sigmoids, base, widths, x_cols, H, rng)
+    if gates is None:
+        return None
+    # 2. the reset gate: the Sigmoid-fed operand of a Mul on the way to the Tanh
+    mul = _reset_product(region, sigmoids, tanh)
+    if mul is None:
+        return None
+    mul_node, r_t, o_t = mul
+    sample = leaves_at(rng.normal(size=(32, H)).astype(np.float32), rng.normal(size=(32, I_in)).astype(np.float32),
+                       rng.uniform(size=(32, 1)).astype(np.float32))
+    reset = _reset_columns(region, sigmoids, r_t, o_t, sample, H)
+    if reset is None:
+        return None
+    r_idx, o_val = reset
+    # 3. the candidate: cut at q = r*o, the Tanh input is affine in (x, q)
+    candidate = _candidate(region, tanh, mul_node, o_t, o_val, sample, base, widths, x_cols, H, I_in, rng)
+    if candidate is None:
+        return None
+    # 4. the update gate and the kind: the hypothesis that reproduces the cell
+    return _test_kinds(region, h_new, sample, gates, r_idx, candidate, x_cols, att_column, H, I_in, has_att)
+
+
+def _gate_maps(region, sigmoids, base, widths, x_cols, H, rng):
+    """Every Sigmoid input as an affine map of (h, x): (coef_h [H, k], coef_x [I, k], bias [k]) with the
+    sigmoids' columns side by side, or None if one is not affine or they are not H or 2H columns."""
     gate_cols = []   # (coef_h [H, k], coef_x [I, k], bias [k]) per sigmoid
     for s in sigmoids:
         aff = _affine(region, s.inputs[0], base, [0, 1], widths, rng)
@@ -189,7 +215,12 @@ def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, at
     Gb = np.concatenate([g[2] for g in gate_cols])
     if Gh.shape[1] not in (H, 2 * H):
         return None
-    # 2. the reset gate: the Sigmoid-fed operand of a Mul on the way to the Tanh
+    return Gh, Gx, Gb
+
+
+def _reset_product(region, sigmoids, tanh):
+    """The Mul on the way to the Tanh with exactly one Sigmoid-fed operand: (the Mul, r, o) for q = r*o, or
+    None."""
     upstream_of_tanh = {id(n) for n in _Region(tanh.inputs[0], region.leaves, region.opset).nodes}
     sig_down = set()
     for s in sigmoids:
@@ -200,11 +231,12 @@ def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, at
             fed = [bool(t.inputs) and id(t.inputs[0]) in sig_down for t in n.inputs]
             if sum(fed) == 1:
                 mul = (n, n.inputs[fed.index(True)], n.inputs[fed.index(False)])
-    if mul is None:
-        return None
-    mul_node, r_t, o_t = mul
-    sample = leaves_at(rng.normal(size=(32, H)).astype(np.float32), rng.normal(size=(32, I_in)).astype(np.float32),
-                       rng.uniform(size=(32, 1)).astype(np.float32))
+    return mul
+
+
+def _reset_columns(region, sigmoids, r_t, o_t, sample, H):
+    """The sigmoid columns that are r on `sample`, one per column of r, and the value of o there; None if r is
+    not H wide or a column of it is no sigmoid column."""
     sig_vals = np.concatenate(region.run([s.outputs[0] for s in sigmoids], sample), axis=1)
     r_val, o_val = region.run([r_t, o_t], sample)
     if r_val.shape[1] != H:
@@ -215,8 +247,12 @@ def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, at
         if not len(hits):
             return None
         r_idx.append(int(hits[0]))
-    rest = [k for k in range(Gh.shape[1]) if k not in set(r_idx)]
-    # 3. the candidate: cut at q = r*o, the Tanh input is affine in (x, q)
+    return r_idx, o_val
+
+
+def _candidate(region, tanh, mul_node, o_t, o_val, sample, base, widths, x_cols, H, I_in, rng):
+    """The candidate's blocks from the Tanh input, affine in (x, q) once cut at q: (W_n, b_n, linear_before_reset,
+    R_n, Rb_n), o being h (linear_before_reset=0) or h R_n + Rb_n (linear_before_reset=1); None otherwise."""
     cut = _Region(tanh.inputs[0], [region.leaves[0], region.leaves[1], mul_node.outputs[0]] + region.leaves[2:],
                   region.opset)
     if not cut.ok:
@@ -236,8 +272,16 @@ def _identify(region, leaves_at, base, widths, x_cols, H, I_in, has_att, rng, at
         if aff_o is None or np.abs(aff_o[0][1]).max() > TOL or not np.allclose(cq, np.eye(H), atol=TOL):
             return None
         lbr, Rn, Rbn = 1, aff_o[0][0], aff_o[1]
+    return Wn, bn, lbr, Rn, Rbn
+
+
+def _test_kinds(region, h_new, sample, gates, r_idx, candidate, x_cols, att_column, H, I_in, has_att):
+    """The update gate (the gate columns that are not r, or none, either sign) and the kind whose canonical cell
+    reproduces `h_new` on `sample`: the CellMatch, or None."""
+    Gh, Gx, Gb = gates
+    Wn, bn, lbr, Rn, Rbn = candidate
+    rest = [k for k in range(Gh.shape[1]) if k not in set(r_idx)]
     Wr, Rr, br = Gx[:, r_idx], Gh[:, r_idx], Gb[r_idx]
-    # 4. the update gate and the kind: the hypothesis that reproduces the cell
     (want,) = region.run([h_new], sample)
     hv, xv = sample[0], sample[1][:, x_cols]
     av = sample[1][:, [att_column % I_in]] if att_column is not None else (sample[2] if len(sample) > 2 else None)
