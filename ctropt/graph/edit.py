@@ -74,6 +74,69 @@ def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, 
     return outs
 
 
+_DEFAULT = object()
+
+
+class Builder:
+    """New nodes (appended to `graph`, or to `nodes`) and constants named `prefix/...`, unique in `root` (default
+    `graph`); outputs of `dtype` unless told. In a gs.Function constants are Constant nodes. `share`: small
+    constants shared by value within `graph`; `fold(op, inputs, attrs)`: the outputs' values if known (no node)."""
+
+    def __init__(self, graph: gs.Graph, prefix: str = "", dtype=None, *, root: gs.Graph | None = None,
+                 nodes: list | None = None, share: str | None = None, fold=None):
+        self.graph, self.prefix, self.dtype, self.share, self.fold = graph, prefix, dtype, share, fold
+        self.root = graph if root is None else root
+        self._nodes = nodes
+
+    @property
+    def nodes(self) -> list:
+        """Where new nodes go: the list given, else the graph's node list (read at each use: passes replace it)."""
+        return self.graph.nodes if self._nodes is None else self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: list) -> None:
+        self._nodes = nodes
+
+    def name(self, what: str) -> str:
+        """`prefix/what`, unique in the root graph."""
+        return unique_name(self.root, f"{self.prefix}/{what}" if self.prefix else what)
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1, name: str | None = None,
+           dtype=_DEFAULT, shape=None, out=None, domain: str | None = None):
+        """A new node `op` (named `name` or `op`); its output, a list when it has several, or `out` (tensors it
+        then writes)."""
+        if self.fold is not None and out is None:
+            values = self.fold(op, inputs, attrs or {})
+            if values is not None:
+                folded = [gs.Constant(self.name("folded"), np.ascontiguousarray(v)) for v in values]
+                return folded if outputs > 1 else folded[0]
+        node = self.name(name or op)
+        if out is None:
+            dtype = self.dtype if dtype is _DEFAULT else dtype
+            outs = [gs.Variable(unique_name(self.root, f"{node}:{i}"), dtype=dtype, shape=shape)
+                    for i in range(outputs)]
+        else:
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        self.nodes.append(gs.Node(op, node, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
+        return outs if len(outs) > 1 else outs[0]
+
+    def const(self, name: str, value, dtype=None) -> gs.Tensor:
+        """A constant named `prefix/name` (0-d values stay 0-d)."""
+        value = np.array(value, dtype=dtype, order="C")
+        if isinstance(self.graph, gs.Function):
+            out = gs.Variable(self.name(name), dtype=value.dtype, shape=value.shape)
+            self.nodes.append(gs.Node("Constant", self.name("Constant"),
+                                      attrs={"value": gs.Constant(self.name("value"), value)}, outputs=[out]))
+            return out
+        if self.share is None or value.size > 1024:
+            return gs.Constant(self.name(name), value)
+        pool = self.graph.__dict__.setdefault("_ctropt_shared_consts", {})  # per graph: a body keeps its own
+        key = (self.share, value.dtype.str, value.shape, value.tobytes())
+        if key not in pool:
+            pool[key] = gs.Constant(unique_name(self.root, f"{self.share}/{name}"), value)
+        return pool[key]
+
+
 def unique_name(graph: gs.Graph, name: str) -> str:
     """A name no tensor or node of `graph` or its subgraphs uses yet (collected once per graph, then kept up to date)."""
     taken = graph.__dict__.get("_ctropt_names")  # not getattr: graphsurgeon's __getattr__ logs misses as errors

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..graph.edit import Builder
 from . import DOMAIN
 
 KINDS = ("GRU", "AUGRU", "AGRU", "AIGRU")
@@ -121,48 +122,20 @@ def reference(attrs: SequenceAttrs, X, W, R, B, sequence_lens=None, initial_h=No
 # ------------------------------------------------------------------------------------------ the lean Scan
 
 
-class _Emitter:
-    """Appends nodes to a graph or a function body; constants become Constant nodes in functions."""
-
-    def __init__(self, graph: gs.Graph, prefix: str):
-        self.graph, self.prefix, self.n = graph, prefix, 0
-
-    def name(self, what: str) -> str:
-        self.n += 1
-        return f"{self.prefix}/{what}_{self.n}"
-
-    def op(self, op: str, inputs: list, attrs: dict | None = None, outputs: int = 1, into: gs.Graph | None = None):
-        graph = into if into is not None else self.graph
-        folded = self._fold(op, inputs, attrs or {}) if into is None else None
-        if folded is not None:
-            return folded if outputs > 1 else folded[0]
-        outs = [gs.Variable(self.name(f"{op.lower()}_out")) for _ in range(outputs)]
-        graph.nodes.append(gs.Node(op, self.name(op), attrs=attrs or {}, inputs=list(inputs), outputs=outs))
-        return outs if outputs > 1 else outs[0]
-
-    def _fold(self, op: str, inputs: list, attrs: dict) -> list[gs.Constant] | None:
-        """Weight preparation on constants (not in a function body) is done here, once, in numpy."""
-        if isinstance(self.graph, gs.Function) or not all(isinstance(t, gs.Constant) for t in inputs):
-            return None
-        v = [np.asarray(t.values) for t in inputs]
-        if op in ("Add", "Sub", "Mul"):
-            out = [{"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](v[0], v[1])]
-        elif op == "Concat":
-            out = [np.concatenate(v, axis=attrs["axis"])]
-        elif op == "Split":
-            out = np.split(v[0], np.cumsum(v[1])[:-1], axis=attrs["axis"])
-        else:
-            return None
-        return [gs.Constant(self.name("folded"), np.ascontiguousarray(o.astype(v[0].dtype))) for o in out]
-
-    def const(self, value, into: gs.Graph | None = None) -> gs.Tensor:
-        value = np.asarray(value)
-        if into is None and isinstance(self.graph, gs.Function):
-            out = gs.Variable(self.name("const"), dtype=value.dtype, shape=value.shape)
-            self.graph.nodes.append(gs.Node("Constant", self.name("Constant"),
-                                            attrs={"value": gs.Constant(self.name("value"), value)}, outputs=[out]))
-            return out
-        return gs.Constant(self.name("const"), value)
+def _fold(op: str, inputs: list, attrs: dict) -> list[np.ndarray] | None:
+    """Weight preparation on constants (not in a function body) is done here, once, in numpy."""
+    if not all(isinstance(t, gs.Constant) for t in inputs):
+        return None
+    v = [np.asarray(t.values) for t in inputs]
+    if op in ("Add", "Sub", "Mul"):
+        out = [{"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](v[0], v[1])]
+    elif op == "Concat":
+        out = [np.concatenate(v, axis=attrs["axis"])]
+    elif op == "Split":
+        out = np.split(v[0], np.cumsum(v[1])[:-1], axis=attrs["axis"])
+    else:
+        return None
+    return [o.astype(v[0].dtype) for o in out]
 
 
 def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, prefix: str,
@@ -173,7 +146,7 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     to write (absent = not needed). The recurrent loop is one Scan; all per-step work that does not depend
     on the state (input projection, biases, attention and mask factors) happens before it, once.
     """
-    e = _Emitter(graph, prefix)
+    e = Builder(graph, prefix, fold=None if isinstance(graph, gs.Function) else _fold)
     H = attrs.hidden_size
     X, W, R, Bias = (inputs[k] for k in ("X", "W", "R", "B"))
     att, lens, mask, h0 = (inputs.get(k) for k in ("att", "sequence_lens", "mask", "initial_h"))
@@ -184,57 +157,59 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     # Weights: negate the z columns so the Sigmoid yields u = 1 - z directly (except for att_keep, which needs z).
     use_u = not (kind == "AUGRU" and attrs.att_keep)
     flip = np.concatenate([np.full(H, -1.0 if use_u else 1.0), np.ones(2 * H)]).astype(np.float32)
-    wb, rb = e.op("Split", [Bias, e.const(np.array([3 * H, 3 * H], np.int64))], {"axis": 0}, outputs=2)
-    rb_zr, rb_n = e.op("Split", [rb, e.const(np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
-    zero_n = e.const(np.zeros(H, np.float32))
+    wb, rb = e.op("Split", [Bias, e.const("const", np.array([3 * H, 3 * H], np.int64))], {"axis": 0}, outputs=2)
+    rb_zr, rb_n = e.op("Split", [rb, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
+    zero_n = e.const("const", np.zeros(H, np.float32))
     # Biases that add linearly before the nonlinearity move into the hoisted projection.
     x_bias = e.op("Add", [wb, e.op("Concat", [rb_zr, rb_n if not lbr else zero_n], {"axis": 0})])
-    x_bias = e.op("Mul", [x_bias, e.const(flip)])
-    Wf = e.op("Mul", [W, e.const(flip)])
-    Rf = e.op("Mul", [R, e.const(flip)])
+    x_bias = e.op("Mul", [x_bias, e.const("const", flip)])
+    Wf = e.op("Mul", [W, e.const("const", flip)])
+    Rf = e.op("Mul", [R, e.const("const", flip)])
 
     # Time-major per-step factors, [T, B, 1] each.
     def time_major(t2d):  # [B, T] -> [T, B, 1]
         return e.op("Unsqueeze", [e.op("Transpose", [e.op("Cast", [t2d], {"to": onnx.TensorProto.FLOAT})],
-                                       {"perm": [1, 0]}), e.const(np.array([2], np.int64))])
+                                       {"perm": [1, 0]}), e.const("const", np.array([2], np.int64))])
 
     x_in = X
     if kind == "AIGRU":
-        x_in = e.op("Mul", [X, e.op("Unsqueeze", [att, e.const(np.array([2], np.int64))])])
+        x_in = e.op("Mul", [X, e.op("Unsqueeze", [att, e.const("const", np.array([2], np.int64))])])
     x_t = _time_major(e, x_in)                                        # [T, B, I]: X is narrower than X·W
-    W_zr, W_n = e.op("Split", [Wf, e.const(np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
-    b_zr, b_n = e.op("Split", [x_bias, e.const(np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
+    W_zr, W_n = e.op("Split", [Wf, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
+    b_zr, b_n = e.op("Split", [x_bias, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
     # One Gemm (bias included) per gate group over all T*B rows, viewed back as [T, B, k].
     if not isinstance(W, gs.Constant):  # function body: 3-D MatMul
         xw_zr = e.op("Add", [e.op("MatMul", [x_t, W_zr]), b_zr])   # [T, B, 2H]
         xw_n = e.op("Add", [e.op("MatMul", [x_t, W_n]), b_n])      # [T, B, H]
     else:
         tb = e.op("Shape", [x_t], {"end": 2}) if int(e.graph.opset or OPSET) >= 15 else \
-            e.op("Slice", [e.op("Shape", [x_t]), e.const(np.array([0], np.int64)), e.const(np.array([2], np.int64))])
-        x_2d = e.op("Reshape", [x_t, e.const(np.array([-1, W.shape[0]], np.int64))])
+            e.op("Slice", [e.op("Shape", [x_t]), e.const("const", np.array([0], np.int64)),
+                           e.const("const", np.array([2], np.int64))])
+        x_2d = e.op("Reshape", [x_t, e.const("const", np.array([-1, W.shape[0]], np.int64))])
         xw_zr = e.op("Reshape", [e.op("Gemm", [x_2d, W_zr, b_zr]),
-                                 e.op("Concat", [tb, e.const(np.array([2 * H], np.int64))], {"axis": 0})])
+                                 e.op("Concat", [tb, e.const("const", np.array([2 * H], np.int64))], {"axis": 0})])
         xw_n = e.op("Reshape", [e.op("Gemm", [x_2d, W_n, b_n]),
-                                e.op("Concat", [tb, e.const(np.array([H], np.int64))], {"axis": 0})])
+                                e.op("Concat", [tb, e.const("const", np.array([H], np.int64))], {"axis": 0})])
 
     step_mask = None
     if lens is not None or mask is not None:
         if mask is not None:
             valid = e.op("Cast", [mask], {"to": onnx.TensorProto.BOOL})
         else:
-            steps = e.op("Gather", [e.op("Shape", [X]), e.const(np.array(1, np.int64))], {"axis": 0})
-            rng = e.op("Range", [e.const(np.array(0, np.int64)), steps, e.const(np.array(1, np.int64))])
+            steps = e.op("Gather", [e.op("Shape", [X]), e.const("const", np.array(1, np.int64))], {"axis": 0})
+            rng = e.op("Range", [e.const("const", np.array(0, np.int64)), steps,
+                                 e.const("const", np.array(1, np.int64))])
             # [-1]: exporters squeeze [B, 1] lengths without axes, which leaves a scalar at batch 1
             lens64 = e.op("Cast", [lens], {"to": onnx.TensorProto.INT64})
             if lens.shape is None or len(lens.shape) != 1:
-                lens64 = e.op("Reshape", [lens64, e.const(np.array([-1], np.int64))])
-            valid = e.op("Less", [e.op("Unsqueeze", [rng, e.const(np.array([0], np.int64))]),
-                                  e.op("Unsqueeze", [lens64, e.const(np.array([1], np.int64))])])  # [B, T]
+                lens64 = e.op("Reshape", [lens64, e.const("const", np.array([-1], np.int64))])
+            valid = e.op("Less", [e.op("Unsqueeze", [rng, e.const("const", np.array([0], np.int64))]),
+                                  e.op("Unsqueeze", [lens64, e.const("const", np.array([1], np.int64))])])  # [B, T]
         step_mask = time_major(valid)
     # The candidate's weight c per step: u, a*u, 1-(1-a)*z, or a; the mask multiplies into it.
     scan_factor = None    # [T, B, 1] that multiplies the gate
     if kind == "AUGRU" and attrs.att_keep:
-        scan_factor = e.op("Sub", [e.const(np.array(1.0, np.float32)), time_major(att)])   # (1 - a)
+        scan_factor = e.op("Sub", [e.const("const", np.array(1.0, np.float32)), time_major(att)])   # (1 - a)
     elif kind in ("AUGRU", "AGRU"):
         scan_factor = time_major(att)
         if step_mask is not None:
@@ -243,9 +218,9 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
         scan_factor = step_mask
 
     if h0 is None:
-        batch = e.op("Gather", [e.op("Shape", [X]), e.const(np.array(0, np.int64))], {"axis": 0})
-        shape = e.op("Concat", [e.op("Unsqueeze", [batch, e.const(np.array([0], np.int64))]),
-                                e.const(np.array([H], np.int64))], {"axis": 0})
+        batch = e.op("Gather", [e.op("Shape", [X]), e.const("const", np.array(0, np.int64))], {"axis": 0})
+        shape = e.op("Concat", [e.op("Unsqueeze", [batch, e.const("const", np.array([0], np.int64))]),
+                                e.const("const", np.array([H], np.int64))], {"axis": 0})
         h0 = e.op("ConstantOfShape", [shape], {"value": gs.Constant("zero", np.zeros(1, np.float32))})
 
     # ---- the Scan body
@@ -265,12 +240,12 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
         m_s = gs.Variable(e.name("mask_t"), dtype=np.float32, shape=[None, 1])
         body.inputs.append(m_s)
 
-    def b(op, ins, at=None, n=1):
-        return e.op(op, ins, at, outputs=n, into=body)
+    bb = Builder(body, prefix, root=graph)
+    b = bb.op
 
-    R_zr, R_n = e.op("Split", [Rf, e.const(np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
+    R_zr, R_n = e.op("Split", [Rf, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
     gates = b("Sigmoid", [b("Add", [x_zr, b("MatMul", [h, R_zr])])])
-    g0, r = b("Split", [gates, e.const(np.array([H, H], np.int64), into=body)], {"axis": 1}, 2)
+    g0, r = b("Split", [gates, bb.const("const", np.array([H, H], np.int64))], {"axis": 1}, outputs=2)
     if lbr:
         n = b("Tanh", [b("Add", [x_n, b("Mul", [r, b("Gemm", [h, R_n, rb_n])])])])
     else:
@@ -279,7 +254,7 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     if kind == "AGRU":
         c = f_s                                          # a (times the mask)
     elif kind == "AUGRU" and attrs.att_keep:
-        c = b("Sub", [e.const(np.array(1.0, np.float32), into=body), b("Mul", [g0, f_s])])  # 1 - (1-a) z
+        c = b("Sub", [bb.const("const", np.array(1.0, np.float32)), b("Mul", [g0, f_s])])  # 1 - (1-a) z
         if m_s is not None:
             c = b("Mul", [c, m_s])
     else:
@@ -304,7 +279,7 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
                                    inputs=[scan_outs[1]], outputs=[outputs["Y"]]))
 
 
-def _time_major(e: _Emitter, x: gs.Tensor) -> gs.Tensor:
+def _time_major(e: Builder, x: gs.Tensor) -> gs.Tensor:
     """[B, T, I] -> [T, B, I]; when x is itself a batch-major view of a time-major value, that value."""
     producer = x.inputs[0] if x.inputs else None
     if producer is not None and producer.op == "Transpose" and list(producer.attrs.get("perm", [])) == [1, 0, 2] \

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import topological_order
-from ..graph.edit import const_value, unique_name
+from ..graph.edit import Builder, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.session import subgraph_session
@@ -195,11 +195,11 @@ def find_region(scores: gs.Tensor, axes: _Axes, graph_outputs: set[int]) -> Regi
 # ----------------------------------------------------------------------------------------- the rewrite
 
 
-class _Builder:
+class _Builder(Builder):
     """New nodes collected in a list (added to the graph only once they are checked)."""
 
     def __init__(self, graph: gs.Graph, base: str):
-        self.graph, self.base, self.nodes = graph, base, []
+        super().__init__(graph, base, nodes=[])
         self.leaves: list[gs.Tensor] = []  # values made outside that the nodes read, besides the region's entries
         self.per_row = self.split = 0  # entries read once per row; layers whose per-row part is projected once
 
@@ -209,15 +209,6 @@ class _Builder:
             n.inputs.clear()
             n.outputs.clear()
         self.nodes = []
-
-    def const(self, name: str, value) -> gs.Constant:
-        return gs.Constant(unique_name(self.graph, f"{self.base}/{name}"), np.asarray(value))
-
-    def op(self, op: str, inputs: list, attrs: dict | None = None, name: str | None = None) -> gs.Variable:
-        node_name = unique_name(self.graph, f"{self.base}/{name or op}")
-        out = gs.Variable(unique_name(self.graph, f"{node_name}:0"))
-        self.nodes.append(gs.Node(op, node_name, attrs=attrs or {}, inputs=list(inputs), outputs=[out]))
-        return out
 
 
 def _graph_order(graph: gs.Graph, nodes: list[gs.Node]) -> list[gs.Node]:

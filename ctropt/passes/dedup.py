@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import is_sequence_node
-from ..graph.edit import add_constant, add_node, const_value, unique_name
+from ..graph.edit import Builder, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.session import subgraph_session
@@ -261,13 +261,11 @@ def _key_dtype(seeds: list[gs.Tensor], probe: Probe):
 
 def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], probe: Probe) -> None:
     base = unique_name(graph, "user_side")
-
-    def op(name, inputs, attrs=None, outputs=1):
-        outs = add_node(graph, name, inputs, attrs, outputs=outputs, name=f"{base}/{name}")
-        return outs if outputs > 1 else outs[0]
+    b = Builder(graph, base)
+    op = b.op
 
     dtype = _key_dtype(seeds, probe)
-    flat = add_constant(graph, f"{base}/rows", np.array([0, -1], np.int64))
+    flat = b.const("rows", np.array([0, -1], np.int64))
     to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     parts = [op("Cast", [op("Reshape", [s, flat])], {"to": to}) for s in seeds]
     key = op("Concat", parts, {"axis": 1}) if len(parts) > 1 else parts[0]

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs, nodes_near
 from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of, unique_name
+from ..graph.edit import Builder, add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of, unique_name
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -227,25 +227,20 @@ class _Fused:
         self.total = sum(lk.k for lk in group)
         self.dtype = group[0].values.dtype
         self.sliced = []  # lookups read through a Slice of the fused output
-
-    def op(self, kind, inputs, attrs=None, outputs=1):
-        return add_node(self.graph, kind, inputs, attrs, outputs=outputs, name=f"{self.name}/{kind.lower()}",
-                        dtype=self.dtype)
-
-    def const(self, tag, value):
-        return add_constant(self.graph, f"{self.name}/{tag}", np.array(value, dtype=np.int64))
+        self.b = Builder(graph, name, self.dtype)
 
     def columns(self, start: int, stop: int) -> gs.Tensor:
         """[B, stop - start, D]: the fused lookup's columns start..stop."""
         if (start, stop) == (0, self.total):
             return self.out
         self.sliced += [lk for lk in self.group if start <= lk.start < stop]
-        return self.op("Slice", [self.out, self.const("start", [start]), self.const("stop", [stop]),
-                                 self.const("axis", [1])])[0]
+        b = self.b
+        return b.op("Slice", [self.out, b.const("start", [start], np.int64), b.const("stop", [stop], np.int64),
+                              b.const("axis", [1], np.int64)])
 
     def reshaped(self, x: gs.Tensor, shape: list) -> gs.Tensor:
         """x ([B, k, D]) as [B] + shape[1:] (0 keeps the batch)."""
-        return self.op("Reshape", [x, self.const("shape", [0] + [int(d) for d in shape[1:]])])[0]
+        return self.b.op("Reshape", [x, self.b.const("shape", [0] + [int(d) for d in shape[1:]], np.int64)])
 
 
 def _join(f: _Fused, concat: gs.Node, pieces: dict) -> None:
@@ -301,7 +296,8 @@ def _sum(f: _Fused, node: gs.Node, pieces: dict) -> None:
             len({len(lk.out_shape) for lk in mine}) != 1:
         return
     keep = len(mine[0].out_shape) == 3
-    total = f.op("ReduceSum", [f.columns(starts[0], starts[-1] + 1), f.const("axes", [1])], {"keepdims": int(keep)})[0]
+    total = f.b.op("ReduceSum", [f.columns(starts[0], starts[-1] + 1), f.b.const("axes", [1], np.int64)],
+                   {"keepdims": int(keep)})
     ids = {id(lk.out) for lk in mine}
     rest = [t for t in node.inputs if id(t) not in ids]
     node.inputs.clear()
@@ -324,7 +320,7 @@ def _pool(f: _Fused, nodes: list[gs.Node], pieces: dict) -> None:
     segments = np.zeros((len(bags), f.total), dtype=f.dtype)
     for i, lk in enumerate(bags):
         segments[i, lk.start:lk.start + lk.k] = 1
-    pooled = f.op("MatMul", [add_constant(f.graph, f"{f.name}/segments", segments), f.out])[0]
+    pooled = f.b.op("MatMul", [add_constant(f.graph, f"{f.name}/segments", segments), f.out])
     for i, node in enumerate(nodes):  # the sum becomes a Gather of its row (_fuse undoes this if need be)
         index = gs.Constant(unique_name(f.graph, f"{f.name}/bag"),  # a scalar: add_constant makes 1-D arrays
                             np.array(i if not node.attrs.get("keepdims", 1) else [i], dtype=np.int64))
@@ -505,30 +501,27 @@ def _vectorized_bags(graph: gs.Graph, bag: BagLoop) -> gs.Tensor:
     i64 = np.int64
     dtype = bag.rows.dtype
 
-    def c(tag, value):
-        return add_constant(graph, f"{name}/{tag}", np.array(value, dtype=i64))
-
-    def op(kind, inputs, attrs=None, dt=i64):
-        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+    b = Builder(graph, name, i64)
+    c, op = b.const, b.op
 
     shape = op("Shape", [bag.rows])
     n = op("Slice", [shape, c("zero", [0]), c("one", [1])])  # [1]
     num_offsets = op("Shape", [bag.offsets])  # [1]
     num_bags = op("Sub", [num_offsets, c("one", [1])])  # [1]
-    where = op("Clip", [bag.offsets, c("lo", 0), op("Squeeze", [n, c("axis0", [0])])])
+    where = op("Clip", [bag.offsets, c("lo", [0]), op("Squeeze", [n, c("axis0", [0])])])
     marks = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
                                    where, op("Expand", [c("ones", [1]), num_offsets])], {"axis": 0, "reduction": "add"})
-    segment = op("Sub", [op("Slice", [op("CumSum", [marks, c("axis", 0)]), c("zero", [0]), n]), c("one", 1)])
+    segment = op("Sub", [op("Slice", [op("CumSum", [marks, c("axis", [0])]), c("zero", [0]), n]), c("one", [1])])
     bags = op("Squeeze", [num_bags, c("axis0", [0])])
-    inside = op("And", [op("GreaterOrEqual", [segment, c("zero", 0)], dt=np.bool_),
-                        op("Less", [segment, bags], dt=np.bool_)], dt=np.bool_)
+    inside = op("And", [op("GreaterOrEqual", [segment, c("zero", [0])], dtype=np.bool_),
+                        op("Less", [segment, bags], dtype=np.bool_)], dtype=np.bool_)
     segment = op("Where", [inside, segment, bags])  # outside every bag: the extra row
     width = op("Slice", [shape, c("one", [1]), c("two", [2])])
     zeros = op("ConstantOfShape", [op("Concat", [op("Add", [num_bags, c("one", [1])]), width], {"axis": 0})],
-               {"value": gs.Constant("value", np.zeros(1, dtype=dtype))}, dt=dtype)
+               {"value": gs.Constant("value", np.zeros(1, dtype=dtype))}, dtype=dtype)
     summed = op("ScatterND", [zeros, op("Unsqueeze", [segment, c("axis1", [1])]), bag.rows], {"reduction": "add"},
-                dt=dtype)
-    return op("Slice", [summed, c("zero", [0]), num_bags], dt=dtype)
+                dtype=dtype)
+    return op("Slice", [summed, c("zero", [0]), num_bags], dtype=dtype)
 
 
 @dataclasses.dataclass
@@ -591,11 +584,8 @@ def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
     name = unique_name(graph, f"{group[0].bag.loop.name}/collection")
     i64 = np.int64
 
-    def c(tag, value, dt=i64):
-        return add_constant(graph, f"{name}/{tag}", np.array(value, dtype=dt))
-
-    def op(kind, inputs, attrs=None, dt=i64):
-        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+    b = Builder(graph, name, i64)
+    c, op = b.const, b.op
 
     def as_i64(x):
         return x if np.dtype(dtype_of(x)) == i64 else op("Cast", [x], {"to": onnx.TensorProto.INT64})
@@ -618,32 +608,32 @@ def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
         all_ids = op("Concat", [as_i64(x) for x in ids], {"axis": 0})
     if sizes is None:
         sizes = op("Concat", [op("Shape", [x]) for x in ids], {"axis": 0})  # ids per table
-    first_ids = op("Sub", [op("CumSum", [sizes, c("axis", 0)]), sizes])
+    first_ids = op("Sub", [op("CumSum", [sizes, c("axis", [0])]), sizes])
     n = op("Shape", [all_ids])
     # Each id's table offset: the offsets' steps scattered where each table's ids start, summed up to the id.
     steps = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
                                    first_ids, c("steps", np.diff([0] + at))], {"axis": 0, "reduction": "add"})
-    shifted = op("Add", [all_ids, op("Slice", [op("CumSum", [steps, c("axis", 0)]), c("zero", [0]), n])])
+    shifted = op("Add", [all_ids, op("Slice", [op("CumSum", [steps, c("axis", [0])]), c("zero", [0]), n])])
     dtype = tables[0].dtype
     rows = op("Gather", [add_constant(graph, f"{name}/table", np.concatenate([t for t in tables for _ in (0, 1)])),
-                         shifted], {"axis": 0}, dt=dtype)
+                         shifted], {"axis": 0}, dtype=dtype)
     if any(r.weights is not None for r in group):
-        weights = [op("Expand", [r.weights if r.weights is not None else c("unit", [1.0], dt=dtype),
-                                 op("Concat", [op("Shape", [x]), c("one", [1])], {"axis": 0})], dt=dtype)
+        weights = [op("Expand", [r.weights if r.weights is not None else c("unit", [1.0], dtype=dtype),
+                                 op("Concat", [op("Shape", [x]), c("one", [1])], {"axis": 0})], dtype=dtype)
                    for r, x in zip(group, ids)]
-        rows = op("Mul", [rows, op("Concat", weights, {"axis": 0}, dt=dtype)], dt=dtype)
+        rows = op("Mul", [rows, op("Concat", weights, {"axis": 0}, dtype=dtype)], dtype=dtype)
     offsets = [as_i64(r.bag.offsets) for r in group]
     shifted_offsets = [op("Add", [o, op("Slice", [first_ids, c("at", [i]), c("next", [i + 1])])])
                        for i, o in enumerate(offsets)]
     every = BagLoop(group[0].bag.loop, group[0].bag.concat, rows, op("Concat", shifted_offsets, {"axis": 0}))
     pooled = _vectorized_bags(graph, every)
     counts = op("Concat", [op("Shape", [o]) for o in offsets], {"axis": 0})  # bags + 1 per table
-    base = op("Sub", [op("CumSum", [counts, c("axis", 0)]), counts])
+    base = op("Sub", [op("CumSum", [counts, c("axis", [0])]), counts])
     out = []
     for i in range(len(group)):
         begin = op("Slice", [base, c("at", [i]), c("next", [i + 1])])
         end = op("Sub", [op("Add", [begin, op("Slice", [counts, c("at", [i]), c("next", [i + 1])])]), c("one", [1])])
-        out.append(op("Slice", [pooled, begin, end, c("zero", [0])], dt=dtype))
+        out.append(op("Slice", [pooled, begin, end, c("zero", [0])], dtype=dtype))
     return out
 
 
@@ -785,12 +775,11 @@ def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner:
     id_dtype = np.dtype(ids.dtype)
     padded = add_constant(graph, f"{name}/table", np.concatenate([table, np.zeros_like(table[:1])]))
 
-    def op(kind, inputs, attrs=None, dt=table.dtype):
-        return add_node(graph, kind, inputs, attrs, name=f"{name}/{kind.lower()}", dtype=dt)[0]
+    op = Builder(graph, name, table.dtype).op
 
-    padding = op("Less", [ids, add_constant(graph, f"{name}/zero", np.array(0, dtype=id_dtype))], dt=np.bool_)
+    padding = op("Less", [ids, add_constant(graph, f"{name}/zero", np.array(0, dtype=id_dtype))], dtype=np.bool_)
     safe = op("Where", [padding, add_constant(graph, f"{name}/pad_row", np.array(rows, dtype=id_dtype)), ids],
-              dt=id_dtype)
+              dtype=id_dtype)
 
     def row_sum(x, keepdims):
         if graph.opset < 13:
@@ -801,7 +790,8 @@ def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner:
     pooled = row_sum(op("Gather", [padded, safe], {"axis": 0}), 0)
     if combiner == "sum":
         return pooled
-    valid = op("Cast", [op("Not", [padding], dt=np.bool_)], {"to": onnx.helper.np_dtype_to_tensor_dtype(table.dtype)})
+    to = onnx.helper.np_dtype_to_tensor_dtype(table.dtype)
+    valid = op("Cast", [op("Not", [padding], dtype=np.bool_)], {"to": to})
     count = row_sum(valid, 1)
     count = op("Max", [count, add_constant(graph, f"{name}/one", np.array(1, dtype=table.dtype))])
     return op("Div", [pooled, count if combiner == "mean" else op("Sqrt", [count])])
@@ -1037,23 +1027,22 @@ def _indicator_scatter(m):
     dtype = m.const("values").dtype
     id_dtype = np.dtype(ids.dtype) if ids.dtype is not None else np.dtype(np.int64)
 
-    def c(tag, value, dt=id_dtype):
-        return m.constant(f"{m.root.name}/{tag}", np.array(value, dtype=dt))
+    b = Builder(m.graph, m.root.name, id_dtype)
+    c, op = b.const, b.op
 
-    def op(kind, inputs, attrs=None, dt=id_dtype):
-        return m.op(kind, inputs, attrs, dtype=dt)[0]
-
-    inside = op("And", [op("GreaterOrEqual", [ids, c("low", -depth)], dt=np.bool_),
-                        op("Less", [ids, c("high", depth)], dt=np.bool_)], dt=np.bool_)
-    column = op("Where", [inside, op("Mod", [ids, c("depth", depth)]), c("nowhere", depth)])
-    rows = op("Slice", [op("Shape", [ids], dt=np.int64), c("zero", [0], np.int64), c("one", [1], np.int64)], dt=np.int64)
-    zeros = op("ConstantOfShape", [op("Concat", [rows, c("width", [depth + 1], np.int64)], {"axis": 0}, dt=np.int64)],
-               {"value": gs.Constant("value", np.zeros(1, dtype=dtype))}, dt=dtype)
-    ones = op("Expand", [c("one_", 1, dtype), op("Shape", [ids], dt=np.int64)], dt=dtype)
-    counts = op("ScatterElements", [zeros, op("Cast", [column], {"to": 7}, dt=np.int64), ones],
-                {"axis": 1, "reduction": "add"}, dt=dtype)
+    inside = op("And", [op("GreaterOrEqual", [ids, c("low", [-depth], id_dtype)], dtype=np.bool_),
+                        op("Less", [ids, c("high", [depth], id_dtype)], dtype=np.bool_)], dtype=np.bool_)
+    column = op("Where", [inside, op("Mod", [ids, c("depth", [depth], id_dtype)]), c("nowhere", [depth], id_dtype)])
+    rows = op("Slice", [op("Shape", [ids], dtype=np.int64), c("zero", [0], np.int64), c("one", [1], np.int64)],
+              dtype=np.int64)
+    width = op("Concat", [rows, c("width", [depth + 1], np.int64)], {"axis": 0}, dtype=np.int64)
+    zeros = op("ConstantOfShape", [width],
+               {"value": gs.Constant("value", np.zeros(1, dtype=dtype))}, dtype=dtype)
+    ones = op("Expand", [c("one_", [1], dtype), op("Shape", [ids], dtype=np.int64)], dtype=dtype)
+    counts = op("ScatterElements", [zeros, op("Cast", [column], {"to": 7}, dtype=np.int64), ones],
+                {"axis": 1, "reduction": "add"}, dtype=dtype)
     return [op("Slice", [counts, c("from", [0], np.int64), c("to", [depth], np.int64), c("axis", [1], np.int64)],
-               dt=dtype)]
+               dtype=dtype)]
 
 
 INDICATOR = Rewrite(

@@ -386,9 +386,6 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     def var(name, dt=None, shape=None):
         return gs.Variable(unique_name(root, f"{base}/{name}"), dtype=dt, shape=shape)
 
-    def const(name, value):
-        return _constant(root, f"{base}/{name}", np.asarray(value))
-
     def add(op, inputs, outputs, **attrs):
         key = (op, tuple(id(t) for t in inputs), tuple(sorted(attrs.items())))
         if key in made and not any(outputs[0] is o for o in (y_out, yh_out)):
@@ -401,33 +398,41 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
     gru.inputs[4] = gs.Variable.empty()
     gru.outputs.clear()
     gru.outputs.append(y_full)
-    zero = const("zero", np.zeros((), dtype=dtype))
+    zero = _constant(root, f"{base}/zero", np.zeros((), dtype=dtype))
     lens64 = lens if dtype_of(lens) is not None and np.dtype(dtype_of(lens)) == np.int64 else \
         add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
     if y_out is not None:
         # mask[t, n] = t < lens[n]
         steps = (shape_of(x) or [None])[0]
         if isinstance(steps, (int, np.integer)):
-            t_col = const("t_col", np.arange(int(steps), dtype=np.int64)[:, None])
+            t_col = _constant(root, f"{base}/t_col", np.arange(int(steps), dtype=np.int64)[:, None])
         else:
             steps = add("Gather", [add("Shape", [x], [var("x_shape", np.int64, [3])]),
-                                   const("time_axis", np.array(0, np.int64))], [var("steps", np.int64, [])], axis=0)
-            t = add("Range", [const("t0", np.array(0, np.int64)), steps, const("t1", np.array(1, np.int64))],
+                                   _constant(root, f"{base}/time_axis", np.array(0, np.int64))],
+                        [var("steps", np.int64, [])], axis=0)
+            t = add("Range", [_constant(root, f"{base}/t0", np.array(0, np.int64)), steps,
+                              _constant(root, f"{base}/t1", np.array(1, np.int64))],
                     [var("t", np.int64, None)])
-            t_col = add("Unsqueeze", [t, const("t_axes", np.array([1], np.int64))], [var("t_col", np.int64, None)])
+            t_col = add("Unsqueeze", [t, _constant(root, f"{base}/t_axes", np.array([1], np.int64))],
+                        [var("t_col", np.int64, None)])
         mask = add("Less", [t_col, lens64], [var("mask", np.bool_, None)])
-        mask4 = add("Unsqueeze", [mask, const("mask_axes", np.array([1, 3], np.int64))], [var("mask4", np.bool_, None)])
+        mask4 = add("Unsqueeze", [mask, _constant(root, f"{base}/mask_axes", np.array([1, 3], np.int64))],
+                    [var("mask4", np.bool_, None)])
         add("Where", [mask4, y_full, zero], [y_out])
     if yh_out is not None:
-        last = add("Max", [add("Sub", [lens64, const("one", np.array(1, np.int64))], [var("lens_m1", np.int64, None)]),
-                           const("zero_i", np.array(0, np.int64))], [var("last", np.int64, None)])
-        idx = add("Unsqueeze", [last, const("last_axes", np.array([0, 1, 3], np.int64))], [var("last4", np.int64, None)])
-        idx = add("Expand", [idx, const("last_shape", np.array([1, 1, 1, hidden], np.int64))],
+        last = add("Max", [add("Sub", [lens64, _constant(root, f"{base}/one", np.array(1, np.int64))],
+                               [var("lens_m1", np.int64, None)]),
+                           _constant(root, f"{base}/zero_i", np.array(0, np.int64))], [var("last", np.int64, None)])
+        idx = add("Unsqueeze", [last, _constant(root, f"{base}/last_axes", np.array([0, 1, 3], np.int64))],
+                  [var("last4", np.int64, None)])
+        idx = add("Expand", [idx, _constant(root, f"{base}/last_shape", np.array([1, 1, 1, hidden], np.int64))],
                   [var("last_idx", np.int64, None)])
         picked = add("GatherElements", [y_full, idx], [var("y_last", dtype, None)], axis=0)
-        picked = add("Squeeze", [picked, const("squeeze_axes", np.array([0], np.int64))], [var("h_last", dtype, None)])
-        valid = add("Greater", [lens64, const("zero_len", np.array(0, np.int64))], [var("nonempty", np.bool_, None)])
-        valid = add("Unsqueeze", [valid, const("valid_axes", np.array([0, 2], np.int64))],
+        picked = add("Squeeze", [picked, _constant(root, f"{base}/squeeze_axes", np.array([0], np.int64))],
+                     [var("h_last", dtype, None)])
+        valid = add("Greater", [lens64, _constant(root, f"{base}/zero_len", np.array(0, np.int64))],
+                    [var("nonempty", np.bool_, None)])
+        valid = add("Unsqueeze", [valid, _constant(root, f"{base}/valid_axes", np.array([0, 2], np.int64))],
                     [var("nonempty3", np.bool_, None)])
         add("Where", [valid, picked, zero], [yh_out])
 

@@ -53,7 +53,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, iter_graphs
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..graph.edit import const_value, dtype_of, shape_of, unique_name
+from ..graph.edit import Builder, const_value, dtype_of, shape_of, unique_name
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -168,33 +168,12 @@ def _lower(root: gs.Graph, g: gs.Graph, node: gs.Node, form: str, static_t, opse
 # ----------------------------------------------------------------------------------------- emitting
 
 
-class _Builder:
-    """Appends nodes to `g`, names unique in the whole model."""
+class _Builder(Builder):
+    """Appends nodes to `g`, names unique in the whole model; small constants are shared by value within `g`."""
 
     def __init__(self, root: gs.Graph, g: gs.Graph, base: str, opset: int):
-        self.root, self.g, self.base, self.opset = root, g, base, opset
-
-    def const(self, tag: str, value) -> gs.Constant:
-        """A constant; small ones are shared by value (dtype, shape, bytes) by the layers lowered into one graph."""
-        value = np.array(value, order="C")  # np.ascontiguousarray would make 0-d values 1-D
-        if value.size > 1024:
-            return gs.Constant(unique_name(self.root, f"{self.base}/{tag}"), value)
-        pool = self.g.__dict__.setdefault("_ctropt_rnn_ov_consts", {})  # per graph: a body keeps its own
-        key = (value.dtype.str, value.shape, value.tobytes())
-        if key not in pool:
-            pool[key] = gs.Constant(unique_name(self.root, f"rnn/{tag}"), value)
-        return pool[key]
-
-    def ints(self, tag: str, values) -> gs.Constant:
-        return self.const(tag, np.asarray(values, np.int64))
-
-    def op(self, op: str, inputs: list, attrs: dict | None = None, outputs: int = 1, out: list | None = None,
-           dtype=None):
-        outs = out if out is not None else [
-            gs.Variable(unique_name(self.root, f"{self.base}/{op.lower()}"), dtype=dtype) for _ in range(outputs)]
-        self.g.nodes.append(gs.Node(op, unique_name(self.root, f"{self.base}/{op}"), attrs=attrs or {},
-                                    inputs=list(inputs), outputs=outs))
-        return outs if len(outs) > 1 else outs[0]
+        super().__init__(g, base, root=root, share="rnn")
+        self.g, self.base, self.opset = g, base, opset
 
 
 def _emit_gru_op(b: _Builder, attrs: SequenceAttrs, inputs: dict, outputs: dict, steps: int | None, W, R, B) -> None:
@@ -202,12 +181,13 @@ def _emit_gru_op(b: _Builder, attrs: SequenceAttrs, inputs: dict, outputs: dict,
     H = attrs.hidden_size
     x = inputs["X"]
     if attrs.kind == "AIGRU":
-        x = b.op("Mul", [x, b.op("Unsqueeze", [_float(b, inputs["att"]), b.ints("axis2", [2])])], dtype=np.float32)
+        x = b.op("Mul", [x, b.op("Unsqueeze", [_float(b, inputs["att"]), b.const("axis2", [2], np.int64)])],
+                 dtype=np.float32)
     x_t = b.op("Transpose", [x], {"perm": [1, 0, 2]}, dtype=np.float32)
     h0 = inputs.get("initial_h")
     gru_in = [x_t, b.const("W", W.T[None]), b.const("R", R.T[None]), b.const("B", B[None])]
     if h0 is not None:
-        gru_in += [gs.Variable.empty(), b.op("Unsqueeze", [h0, b.ints("axis0", [0])], dtype=np.float32)]
+        gru_in += [gs.Variable.empty(), b.op("Unsqueeze", [h0, b.const("axis0", [0], np.int64)], dtype=np.float32)]
     lens = inputs.get("sequence_lens")
     want_y = "Y" in outputs or lens is not None
     y4 = gs.Variable(unique_name(b.root, f"{b.base}/Y4"), np.float32) if want_y else gs.Variable.empty()
@@ -215,10 +195,10 @@ def _emit_gru_op(b: _Builder, attrs: SequenceAttrs, inputs: dict, outputs: dict,
         else gs.Variable.empty()
     b.op("GRU", gru_in, {"hidden_size": H, "linear_before_reset": attrs.linear_before_reset}, out=[y4, yh3])
     if yh3.name:
-        b.op("Squeeze", [yh3, b.ints("axis0", [0])], out=[outputs["Y_h"]])
+        b.op("Squeeze", [yh3, b.const("axis0", [0], np.int64)], out=[outputs["Y_h"]])
     if not want_y:
         return
-    y_tm = b.op("Squeeze", [y4, b.ints("axis1", [1])], dtype=np.float32)  # [T, B, H]
+    y_tm = b.op("Squeeze", [y4, b.const("axis1", [1], np.int64)], dtype=np.float32)  # [T, B, H]
     if lens is None:
         b.op("Transpose", [y_tm], {"perm": [1, 0, 2]}, out=[outputs["Y"]])
         return
@@ -233,13 +213,14 @@ def _time_index(b: _Builder, steps, static_steps: int | None, time_axis: int):
     np.ascontiguousarray(value), which makes 0-d values 1-D, so it would hand one out as Squeeze axes)."""
     shape = [-1, 1] if time_axis == 0 else [1, -1]
     if static_steps is not None:
-        return b.ints("steps_range", np.arange(static_steps).reshape(shape))
-    limit = b.op("Squeeze", [steps, b.ints("axis0", [0])], dtype=np.int64)  # T, 0-d
+        return b.const("steps_range", np.arange(static_steps).reshape(shape), np.int64)
+    limit = b.op("Squeeze", [steps, b.const("axis0", [0], np.int64)], dtype=np.int64)  # T, 0-d
     start = b.op("Sub", [limit, limit], dtype=np.int64)  # 0 and 1 as 0-d values computed from T
     delta = b.op("Cast", [b.op("Equal", [limit, limit], dtype=np.bool_)], {"to": onnx.TensorProto.INT64},
                  dtype=np.int64)
     t = b.op("Range", [start, limit, delta], dtype=np.int64)
-    return b.op("Unsqueeze", [t, b.ints("axis1" if time_axis == 0 else "axis0", [1 - time_axis])], dtype=np.int64)
+    return b.op("Unsqueeze", [t, b.const("axis1" if time_axis == 0 else "axis0", [1 - time_axis], np.int64)],
+                dtype=np.int64)
 
 
 def _apply_lengths(b: _Builder, attrs: SequenceAttrs, y_full, time_axis: int, lens, h0, outputs: dict,
@@ -253,30 +234,33 @@ def _apply_lengths(b: _Builder, attrs: SequenceAttrs, y_full, time_axis: int, le
     need_h = "Y_h" in outputs or ("Y" in outputs and attrs.padded_output == "state")
     y_h = None
     if need_h:
-        last = b.op("Max", [b.op("Sub", [lens, b.ints("one", [1])], dtype=np.int64), b.ints("zero", [0])],
+        last = b.op("Max", [b.op("Sub", [lens, b.const("one", [1], np.int64)], dtype=np.int64),
+                            b.const("zero", [0], np.int64)],
                     dtype=np.int64)
-        final = b.op("Sub", [steps, b.ints("one", [1])], dtype=np.int64) if static_steps is None \
-            else b.ints("last_step", [static_steps - 1])
+        final = b.op("Sub", [steps, b.const("one", [1], np.int64)], dtype=np.int64) if static_steps is None \
+            else b.const("last_step", [static_steps - 1], np.int64)
         last = b.op("Min", [last, final], dtype=np.int64)
-        idx = b.op("Unsqueeze", [last, b.ints("idx_axes", [1, 2] if time_axis == 1 else [0, 2])], dtype=np.int64)
-        idx = b.op("Expand", [idx, b.ints("idx_shape", [1, 1, H])], dtype=np.int64)  # [B, 1, H] or [1, B, H]
+        idx = b.op("Unsqueeze", [last, b.const("idx_axes", [1, 2] if time_axis == 1 else [0, 2], np.int64)],
+                   dtype=np.int64)
+        idx = b.op("Expand", [idx, b.const("idx_shape", [1, 1, H], np.int64)], dtype=np.int64)  # [B, 1, H] or [1, B, H]
         picked = b.op("GatherElements", [y_full, idx], {"axis": time_axis}, dtype=np.float32)
-        picked = b.op("Squeeze", [picked, b.ints("time_axis", [time_axis])], dtype=np.float32)  # [B, H]
-        nonempty = b.op("Unsqueeze", [b.op("Greater", [lens, b.ints("zero", [0])], dtype=np.bool_),
-                                      b.ints("axis1", [1])], dtype=np.bool_)  # [B, 1]
+        picked = b.op("Squeeze", [picked, b.const("time_axis", [time_axis], np.int64)], dtype=np.float32)  # [B, H]
+        nonempty = b.op("Unsqueeze", [b.op("Greater", [lens, b.const("zero", [0], np.int64)], dtype=np.bool_),
+                                      b.const("axis1", [1], np.int64)], dtype=np.bool_)  # [B, 1]
         empty_h = h0 if h0 is not None else b.const("zero_h", np.zeros((), np.float32))
         y_h = b.op("Where", [nonempty, picked, empty_h], out=[outputs["Y_h"]] if "Y_h" in outputs else None,
                    dtype=np.float32)
     if "Y" not in outputs:
         return None
     t = _time_index(b, steps, static_steps, time_axis)  # valid[t, b] or valid[b, t] = t < lens[b]
-    lens_b = b.op("Unsqueeze", [lens, b.ints("axis0" if time_axis == 0 else "axis1", [time_axis])], dtype=np.int64)
+    lens_b = b.op("Unsqueeze", [lens, b.const("axis0" if time_axis == 0 else "axis1", [time_axis], np.int64)],
+                  dtype=np.int64)
     valid = b.op("Less", [t, lens_b], dtype=np.bool_)
-    valid = b.op("Unsqueeze", [valid, b.ints("axis2", [2])], dtype=np.bool_)
+    valid = b.op("Unsqueeze", [valid, b.const("axis2", [2], np.int64)], dtype=np.bool_)
     if attrs.padded_output == "zero":
         pad = b.const("zero_y", np.zeros((), np.float32))
     else:
-        pad = b.op("Unsqueeze", [y_h, b.ints("time_axis", [time_axis])], dtype=np.float32)
+        pad = b.op("Unsqueeze", [y_h, b.const("time_axis", [time_axis], np.int64)], dtype=np.float32)
     return b.op("Where", [valid, y_full, pad], out=[y_out] if y_out is not None else None, dtype=np.float32)
 
 
@@ -284,7 +268,8 @@ def _dim(b: _Builder, t, axis: int):
     """t.shape[axis] as a [1] int64 tensor."""
     if b.opset >= 15:
         return b.op("Shape", [t], {"start": axis, "end": axis + 1}, dtype=np.int64)
-    return b.op("Gather", [b.op("Shape", [t], dtype=np.int64), b.ints("axis", [axis])], {"axis": 0}, dtype=np.int64)
+    return b.op("Gather", [b.op("Shape", [t], dtype=np.int64), b.const("axis", [axis], np.int64)], {"axis": 0},
+                dtype=np.int64)
 
 
 def _float(b: _Builder, t):
@@ -316,33 +301,33 @@ def _emit_augru_unrolled(b: _Builder, attrs: SequenceAttrs, inputs: dict, output
                                                                  _tf_weights(attrs, W, R, B)))
     one = b.const("one", np.array(1.0, np.float32))
     X, att = inputs["X"], _float(b, inputs["att"])
-    ones = b.ints("split_steps", [1] * steps)
+    ones = b.const("split_steps", [1] * steps, np.int64)
     x_steps = b.op("Split", [X, ones], {"axis": 1}, outputs=steps) if steps > 1 else [X]
     a_steps = b.op("Split", [att, ones], {"axis": 1}, outputs=steps) if steps > 1 else [att]
-    x_shape, h_shape = b.ints("x_shape", [-1, I]), b.ints("h_shape", [-1, H])
+    x_shape, h_shape = b.const("x_shape", [-1, I], np.int64), b.const("h_shape", [-1, H], np.int64)
     h0 = inputs.get("initial_h")
     if h0 is not None:
         h = h0 if (shape_of(h0) or [None, None])[-1] == H else b.op("Reshape", [h0, h_shape], dtype=np.float32)
     else:
         batch = _dim(b, X, 0)
-        h = b.op("ConstantOfShape", [b.op("Concat", [batch, b.ints("H", [H])], {"axis": 0}, dtype=np.int64)],
+        h = b.op("ConstantOfShape", [b.op("Concat", [batch, b.const("H", [H], np.int64)], {"axis": 0}, dtype=np.int64)],
                  {"value": gs.Constant("zero", np.zeros(1, np.float32))}, dtype=np.float32)
     split2 = {"axis": 1, "num_outputs": 2} if b.opset >= 18 else {"axis": 1}
     lens = inputs.get("sequence_lens")
     keep_all = "Y" in outputs or lens is not None
     states = []
+    f = Builder(b.g, b.base, np.float32, root=b.root).op
     for t in range(steps):
         x = b.op("Reshape", [x_steps[t], x_shape], dtype=np.float32)  # [B, I] with I static for the matcher
-        f = lambda op, ins, **kw: b.op(op, ins, kw or None, dtype=np.float32)  # noqa: E731
-        gates = f("Sigmoid", [f("Add", [f("MatMul", [f("Concat", [x, h], axis=1), wr_ru]), b_ru])])
+        gates = f("Sigmoid", [f("Add", [f("MatMul", [f("Concat", [x, h], {"axis": 1}), wr_ru]), b_ru])])
         r, u = b.op("Split", [gates], split2, outputs=2)
-        cand = f("Tanh", [f("Add", [f("MatMul", [f("Concat", [x, f("Mul", [r, h])], axis=1), wr_h]), b_h])])
+        cand = f("Tanh", [f("Add", [f("MatMul", [f("Concat", [x, f("Mul", [r, h])], {"axis": 1}), wr_h]), b_h])])
         keep = f("Mul", [f("Sub", [one, a_steps[t]]), u])  # u' = (1 - a) * u
         last = t == steps - 1 and lens is None and "Y_h" in outputs
         h = b.op("Add", [f("Mul", [keep, h]), f("Mul", [f("Sub", [one, keep]), cand])],
                  out=[outputs["Y_h"]] if last else None, dtype=np.float32)
         if keep_all:
-            states.append(b.op("Unsqueeze", [h, b.ints("axis1", [1])], dtype=np.float32))
+            states.append(b.op("Unsqueeze", [h, b.const("axis1", [1], np.int64)], dtype=np.float32))
     if not keep_all:
         return
     if lens is None:

@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 from .. import kernels
 from ..graph import CtroptError
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..graph.edit import add_constant, add_node, const_value, unique_name
+from ..graph.edit import Builder, add_constant, add_node, const_value, unique_name
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -194,21 +194,16 @@ def _up_to_the_longest(graph: gs.Graph, inputs: dict, base: str) -> dict:
     """X and att cut to the steps before the batch's longest length (at least 1). Past it every row keeps its
     state, so the last state is the same; one request's rows often share one history (one user), and histories
     are padded to T: a layer whose outputs are only the last state then runs for its length, not for T."""
-    def op(op_type, ins, attrs=None, dtype=np.int64):
-        out = gs.Variable(unique_name(graph, f"{base}/{op_type}"), dtype)
-        graph.nodes.append(gs.Node(op_type, unique_name(graph, f"{base}/longest/{op_type}"), attrs or {}, ins, [out]))
-        return out
-
-    def const(tag, value):
-        return gs.Constant(unique_name(graph, f"{base}/{tag}"), np.array(value, np.int64))
-
+    b = Builder(graph, f"{base}/longest", np.int64)
+    op = b.op
     lens = op("Cast", [inputs["sequence_lens"]], {"to": onnx.TensorProto.INT64})
-    longest = op("Max", [op("Reshape", [op("ReduceMax", [lens], {"keepdims": 1}), const("one_dim", [1])]),
-                         const("at_least", [1])])
+    longest = op("Max", [op("Reshape", [op("ReduceMax", [lens], {"keepdims": 1}), b.const("one_dim", [1], np.int64)]),
+                         b.const("at_least", [1], np.int64)])
     cut = dict(inputs)
     for k in ("X", "att"):
         if k in inputs:
-            cut[k] = op("Slice", [inputs[k], const("start", [0]), longest, const("time_axis", [1])],
+            cut[k] = op("Slice", [inputs[k], b.const("start", [0], np.int64), longest,
+                                  b.const("time_axis", [1], np.int64)],
                         dtype=inputs[k].dtype)
     return cut
 

@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 from ..graph import iter_proto_graphs
 from ..ops.rnn import add_sequence_node, is_sequence_node
 from .gru_cell import CellMatch, identify_gru_cell
-from ..graph.edit import const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
+from ..graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
 from ..runtime.session import subgraph_session
 
 _PROBE_BATCH = 8
@@ -927,20 +927,6 @@ def _check_trip_count(node, body, counters, invariants, inits, shapes: _Shapes, 
 # ------------------------------------------------------------------------------------------ rewriting
 
 
-def _new(graph: gs.Graph, name: str, dtype=None, shape=None) -> gs.Variable:
-    return gs.Variable(unique_name(graph, name), dtype=dtype, shape=shape)
-
-
-def _op(graph: gs.Graph, op: str, inputs: list, attrs: dict | None, name: str, dtype=None, shape=None) -> gs.Variable:
-    out = _new(graph, f"{name}:0", dtype, shape)
-    graph.nodes.append(gs.Node(op, unique_name(graph, name), attrs=attrs or {}, inputs=inputs, outputs=[out]))
-    return out
-
-
-def _const(graph: gs.Graph, name: str, value) -> gs.Constant:
-    return gs.Constant(unique_name(graph, name), np.ascontiguousarray(value))
-
-
 def _swap01(shape):
     return None if shape is None or len(shape) < 2 else [shape[1], shape[0]] + list(shape[2:])
 
@@ -954,8 +940,8 @@ def _batch_major(graph: gs.Graph, src: gs.Tensor, time_axis: int, shapes: _Shape
     p = src.inputs[0] if len(src.inputs) == 1 else None
     if p is not None and p.op == "Transpose" and list(p.attrs.get("perm", [])) == perm:
         return p.inputs[0]
-    return _op(graph, "Transpose", [src], {"perm": perm}, f"{name}/batch_major", shapes.dtype(src),
-               _swap01(shapes.shape(src)))
+    return Builder(graph, name).op("Transpose", [src], {"perm": perm}, name="batch_major", dtype=shapes.dtype(src),
+                                   shape=_swap01(shapes.shape(src)))
 
 
 def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: _Shapes, name: str) -> gs.Tensor:
@@ -967,8 +953,9 @@ def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: _Shapes, name: str) -> gs.Tens
     if p is not None and p.op == "Unsqueeze" and _axes(p) in ([2], [-1]) and \
             len(shapes.shape(p.inputs[0]) or [0, 0, 0]) == 2:
         return p.inputs[0]
-    return _op(graph, "Reshape", [t, _const(graph, f"{name}/bt", np.array([0, 0], np.int64))], None,
-               f"{name}/bt", shapes.dtype(t), None if s is None else s[:2])
+    b = Builder(graph, name)
+    return b.op("Reshape", [t, b.const("bt", np.array([0, 0], np.int64))], name="bt", dtype=shapes.dtype(t),
+                shape=None if s is None else s[:2])
 
 
 def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: _Shapes, name: str) -> gs.Tensor:
@@ -985,13 +972,14 @@ def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: _Shapes, na
             start += w
     s = shapes.shape(X)
     out_shape = None if s is None else list(s[:2]) + [len(cols)]
+    b = Builder(graph, name)
     if cols == list(range(cols[0], cols[-1] + 1)):
-        return _op(graph, "Slice", [X, _const(graph, f"{name}/starts", np.array([cols[0]], np.int64)),
-                                    _const(graph, f"{name}/ends", np.array([cols[-1] + 1], np.int64)),
-                                    _const(graph, f"{name}/axes", np.array([2], np.int64))], None,
-                   f"{name}/x_columns", np.float32, out_shape)
-    return _op(graph, "Gather", [X, _const(graph, f"{name}/cols", np.array(cols, np.int64))], {"axis": 2},
-               f"{name}/x_columns", np.float32, out_shape)
+        return b.op("Slice", [X, b.const("starts", np.array([cols[0]], np.int64)),
+                              b.const("ends", np.array([cols[-1] + 1], np.int64)),
+                              b.const("axes", np.array([2], np.int64))],
+                    name="x_columns", dtype=np.float32, shape=out_shape)
+    return b.op("Gather", [X, b.const("cols", np.array(cols, np.int64))], {"axis": 2},
+                name="x_columns", dtype=np.float32, shape=out_shape)
 
 
 def _column(graph: gs.Graph, X: gs.Tensor, col: int, shapes: _Shapes, name: str) -> gs.Tensor:
@@ -1002,13 +990,12 @@ def _column(graph: gs.Graph, X: gs.Tensor, col: int, shapes: _Shapes, name: str)
 
 def _trim(graph: gs.Graph, t: gs.Tensor, X: gs.Tensor, name: str) -> gs.Tensor:
     """t[:, :T] with T = X's dim 1: the steps the loop read, when t is not known to be exactly that long."""
-    shape = _op(graph, "Shape", [X], None, f"{name}/shape", np.int64, [3])
-    steps = _op(graph, "Slice", [shape, _const(graph, f"{name}/one", np.array([1], np.int64)),
-                                 _const(graph, f"{name}/two", np.array([2], np.int64))], None, f"{name}/steps",
-                np.int64, [1])
-    return _op(graph, "Slice", [t, _const(graph, f"{name}/zero", np.array([0], np.int64)), steps,
-                                _const(graph, f"{name}/axis1", np.array([1], np.int64))], None, f"{name}/trimmed",
-               t.dtype, None)
+    b = Builder(graph, name)
+    shape = b.op("Shape", [X], name="shape", dtype=np.int64, shape=[3])
+    steps = b.op("Slice", [shape, b.const("one", np.array([1], np.int64)), b.const("two", np.array([2], np.int64))],
+                 name="steps", dtype=np.int64, shape=[1])
+    return b.op("Slice", [t, b.const("zero", np.array([0], np.int64)), steps,
+                          b.const("axis1", np.array([1], np.int64))], name="trimmed", dtype=t.dtype)
 
 
 def _aigru_split(X: gs.Tensor, width: int, shapes: _Shapes):
@@ -1067,17 +1054,16 @@ def _x_and_att(graph: gs.Graph, plan: _Plan, attrs, shapes: _Shapes, name: str):
 def _sequence_inputs(graph: gs.Graph, plan: _Plan, X: gs.Tensor, att: gs.Tensor | None, shapes: _Shapes,
                      name: str) -> dict:
     """The sequence op's inputs: X, the weights, the lengths (flat, ceiled if float) or the mask, h0, the score."""
-    cell = plan.cell
-    inputs = {"X": X, "W": _const(graph, f"{name}/W", cell.W.astype(np.float32)),
-              "R": _const(graph, f"{name}/R", cell.R.astype(np.float32)),
-              "B": _const(graph, f"{name}/B", cell.B.astype(np.float32))}
+    cell, b = plan.cell, Builder(graph, name)
+    inputs = {"X": X, "W": b.const("W", cell.W.astype(np.float32)), "R": b.const("R", cell.R.astype(np.float32)),
+              "B": b.const("B", cell.B.astype(np.float32))}
     if plan.lens is not None:
         lens = plan.lens
         if plan.lens_rank == 2:
-            lens = _op(graph, "Reshape", [lens, _const(graph, f"{name}/flat", np.array([-1], np.int64))], None,
-                       f"{name}/lengths", shapes.dtype(lens), None)
+            lens = b.op("Reshape", [lens, b.const("flat", np.array([-1], np.int64))], name="lengths",
+                        dtype=shapes.dtype(lens))
         if np.issubdtype(shapes.dtype(lens), np.floating):  # t < len  <=>  t < ceil(len) for integer t
-            lens = _op(graph, "Ceil", [lens], None, f"{name}/lengths_ceil", shapes.dtype(lens), None)
+            lens = b.op("Ceil", [lens], name="lengths_ceil", dtype=shapes.dtype(lens))
         inputs["sequence_lens"] = lens
     if plan.mask is not None:
         mask = _as_bt(graph, _batch_major(graph, plan.mask.source, plan.mask.time_axis, shapes, f"{name}/mask"),
@@ -1097,16 +1083,16 @@ def _sequence_outputs(graph: gs.Graph, plan: _Plan, attrs, X: gs.Tensor, shapes:
     batch, steps = (xs[0], xs[1]) if xs is not None and len(xs) == 3 else (None, None)
     outputs = {}
     if plan.stacked:
-        outputs["Y"] = _new(graph, f"{name}/{attrs.op_type}/Y", np.float32, [batch, steps, H])
+        outputs["Y"] = gs.Variable(unique_name(graph, f"{name}/{attrs.op_type}/Y"), np.float32, [batch, steps, H])
     if plan.finals:
-        outputs["Y_h"] = _new(graph, f"{name}/{attrs.op_type}/Y_h", np.float32, [batch, H])
+        outputs["Y_h"] = gs.Variable(unique_name(graph, f"{name}/{attrs.op_type}/Y_h"), np.float32, [batch, H])
     return outputs, batch, steps
 
 
 def _replacements(graph: gs.Graph, node: gs.Node, plan: _Plan, outputs: dict, batch, steps, H: int) -> list:
     """For each output of the layer, the tensor that replaces it (None if unused): Y (batch-major; a Transpose back
     to batch-major reads it directly) or one time-major Transpose of it, Y_h, or the passed-through init."""
-    name = node.name
+    b = Builder(graph, node.name)
     new = [None] * len(node.outputs)
     y_tm = None
     for out, axis in plan.stacked:
@@ -1121,8 +1107,8 @@ def _replacements(graph: gs.Graph, node: gs.Node, plan: _Plan, outputs: dict, ba
                 c.inputs.clear()
         if _used(graph, out):
             if y_tm is None:
-                y_tm = _op(graph, "Transpose", [Y], {"perm": [1, 0, 2]}, f"{name}/time_major", np.float32,
-                           [steps, batch, H])
+                y_tm = b.op("Transpose", [Y], {"perm": [1, 0, 2]}, name="time_major", dtype=np.float32,
+                            shape=[steps, batch, H])
             new[node.outputs.index(out)] = y_tm
     for out in plan.finals:
         new[node.outputs.index(out)] = outputs["Y_h"]
@@ -1133,7 +1119,7 @@ def _replacements(graph: gs.Graph, node: gs.Node, plan: _Plan, outputs: dict, ba
         if repl is None:
             continue
         if id(repl) in seen and any(o is out for o in graph.outputs):
-            new[i] = _op(graph, "Identity", [repl], None, f"{name}/copy", repl.dtype, repl.shape)
+            new[i] = b.op("Identity", [repl], name="copy", dtype=repl.dtype, shape=repl.shape)
         seen.add(id(repl))
     return new
 

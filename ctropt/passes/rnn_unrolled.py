@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 from ..graph import topological_order
 from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
 from .gru_cell import CellMatch, identify_gru_cell
-from ..graph.edit import const_value, is_all_zeros, unique_name
+from ..graph.edit import Builder, const_value, is_all_zeros, unique_name
 from ..runtime.session import subgraph_session
 
 MIN_STEPS = 3          # shorter unrolled loops are left alone
@@ -123,22 +123,12 @@ def _present(t: gs.Tensor | None) -> bool:
     return t is not None and bool(t.name)
 
 
-class _Builder:
+class _Builder(Builder):
     """Appends glue nodes to the graph."""
 
     def __init__(self, graph: gs.Graph, opset: int, prefix: str):
-        self.graph, self.opset, self.prefix = graph, opset, prefix
-
-    def const(self, what: str, value) -> gs.Constant:
-        return gs.Constant(unique_name(self.graph, f"{self.prefix}/{what}"), np.ascontiguousarray(value))
-
-    def op(self, op: str, inputs: list, attrs: dict | None = None, out: gs.Tensor | None = None,
-           dtype=None, shape=None) -> gs.Tensor:
-        name = unique_name(self.graph, f"{self.prefix}/{op}")
-        if out is None:
-            out = gs.Variable(unique_name(self.graph, f"{name}:0"), dtype=dtype, shape=shape)
-        self.graph.nodes.append(gs.Node(op, name, attrs=attrs or {}, inputs=list(inputs), outputs=[out]))
-        return out
+        super().__init__(graph, prefix)
+        self.opset = opset
 
     def axes_op(self, op: str, x: gs.Tensor, axes: list[int], out: gs.Tensor | None = None, **kw) -> gs.Tensor:
         if self.opset >= 13:
@@ -267,10 +257,10 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) ->
         final_h, outputs["Y_h"] = outputs["Y_h"], gs.Variable(unique_name(graph, f"{name}/Y_h"), dtype=np.float32)
     add_sequence_node(graph, attrs, inputs, outputs, name)
     if final_h is not None:
-        some = b.op("Greater", [lens, b.const("zero_len", np.zeros((), shapes.dtype(lens) or np.int32))],
+        some = b.op("Greater", [lens, b.const("zero_len", np.zeros(1, shapes.dtype(lens) or np.int32))],
                     dtype=np.bool_)
         some = b.axes_op("Unsqueeze", some, [1], dtype=np.bool_)
-        b.op("Where", [some, outputs["Y_h"], b.const("zero_state", np.zeros((), np.float32))], out=final_h)
+        b.op("Where", [some, outputs["Y_h"], b.const("zero_state", np.zeros(1, np.float32))], out=final_h)
     for fresh, tgt, labels, canon in glue:
         _make_layout(b, fresh, canon, tgt, labels)
     how = "absorbed" if not glue else "kept as Transpose/Unsqueeze for other readers"
