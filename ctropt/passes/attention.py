@@ -468,7 +468,7 @@ def _order_kept(chain: list[gs.Node], probe: Probe) -> bool:
     return True
 
 
-@register_pass("remove-attention-padding", group="fusion", order=40)
+@register_pass("remove-attention-padding", group="fusion")
 def remove_attention_padding(ctx: PassContext) -> None:
     """Attention MLPs over padded histories ([B, T, ...]) → the same MLP over the N valid positions only."""
     graph = ctx.graph

@@ -25,7 +25,7 @@ def _node_total(graph: gs.Graph) -> int:
     return sum(len(g.nodes) for g in iter_graphs(graph))
 
 
-@register_pass("eliminate-dead-nodes", group="cleanup", order=1)
+@register_pass("eliminate-dead-nodes", group="cleanup")
 def eliminate_dead_nodes(ctx: PassContext) -> None:
     """Remove nodes and initializers no graph output depends on (Loop/Scan/If bodies included)."""
     before = _node_total(ctx.graph)
@@ -35,7 +35,7 @@ def eliminate_dead_nodes(ctx: PassContext) -> None:
     ctx.rewrites += removed
 
 
-@register_pass("infer-shapes", group="cleanup", order=2)
+@register_pass("infer-shapes", group="cleanup")
 def infer_shapes(ctx: PassContext) -> None:
     """Annotate intermediate values with dtypes and shapes (onnx shape inference with data propagation)."""
     annotated, problem = annotate_shapes(ctx.graph)
@@ -77,7 +77,7 @@ TRAINING_RULES = (
 )
 
 
-@register_pass("prune-training-ops", group="cleanup", order=5, rules=TRAINING_RULES)
+@register_pass("prune-training-ops", group="cleanup", rules=TRAINING_RULES)
 def prune_training_ops(ctx: PassContext) -> None:
     """Drop training-only ops left in inference exports (Dropout in inference mode with its mask unused)."""
     ctx.apply(*TRAINING_RULES)
@@ -213,7 +213,7 @@ CHAIN_RULES = (
 )
 
 
-@register_pass("eliminate-identity", group="cleanup", order=10, rules=NO_OP_RULES + CHAIN_RULES)
+@register_pass("eliminate-identity", group="cleanup", rules=NO_OP_RULES + CHAIN_RULES)
 def eliminate_identity(ctx: PassContext) -> None:
     """Remove ops that do nothing (Identity, Cast/Reshape to the same type/shape, x*1, ...) and merge Reshape/Transpose chains."""
     if any(t.dtype is None or t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.outputs):
@@ -234,7 +234,7 @@ def eliminate_identity(ctx: PassContext) -> None:
 # ----------------------------------------------------------------------------------------- constants
 
 
-@register_pass("fold-constants", group="cleanup", order=8)
+@register_pass("fold-constants", group="cleanup")
 def fold_constants(ctx: PassContext) -> None:
     """Evaluate subgraphs whose inputs are all constant (onnx-graphsurgeon + onnxruntime), up to a size cap."""
     before = _node_total(ctx.graph)
@@ -271,7 +271,7 @@ def _constant_key(c: gs.Constant):
     return (values.dtype.str, values.shape, hashlib.sha1(np.ascontiguousarray(values).tobytes()).hexdigest())
 
 
-@register_pass("dedup-initializers", group="cleanup", order=25)
+@register_pass("dedup-initializers", group="cleanup")
 def dedup_initializers(ctx: PassContext) -> None:
     """Make identical constants (same dtype, shape and bytes) one tensor, within each scope and from outer scopes."""
 
@@ -312,7 +312,7 @@ def _attr_key(value):
     return value
 
 
-@register_pass("eliminate-common-subexpressions", group="cleanup", order=30)
+@register_pass("eliminate-common-subexpressions", group="cleanup")
 def eliminate_common_subexpressions(ctx: PassContext) -> None:
     """Compute once what several nodes compute identically (same op, attributes and inputs)."""
     for g in list(iter_graphs(ctx.graph)):

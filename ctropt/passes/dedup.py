@@ -151,7 +151,7 @@ def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset
     return {id(producer[id(v)]) for v in bad}, f"{first.op} {first.name} mixes rows of the batch"
 
 
-@register_pass("dedup-user-side", group="fusion", order=35)
+@register_pass("dedup-user-side", group="fusion")
 def dedup_user_side(ctx: PassContext) -> None:
     """Per-user work (history embeddings, interest GRU) → computed once per distinct user in the batch (Unique/Gather)."""
     graph = ctx.graph

@@ -391,7 +391,7 @@ def parallel_lookup_tables(graph: gs.Graph) -> set[str]:
 
 # After it the graph no longer shows each id input's table (the ids reach one Gather through a Concat and an
 # offset vector): inputs generated for the fused model use the raw model's facts the PassManager stores.
-@register_pass("fuse-parallel-embeddings", group="fusion", order=50)
+@register_pass("fuse-parallel-embeddings", group="fusion")
 def fuse_parallel_embeddings(ctx: PassContext) -> None:
     """Lookups of one batch into tables of one width, read together by Concats, Sums or row sums (pooled bags) →
     one Gather on the concatenated tables, ids offset per lookup, that those consumers read whole. Lookups also
@@ -797,7 +797,7 @@ def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner:
     return op("Div", [pooled, count if combiner == "mean" else op("Sqrt", [count])])
 
 
-@register_pass("vectorize-embedding-bags", group="fusion", order=10)
+@register_pass("vectorize-embedding-bags", group="fusion")
 def vectorize_embedding_bags(ctx: PassContext) -> None:
     """Bags of ids pooled per sample → one vectorized form: torch's per-bag Loops (Slice + ReduceSum +
     SequenceInsert per sample) → one scatter-add, a single lookup and scatter for the loops over tables of one
@@ -972,7 +972,7 @@ def _merged_table(model, stitch: gs.Node, graph: gs.Graph, shape: tuple[int, int
     return "; ".join(reasons) or "no 1-D integer ids that every path from the inputs to it passes through"
 
 
-@register_pass("merge-partitioned-embeddings", group="fusion", order=5)
+@register_pass("merge-partitioned-embeddings", group="fusion")
 def merge_partitioned_embeddings(ctx: PassContext) -> None:
     """A lookup over N table shards (DynamicPartition + Gather per shard + DynamicStitch, mod or div) → one Gather.
 
@@ -1051,7 +1051,7 @@ INDICATOR = Rewrite(
     _indicator_scatter, _indicator_applies)
 
 
-@register_pass("rewrite-indicator-columns", group="fusion", order=15, rules=(INDICATOR,))
+@register_pass("rewrite-indicator-columns", group="fusion", rules=(INDICATOR,))
 def rewrite_indicator_columns(ctx: PassContext) -> None:
     """Indicator (multi-hot) columns, OneHot + ReduceSum over the ids, → a scatter-add of ones (seed 004)."""
     ctx.apply(INDICATOR)

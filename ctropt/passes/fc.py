@@ -130,7 +130,7 @@ def _chained(m: Match, flat_of: dict, condition) -> bool | str:
     return condition(m) if id(m["x"]) in flat_of else "a lone MatMul (nothing to fuse)"
 
 
-@register_pass("fuse-fc", group="fusion", order=60, rules=_fc_rules)
+@register_pass("fuse-fc", group="fusion", rules=_fc_rules)
 def fuse_fc(ctx: PassContext) -> None:
     """MatMul+Add(+activation) → Gemm(+activation), any rank: rank ≥ 3 flattened for onnxruntime, which fuses only 2-D."""
     if any(t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes if n.op == "MatMul"
@@ -226,7 +226,7 @@ AFFINE_RULES = (
 )
 
 
-@register_pass("fold-fc-affine", group="fusion", order=62, rules=AFFINE_RULES)
+@register_pass("fold-fc-affine", group="fusion", rules=AFFINE_RULES)
 def fold_fc_affine(ctx: PassContext) -> None:
     """``Gemm(a, W, c) · s + t`` with s, t per column (a folded BatchNormalization: Dice) → a second
     ``Gemm(a, W·s, c·s + t)`` when the FC's output is also read as is, else the same Gemm: a Gemm costs less

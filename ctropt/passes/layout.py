@@ -54,7 +54,7 @@ BATCHNORM_RULES = (
 )
 
 
-@register_pass("fold-batchnorm", group="cleanup", order=12, speed=True, rules=BATCHNORM_RULES)
+@register_pass("fold-batchnorm", group="cleanup", speed=True, rules=BATCHNORM_RULES)
 def fold_batchnorm(ctx: PassContext) -> None:
     """Inference BatchNormalization with constant statistics → Mul + Add by per-channel constants."""
     if any(n.op == "BatchNormalization" and n.inputs[0].shape is None for n in ctx.graph.nodes):
@@ -209,7 +209,7 @@ def cancel_layout_pairs(graph: gs.Graph) -> tuple[int, int]:
     return matches, rewrites
 
 
-@register_pass("cancel-transposes", group="cleanup", order=13, speed=True)
+@register_pass("cancel-transposes", group="cleanup", speed=True)
 def cancel_transposes(ctx: PassContext) -> None:
     """Transpose (or a Reshape of rows to rank ≥ 3) → elementwise ops → the op that undoes it: both removed, the
     constants the ops read permuted (or reshaped) instead."""
@@ -245,7 +245,7 @@ def _masked_rows(n: gs.Node) -> gs.Tensor | None:
     return mask
 
 
-@register_pass("select-masked-rows", group="cleanup", order=14, speed=True)
+@register_pass("select-masked-rows", group="cleanup", speed=True)
 def select_masked_rows(ctx: PassContext) -> None:
     """torch's masked_select over whole rows (GatherND of the NonZero of a row mask expanded to the data: one
     index per element) → the rows Compressed, flattened (deepctr-torch DIEN packs histories this way)."""

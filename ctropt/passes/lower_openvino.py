@@ -105,7 +105,7 @@ def _squeeze_named_axes(m: Match) -> list:
 SQUEEZE_RULES = (Rewrite("squeeze-without-axes", P.Squeeze(Var("x")), _squeeze_named_axes, _ones_known),)
 
 
-@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, order=10, speed=False, rules=SQUEEZE_RULES)
+@register_pass("squeeze-explicit-axes", group="lower", targets=TARGETS, speed=False, rules=SQUEEZE_RULES)
 def squeeze_explicit_axes(ctx: PassContext) -> None:
     """Squeeze without axes on a value of known rank names its axes (the dims known to be 1), so its rank is static."""
     ctx.apply(*SQUEEZE_RULES)
@@ -148,7 +148,7 @@ COMPRESS_RULES = (
 )
 
 
-@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, order=11, speed=False, rules=COMPRESS_RULES)
+@register_pass("compress-explicit-axis", group="lower", targets=TARGETS, speed=False, rules=COMPRESS_RULES)
 def compress_explicit_axis(ctx: PassContext) -> None:
     """Compress gets an axis (0, on its input flattened to 1-D when it had none) and a 1-D condition."""
     _annotate_if(ctx, lambda n: n.inputs[:2] if n.op == "Compress" else [])
@@ -245,7 +245,7 @@ def _rename_shadowing_inputs(root: gs.Graph, graph: gs.Graph, around: frozenset 
     return changed
 
 
-@register_pass("body-inputs-own-names", group="lower", targets=TARGETS, order=19, speed=False)
+@register_pass("body-inputs-own-names", group="lower", targets=TARGETS, speed=False)
 def body_inputs_own_names(ctx: PassContext) -> None:
     """A Loop/Scan body input named like a value around the body gets a name of its own (OpenVINO reads the outer one).
 
@@ -255,13 +255,13 @@ def body_inputs_own_names(ctx: PassContext) -> None:
     ctx.rewrites += changed
 
 
-@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, order=20, speed=False)
+@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, speed=False)
 def scan_outer_scope_as_state(ctx: PassContext) -> None:
     """Values a Scan body reads from the outer scope become explicit pass-through states (OpenVINO miscounts them)."""
     _explicit_outer_values(ctx, "Scan")
 
 
-@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, order=21, speed=False)
+@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, speed=False)
 def loop_inline_invariant_constants(ctx: PassContext) -> None:
     """A Loop-carried value the body passes through unchanged and that starts as a constant is read as that constant."""
     for g in iter_graphs(ctx.graph):
@@ -298,7 +298,7 @@ def loop_inline_invariant_constants(ctx: PassContext) -> None:
             ctx.rewrites += 1
 
 
-@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, order=22, speed=False)
+@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, speed=False)
 def body_passthrough_identity(ctx: PassContext) -> None:
     """A Loop/Scan body output that is a body input itself is routed through an Identity (OpenVINO's file reader needs it)."""
     for g in iter_graphs(ctx.graph):
@@ -320,7 +320,7 @@ def body_passthrough_identity(ctx: PassContext) -> None:
                 ctx.rewrites += 1
 
 
-@register_pass("concat-into-if-branches", group="lower", targets=TARGETS, order=23, speed=False)
+@register_pass("concat-into-if-branches", group="lower", targets=TARGETS, speed=False)
 def concat_into_if_branches(ctx: PassContext) -> None:
     """An If output read only by a Concat: the Concat runs in both branches and the If gives its result."""
     for g in iter_graphs(ctx.graph):
@@ -356,7 +356,7 @@ def _direction(node: gs.Node) -> str:
     return d.decode() if isinstance(d, bytes) else str(d)
 
 
-@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, order=30, speed=False)
+@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, speed=False)
 def gru_sequence_lens_as_mask(ctx: PassContext) -> None:
     """Forward GRU with sequence_lens (OpenVINO CPU ignores them): run unmasked, zero Y past each length, take Y_h at length-1."""
     for g in iter_graphs(ctx.graph):
@@ -460,7 +460,7 @@ SPLIT_BOOL_RULES = (Rewrite("cast-split-part-to-bool", P.Cast(Var("x"), to=onnx.
                             _non_bool_split_part),)
 
 
-@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, order=40, speed=False,
+@register_pass("split-cast-bool-as-compare", group="lower", targets=TARGETS, speed=False,
                rules=SPLIT_BOOL_RULES)
 def split_cast_bool_as_compare(ctx: PassContext) -> None:
     """Cast-to-bool of a Split output becomes Not(Equal(x, 0)): OpenVINO CPU otherwise gives every output the first part."""
@@ -524,7 +524,7 @@ TOPK_RULES = (
 )
 
 
-@register_pass("topk-ties-by-index", group="lower", targets=TARGETS, order=41, speed=False, rules=TOPK_RULES)
+@register_pass("topk-ties-by-index", group="lower", targets=TARGETS, speed=False, rules=TOPK_RULES)
 def topk_ties_by_index(ctx: PassContext) -> None:
     """A sorted TopK over integers keeps ties in index order, as ONNX says (OpenVINO CPU orders them at random)."""
     _annotate_if(ctx, lambda n: n.inputs[:1] if n.op == "TopK" else [])

@@ -62,7 +62,7 @@ MAX_UNROLL = 512  # steps: longer chains would bloat the graph (18 nodes per ste
 GATE_ONE_BIAS = 60.0  # sigmoid(60) == 1.0 in float32: pins the update gate of AGRU-as-AUGRU
 
 
-@register_pass("lower-rnn-openvino", group="lower", targets=("openvino",), order=1)
+@register_pass("lower-rnn-openvino", group="lower", targets=("openvino",))
 def lower_rnn_openvino(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → OpenVINO's fastest exact form: GRU op, unrolled AUGRU cells (static T), lean Scan."""
     form = ctx.options.get("rnn_openvino_form", "auto") or "auto"

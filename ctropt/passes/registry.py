@@ -105,8 +105,26 @@ class Pass:
 
 REGISTRY: dict[str, Pass] = {}
 
+# The built-in pipeline in one place: where each pass runs within its group (groups run cleanup → fusion →
+# quantize → lower). A plugin pass gives its own `order` to run between these (default 100: after them).
+PIPELINE_ORDER = {
+    # cleanup: what the exporters leave (dead and training-only nodes, constants, no-ops, duplicates)
+    "eliminate-dead-nodes": 1, "infer-shapes": 2, "prune-training-ops": 5, "fold-constants": 8,
+    "eliminate-identity": 10, "fold-batchnorm": 12, "cancel-transposes": 13, "select-masked-rows": 14,
+    "dedup-initializers": 25, "eliminate-common-subexpressions": 30,
+    # fusion: tables first (they change the lookups the others read), then sequences, attention, FC layers
+    "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-indicator-columns": 15,
+    "fuse-rnn": 30, "dedup-user-side": 35, "remove-attention-padding": 40, "fuse-parallel-embeddings": 50,
+    "fuse-fc": 60, "fold-fc-affine": 62,
+    # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
+    "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
+    "body-inputs-own-names": 19, "scan-outer-scope-as-state": 20, "loop-inline-invariant-constants": 21,
+    "body-passthrough-identity": 22, "concat-into-if-branches": 23, "gru-sequence-lens-as-mask": 30,
+    "split-cast-bool-as-compare": 40, "topk-ties-by-index": 41,
+}
 
-def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int = 100,
+
+def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int | None = None,
                   description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`).
 
@@ -114,7 +132,8 @@ def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] 
     that makes a model load or compute right on its target, rather than faster, says False)."""
 
     def wrap(fn: Callable[[PassContext], None]) -> Pass:
-        p = Pass(name, fn, group, tuple(targets), description, order, default, exact,
+        place = order if order is not None else PIPELINE_ORDER.get(name, 100)
+        p = Pass(name, fn, group, tuple(targets), description, place, default, exact,
                  rules if callable(rules) else tuple(rules), speed)
         REGISTRY[name] = p
         return p
@@ -122,7 +141,7 @@ def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] 
     return wrap
 
 
-def rewrite_pass(name: str, *rules: Rewrite, group: str = "fusion", targets=("any",), order: int = 100,
+def rewrite_pass(name: str, *rules: Rewrite, group: str = "fusion", targets=("any",), order: int | None = None,
                  description: str = "", default: bool = True) -> Pass:
     """Register a pass that only applies pattern rules."""
 

@@ -33,7 +33,7 @@ def _opset(graph: gs.Graph) -> int:
     return int(getattr(graph, "opset", None) or 0)
 
 
-@register_pass("fuse-rnn", group="fusion", order=30)
+@register_pass("fuse-rnn", group="fusion")
 def fuse_rnn(ctx: PassContext) -> None:
     """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each."""
     from .rnn_loops import fuse_recurrent_loops
@@ -235,7 +235,7 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> N
     graph.nodes.remove(node)
 
 
-@register_pass("lower-rnn-ort", group="lower", targets=("ort",), order=1)
+@register_pass("lower-rnn-ort", group="lower", targets=("ort",))
 def lower_rnn_ort(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → onnxruntime's fastest measured stock form (lean Scan with X·W hoisted, GRU op at small
     batch), or with rnn_ort_form=kernel ctropt's GRUScan kernel (needs ctropt's kernel library at run time)."""
