@@ -319,7 +319,7 @@ def loop_varying_values(graph: gs.Graph) -> list[gs.Tensor]:
             body = n.attrs.get("body") if n.op == "Loop" else None
             if not isinstance(body, gs.Graph) or len(body.inputs) < 2:
                 continue
-            varying = [t for t, out in zip(body.inputs[2:], body.outputs[1:]) if not _passed_through(t, out)]
+            varying = [t for t, out in zip(body.inputs[2:], body.outputs[1:]) if strip_identity(out) is not t]
             seen = {id(t) for t in varying}
             for node in body.nodes:  # in topological order
                 if any(id(t) in seen for t in node.inputs):
@@ -329,8 +329,11 @@ def loop_varying_values(graph: gs.Graph) -> list[gs.Tensor]:
     return found
 
 
-def _passed_through(t: gs.Tensor, out: gs.Tensor) -> bool:
-    return out is t or (len(out.inputs) == 1 and out.inputs[0].op == "Identity" and out.inputs[0].inputs[0] is t)
+def strip_identity(t: gs.Tensor) -> gs.Tensor:
+    """The value `t` copies through a chain of Identity nodes (`t` itself when made otherwise)."""
+    while len(t.inputs) == 1 and t.inputs[0].op == "Identity" and t.inputs[0].inputs:
+        t = t.inputs[0].inputs[0]
+    return t
 
 
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:

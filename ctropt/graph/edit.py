@@ -67,11 +67,9 @@ def add_constant(graph: gs.Graph, name: str, value: np.ndarray) -> gs.Constant:
 
 def add_node(graph: gs.Graph, op: str, inputs: list, attrs: dict | None = None, *, outputs: int = 1,
              name: str | None = None, domain: str | None = None, dtype=None, shape=None) -> list[gs.Variable]:
-    """Append a node to `graph` (names made unique) and return its new output tensors."""
-    base = unique_name(graph, name or op)
-    outs = [gs.Variable(unique_name(graph, f"{base}:{i}"), dtype=dtype, shape=shape) for i in range(outputs)]
-    graph.nodes.append(gs.Node(op, base, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
-    return outs
+    """Append a node to `graph` (names made unique) and return its new output tensors, always as a list."""
+    made = Builder(graph).op(op, inputs, attrs, outputs=outputs, name=name, domain=domain, dtype=dtype, shape=shape)
+    return made if outputs > 1 else [made]
 
 
 _DEFAULT = object()

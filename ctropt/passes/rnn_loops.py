@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import iter_proto_graphs
+from ..graph import iter_proto_graphs, strip_identity
 from ..ops.rnn import add_sequence_node, is_sequence_node
 from .gru_cell import CellMatch, identify_gru_cell
 from ..graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
@@ -415,14 +415,8 @@ def _used(graph: gs.Graph, t: gs.Tensor) -> bool:
     return bool(t.outputs) or any(o is t for o in graph.outputs)
 
 
-def _strip_identity(t: gs.Tensor) -> gs.Tensor:
-    while len(t.inputs) == 1 and t.inputs[0].op == "Identity" and t.inputs[0].inputs:
-        t = t.inputs[0].inputs[0]
-    return t
-
-
 def _is_counter(vi: gs.Tensor, vo: gs.Tensor) -> bool:
-    vo = _strip_identity(vo)
+    vo = strip_identity(vo)
     if len(vo.inputs) != 1 or vo.inputs[0].op != "Add":
         return False
     a, b = vo.inputs[0].inputs
@@ -504,7 +498,7 @@ def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals
     for values passed through; floats: the k of the float values, the state and possibly a copy of it)."""
     counters, invariants, floats = {}, {}, []
     for k, (vi, vo) in enumerate(zip(b_in, b_out)):
-        if _strip_identity(vo) is vi:
+        if strip_identity(vo) is vi:
             invariants[k] = inits[k]
         elif _is_counter(vi, vo):
             start = const_value(inits[k])
