@@ -53,6 +53,11 @@ def shape_of(t: gs.Tensor) -> list | None:
     return None if shape is None else list(shape)
 
 
+def rank_of(t: gs.Tensor) -> int | None:
+    shape = shape_of(t)
+    return None if shape is None else len(shape)
+
+
 def dtype_of(t: gs.Tensor):
     return t.values.dtype if isinstance(t, gs.Constant) else t.dtype
 

@@ -24,7 +24,7 @@ from ..graph import topological_order
 from ..graph.edit import Builder, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
-from ..runtime.session import subgraph_session
+from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -411,18 +411,21 @@ def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype)
 def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, probe: Probe, opset: int) -> str:
     """Run the original region and the rebuilt one on the probe's values; '' if the valid scores agree."""
     leaves = region.entries + built.leaves + [site.cond]
-    leaf_types = [(t, probe.value(t).dtype) for t in leaves]
+    leaf_dtypes = [probe.value(t).dtype for t in leaves]
     try:
-        old = subgraph_session(region.nodes, leaf_types, [(site.scores, probe.value(site.scores).dtype)], opset)
-        new = subgraph_session(built.nodes, leaf_types,
-                               [(built.scores_valid, probe.value(site.scores).dtype), (valid, leaf_types[-1][1])], opset)
+        scores_dtype = probe.value(site.scores).dtype
+        old = Subgraph([site.scores], leaves, opset, nodes=region.nodes, dtypes=[scores_dtype])
+        new = Subgraph([built.scores_valid, valid], leaves, opset, nodes=built.nodes,
+                       dtypes=[scores_dtype, leaf_dtypes[-1]])
+        old.prepare(leaf_dtypes)
+        new.prepare(leaf_dtypes)
     except Exception as e:  # an op that cannot be copied out (e.g. reads a value from an outer scope)
         return f"cannot run the region on its own: {str(e).splitlines()[0][:160]}"
     for run in range(len(probe.runs)):
-        feeds = {f"leaf{i}": probe.value(t, run) for i, t in enumerate(leaves)}
+        values = [probe.value(t, run) for t in leaves]
         try:
-            (full,) = old.run(None, feeds)
-            got, mask = new.run(None, feeds)
+            (full,) = old.run(values)
+            got, mask = new.run(values)
         except Exception as e:
             return f"the rebuilt region does not run: {str(e).splitlines()[0][:160]}"
         mask = mask != 0

@@ -22,7 +22,7 @@ from ..ops.rnn import is_sequence_node
 from ..graph.edit import Builder, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
-from ..runtime.session import subgraph_session
+from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -130,16 +130,16 @@ def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset
     """Nodes whose values for a row depend on other rows (measured on a reordered subset with repeats)."""
     batches = _batches(probe)
     values = [o for n in nodes for o in n.outputs if o.name and _per_row(o, probe, batches)]
-    leaves = [(s, probe.value(s).dtype) for s in seeds]
     try:
-        sess = subgraph_session(nodes, leaves, [(v, probe.value(v).dtype) for v in values], opset, functions)
-        full = sess.run(None, {f"leaf{i}": probe.value(s) for i, s in enumerate(seeds)})
+        user_side = Subgraph(values, seeds, opset, nodes=nodes, dtypes=[probe.value(v).dtype for v in values],
+                             functions=functions)
+        full = user_side.run([probe.value(s) for s in seeds])
     except Exception as e:
         return {id(n) for n in nodes}, f"cannot run the user side on its own: {str(e).splitlines()[0][:160]}"
     bad = []
     for sel in ([r for r in SUBSET if r < batches[0]], [0]):  # one user per request: one distinct row
         try:
-            part = sess.run(None, {f"leaf{i}": probe.value(s)[sel] for i, s in enumerate(seeds)})
+            part = user_side.run([probe.value(s)[sel] for s in seeds])
         except Exception as e:
             return {id(n) for n in nodes}, f"the user side does not run on {len(sel)} rows: {str(e)[:160]}"
         bad += [v for v, a, b in zip(values, full, part) if a[sel].shape != b.shape or

@@ -20,6 +20,7 @@ import onnx_graphsurgeon as gs
 from ..graph import annotate_shapes, iter_graphs, nodes_near
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import Builder, add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of, unique_name
+from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -700,7 +701,7 @@ def _bag_candidates(gather: gs.Node, width: int, hops: int = 12) -> list[gs.Tens
             if out.outputs and out.shape is not None and len(out.shape) == 2 and out.shape[1] == width]
 
 
-def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.Tensor, str] | str | None:
+def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor, str] | str | None:
     """(ids input, pooled tensor, combiner) of a padded bag ending in a lookup of `gather`'s table; a reason
     when it looked like one but did not evaluate as one; None when it is no bag."""
     table = const_value(gather.inputs[0])
@@ -717,21 +718,16 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.
             candidates.append((t, t_shapes))
     if not candidates:
         return None
-    shape_only = set().union(*(s for _, s in candidates))
+    shape_only = [by_name[name] for name in sorted(set().union(*(s for _, s in candidates)))]
+    pooled = [t for t, _ in candidates]
+    region = Subgraph(pooled, [ids, *shape_only], graph.opset, dtypes=[table.dtype] * len(pooled))
     try:
-        from ..runtime import Runner
-
-        outputs = [(t.name, onnx.helper.np_dtype_to_tensor_dtype(table.dtype)) for t, _ in candidates]
-        region = Runner(_region(model, [ids.name, *sorted(shape_only)], outputs))
         results = []
         for seed, batch in ((0, 7), (1, 1), (2, 16)):
             probe = _probe_ids(table.shape[0], batch, ids.shape[1], np.dtype(ids.dtype), seed)
-            feeds = {ids.name: probe}
-            for name in shape_only:  # read for the batch size only
-                x = by_name[name]
-                feeds[name] = np.zeros([batch] + [d if isinstance(d, int) else 1 for d in x.shape[1:]],
-                                       dtype=np.dtype(x.dtype))
-            results.append((probe, region.run(feeds)))
+            sizes = [np.zeros([batch] + [d if isinstance(d, int) else 1 for d in x.shape[1:]], dtype=np.dtype(x.dtype))
+                     for x in shape_only]  # read for the batch size only
+            results.append((probe, {t.name: v for t, v in zip(pooled, region.run([probe, *sizes]))}))
     except Exception as e:  # the region does not evaluate on its own: leave it
         return f"{gather.name}: not evaluated ({type(e).__name__})"
     for t, _ in reversed(candidates):  # the farthest pooled tensor: mean's division included
@@ -743,15 +739,15 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node, model) -> tuple[gs.Tensor, gs.
 
 def _padded_bags(graph: gs.Graph):
     """(table lookup, what _padded_bag found) for every lookup that may end a padded bag in the main graph."""
-    model = None
+    annotated = False
     for gather in [n for n in graph.nodes if n.op == "Gather"]:
         table = const_value(gather.inputs[0])
         if table is None or table.ndim != 2 or gather.attrs.get("axis", 0) != 0 or not gather.outputs[0].outputs:
             continue
-        if model is None:
+        if not annotated:
             annotate_shapes(graph)
-            model = gs.export_onnx(graph.copy(), do_type_check=False)
-        found = _padded_bag(graph, gather, model)
+            annotated = True
+        found = _padded_bag(graph, gather)
         if found is not None:
             yield gather, found
 
@@ -917,43 +913,15 @@ def _lookup_ids(stitch: gs.Node, graph: gs.Graph):
             yield t
 
 
-def _region(model, inputs: list[str], outputs: list[tuple[str, int]], types: dict[str, int] | None = None):
-    """The nodes computing `outputs` ((name, elem type)) from `inputs` and initializers, as a model. An input that
-    is no graph input (a value inside the graph) is fed as given, with its elem type from `types`."""
-    producers = {o: n for n in model.graph.node for o in n.output}
-    initializers = {t.name: t for t in model.graph.initializer}
-    infos = {v.name: v for v in model.graph.input}
-    infos.update({n: onnx.helper.make_tensor_value_info(n, t, None) for n, t in (types or {}).items()})
-    nodes, used, stack, seen = set(), set(), [name for name, _ in outputs], set()
-    while stack:
-        name = stack.pop()
-        if name in seen or name in inputs or not name:
-            continue
-        seen.add(name)
-        if name in initializers:
-            used.add(name)
-        elif name in producers:
-            nodes.add(id(producers[name]))
-            stack.extend(producers[name].input)
-    graph = onnx.helper.make_graph([n for n in model.graph.node if id(n) in nodes], "region",
-                                   [infos[n] for n in inputs],
-                                   [onnx.helper.make_tensor_value_info(n, t, None) for n, t in outputs],
-                                   [initializers[n] for n in sorted(used)])
-    return onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=10)
-
-
-def _reassembled_table(model, ids: gs.Tensor, out: gs.Tensor, shape: tuple[int, int], dtype) -> np.ndarray | str:
+def _reassembled_table(ids: gs.Tensor, out: gs.Tensor, shape: tuple[int, int], dtype, opset: int) -> np.ndarray | str:
     """The stitched lookup evaluated from `ids` alone: on every id (the table, [rows, width]), then checked to be
     a row lookup of it on shuffled ids, on repeated ids and on one id. A reason when it is not."""
-    from ..runtime import Runner
-
     id_dtype, rows = np.dtype(dtype_of(ids)), shape[0]
     rng = np.random.default_rng(0)
     probes = [rng.permutation(rows)[:1024], rng.integers(0, rows, 1024), np.array([rows - 1])]
+    region = Subgraph([out], [ids], opset, dtypes=[dtype])
     try:
-        region = Runner(_region(model, [ids.name], [(out.name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))],
-                                {ids.name: onnx.helper.np_dtype_to_tensor_dtype(id_dtype)}))
-        table, *got = [region.run({ids.name: x.astype(id_dtype)})[out.name] for x in [np.arange(rows)] + probes]
+        table, *got = [region.run([x.astype(id_dtype)])[0] for x in [np.arange(rows)] + probes]
     except Exception as e:  # the region does not evaluate from these ids alone
         return f"not evaluated from {ids.name} ({type(e).__name__})"
     if table.shape != shape or not all(np.array_equal(g, table[p]) for g, p in zip(got, probes)):
@@ -961,11 +929,11 @@ def _reassembled_table(model, ids: gs.Tensor, out: gs.Tensor, shape: tuple[int, 
     return table
 
 
-def _merged_table(model, stitch: gs.Node, graph: gs.Graph, shape: tuple[int, int], dtype):
+def _merged_table(stitch: gs.Node, graph: gs.Graph, shape: tuple[int, int], dtype):
     """(ids, table): the nearest ids from which the stitched lookup is a row lookup of one table; else a reason."""
     reasons = []
     for ids in itertools.islice(_lookup_ids(stitch, graph), MAX_IDS_TRIED):
-        table = _reassembled_table(model, ids, stitch.outputs[0], shape, dtype)
+        table = _reassembled_table(ids, stitch.outputs[0], shape, dtype, graph.opset)
         if not isinstance(table, str):
             return ids, table
         reasons.append(table)
@@ -980,7 +948,7 @@ def merge_partitioned_embeddings(ctx: PassContext) -> None:
     input, or embedding_lookup_sparse's Unique ids); the full table is rebuilt by evaluating the partitioned lookup
     from them on every id (whatever the strategy and the exporter's lowering), and checked to be a row lookup on
     shuffled and repeated ids."""
-    graph, model = ctx.graph, None
+    graph, annotated = ctx.graph, False
     for stitch in [n for n in graph.nodes if n.op in ("ScatterElements", "ScatterND") and len(n.inputs) == 3]:
         shards = [const_value(s.inputs[0]) for s in _shard_lookups(stitch)]  # equal shards may share one constant
         if len(shards) < 2 or len({(s.shape[1], s.dtype) for s in shards}) != 1:
@@ -990,11 +958,11 @@ def merge_partitioned_embeddings(ctx: PassContext) -> None:
             ctx.note(f"{stitch.name}: {rows} rows, over the {MAX_MERGED_ROWS} this pass reassembles")
             continue
         ctx.matches += 1
-        if model is None:
+        if not annotated:
             if any(t.shape is None or t.dtype is None for t in _upstream(stitch.outputs[0]) or []):
                 annotate_shapes(graph)  # the lookup's ids are told by their rank and dtype
-            model = gs.export_onnx(graph, do_type_check=False)
-        found = _merged_table(model, stitch, graph, (rows, shards[0].shape[1]), shards[0].dtype)
+            annotated = True
+        found = _merged_table(stitch, graph, (rows, shards[0].shape[1]), shards[0].dtype)
         if isinstance(found, str):
             ctx.note(f"{stitch.name}: {found}")
             continue

@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns import Const, Match, P, Rewrite, Var
-from ..graph.edit import const_value, dtype_of, shape_of
+from ..graph.edit import const_value, dtype_of, rank_of, shape_of
 from .layout import cancel_layout_pairs
 from .cleanup import tidy
 from .registry import PassContext, register_pass
@@ -39,8 +39,9 @@ def _bias_ok(v: np.ndarray, m: Match) -> bool:
 
 
 def _rank(t: gs.Tensor) -> int:
-    shape = shape_of(t)
-    return -1 if shape is None else len(shape)
+    """The rank, -1 when unknown (read as a number below)."""
+    rank = rank_of(t)
+    return -1 if rank is None else rank
 
 
 def _fc_rules(target: str) -> list[Rewrite]:

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import SequenceAttrs, reference
-from ..runtime.session import subgraph_session
+from ..runtime.subgraph import Subgraph
 
 TOL = 1e-4
 
@@ -39,44 +39,23 @@ class CellMatch:
     nodes: list[gs.Node]  # the cell's nodes (from the leaves to the new state)
 
 
-class _Region:
-    """The nodes between some leaf tensors and an output, runnable on numpy values with onnxruntime."""
-
-    def __init__(self, out: gs.Tensor, leaves: list[gs.Tensor], opset: int):
-        self.leaves, self.opset, self.nodes, self.ok = leaves, opset, [], True
-        leaf_ids, seen, stack = {id(t) for t in leaves}, set(), [out]
-        while stack:
-            t = stack.pop()
-            if id(t) in leaf_ids or id(t) in seen or isinstance(t, gs.Constant):
-                continue
-            seen.add(id(t))
-            if not t.inputs:
-                self.ok = False  # a value from outside the cell that is not a leaf
-                continue
-            node = t.inputs[0]
-            if any(id(node) == id(n) for n in self.nodes):
-                continue
-            if any(isinstance(v, gs.Graph) for v in node.attrs.values()):
-                self.ok = False
-                continue
-            self.nodes.append(node)
-            stack.extend(node.inputs)
-        self._sessions = {}
-
-    def uses(self, op: str) -> list[gs.Node]:
-        return [n for n in self.nodes if n.op == op]
-
-    def run(self, outputs: list[gs.Tensor], values: list[np.ndarray]) -> list[np.ndarray]:
-        key = tuple(id(t) for t in outputs)
-        if key not in self._sessions:
-            self._sessions[key] = subgraph_session(self.nodes, [(t, np.float32) for t in self.leaves],
-                                                   [(t, t.dtype or np.float32) for t in outputs], self.opset)
-        s = self._sessions[key]
-        feeds = {f"leaf{i}": v.astype(np.float32) for i, v in enumerate(values)}
-        return [np.asarray(v, np.float32).reshape(len(values[0]), -1) for v in s.run(None, feeds)]
+def _region(out: gs.Tensor, leaves: list[gs.Tensor], opset: int) -> Subgraph | None:
+    """The nodes between the leaves and `out`, or None when they read a value from outside the cell that is not a
+    leaf (an omitted optional input included) or hold control flow."""
+    region, leaf_ids = Subgraph([out], leaves, opset), {id(t) for t in leaves}
+    outside = region.unresolved or any(isinstance(t, gs.Variable) and not t.name and not t.inputs and
+                                       id(t) not in leaf_ids for n in region.nodes for t in n.inputs)
+    control_flow = any(isinstance(v, gs.Graph) for n in region.nodes for v in n.attrs.values())
+    return None if outside or control_flow else region
 
 
-def _affine(region: _Region, out: gs.Tensor, base: list[np.ndarray], probe: list[int], widths: list[int], rng):
+def _run(region: Subgraph, outputs: list[gs.Tensor], values: list[np.ndarray]) -> list[np.ndarray]:
+    """`outputs` on float32 leaf values, as float32 [rows, -1]."""
+    got = region.run([v.astype(np.float32) for v in values], outputs)
+    return [np.asarray(v, np.float32).reshape(len(values[0]), -1) for v in got]
+
+
+def _affine(region: Subgraph, out: gs.Tensor, base: list[np.ndarray], probe: list[int], widths: list[int], rng):
     """Probe `out` as an affine map of the leaves listed in `probe` (others held at `base`): coefficients per
     probed leaf and the bias, or None if it is not affine."""
     n = 1 + sum(widths[i] for i in probe)
@@ -87,7 +66,7 @@ def _affine(region: _Region, out: gs.Tensor, base: list[np.ndarray], probe: list
         for j in range(widths[i]):
             values[i][row, j] = 1.0
             row += 1
-    (y,) = region.run([out], values)
+    (y,) = _run(region, [out], values)
     bias = y[0]
     coefs, row = [], 1
     for i in probe:
@@ -97,7 +76,7 @@ def _affine(region: _Region, out: gs.Tensor, base: list[np.ndarray], probe: list
     test = [b.copy() for b in base]
     for i in probe:
         test[i] = rng.normal(size=base[i].shape).astype(np.float32)
-    (y2,) = region.run([out], test)
+    (y2,) = _run(region, [out], test)
     pred = bias + sum(test[i] @ c for i, c in zip(probe, coefs))
     if not np.allclose(y2, pred, atol=TOL * 10, rtol=TOL * 10):
         return None
@@ -139,8 +118,8 @@ def identify_gru_cell(h_new: gs.Tensor, h: gs.Tensor, x: gs.Tensor, att: gs.Tens
     if att is not None:
         att_column = None
     leaves = [h, x] + ([att] if att is not None else [])
-    region = _Region(h_new, leaves, opset)
-    if not region.ok or not region.uses("Tanh") or not region.uses("Sigmoid"):
+    region = _region(h_new, leaves, opset)
+    if region is None or not region.uses("Tanh") or not region.uses("Sigmoid"):
         return None
     rng = np.random.default_rng(0)
     widths = [H, I_in] + ([1] if att is not None else [])
@@ -221,7 +200,7 @@ def _gate_maps(region, sigmoids, base, widths, x_cols, H, rng):
 def _reset_product(region, sigmoids, tanh):
     """The Mul on the way to the Tanh with exactly one Sigmoid-fed operand: (the Mul, r, o) for q = r*o, or
     None."""
-    upstream_of_tanh = {id(n) for n in _Region(tanh.inputs[0], region.leaves, region.opset).nodes}
+    upstream_of_tanh = {id(n) for n in Subgraph([tanh.inputs[0]], region.leaves, region.opset).nodes}
     sig_down = set()
     for s in sigmoids:
         sig_down |= _downstream_of(s, region.nodes) | {id(s)}
@@ -237,8 +216,8 @@ def _reset_product(region, sigmoids, tanh):
 def _reset_columns(region, sigmoids, r_t, o_t, sample, H):
     """The sigmoid columns that are r on `sample`, one per column of r, and the value of o there; None if r is
     not H wide or a column of it is no sigmoid column."""
-    sig_vals = np.concatenate(region.run([s.outputs[0] for s in sigmoids], sample), axis=1)
-    r_val, o_val = region.run([r_t, o_t], sample)
+    sig_vals = np.concatenate(_run(region, [s.outputs[0] for s in sigmoids], sample), axis=1)
+    r_val, o_val = _run(region, [r_t, o_t], sample)
     if r_val.shape[1] != H:
         return None
     r_idx = []
@@ -253,9 +232,9 @@ def _reset_columns(region, sigmoids, r_t, o_t, sample, H):
 def _candidate(region, tanh, mul_node, o_t, o_val, sample, base, widths, x_cols, H, I_in, rng):
     """The candidate's blocks from the Tanh input, affine in (x, q) once cut at q: (W_n, b_n, linear_before_reset,
     R_n, Rb_n), o being h (linear_before_reset=0) or h R_n + Rb_n (linear_before_reset=1); None otherwise."""
-    cut = _Region(tanh.inputs[0], [region.leaves[0], region.leaves[1], mul_node.outputs[0]] + region.leaves[2:],
+    cut = _region(tanh.inputs[0], [region.leaves[0], region.leaves[1], mul_node.outputs[0]] + region.leaves[2:],
                   region.opset)
-    if not cut.ok:
+    if cut is None:
         return None
     cbase = [base[0], base[1], np.zeros((1, H), np.float32)] + base[2:]
     aff = _affine(cut, tanh.inputs[0], cbase, [0, 1, 2], [H, I_in, H] + widths[2:], rng)
@@ -282,7 +261,7 @@ def _test_kinds(region, h_new, sample, gates, r_idx, candidate, x_cols, att_colu
     Wn, bn, lbr, Rn, Rbn = candidate
     rest = [k for k in range(Gh.shape[1]) if k not in set(r_idx)]
     Wr, Rr, br = Gx[:, r_idx], Gh[:, r_idx], Gb[r_idx]
-    (want,) = region.run([h_new], sample)
+    (want,) = _run(region, [h_new], sample)
     hv, xv = sample[0], sample[1][:, x_cols]
     av = sample[1][:, [att_column % I_in]] if att_column is not None else (sample[2] if len(sample) > 2 else None)
     z_options = [(Gx[:, rest], Gh[:, rest], Gb[rest])] if len(rest) == H else [

@@ -40,7 +40,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
 from ..patterns.matcher import P, Match, Rewrite, Var
-from ..graph.edit import dtype_of, shape_of, unique_name
+from ..graph.edit import dtype_of, rank_of, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -111,11 +111,6 @@ def squeeze_explicit_axes(ctx: PassContext) -> None:
     ctx.apply(*SQUEEZE_RULES)
 
 
-def _rank(t: gs.Tensor) -> int | None:
-    shape = shape_of(t)
-    return None if shape is None else len(shape)
-
-
 def _flattened(m: Match, t: gs.Tensor, name: str) -> gs.Variable:
     """`t` reshaped to 1-D, next to the match."""
     base = m.root.name or m.root.op
@@ -126,7 +121,7 @@ def _flattened(m: Match, t: gs.Tensor, name: str) -> gs.Variable:
 
 def _compress_not_plain(m: Match) -> bool | str:
     """True unless the Compress has an axis and a condition of rank 1 (then OpenVINO reads it as onnxruntime does)."""
-    if "axis" in m.root.attrs and _rank(m["condition"]) == 1:
+    if "axis" in m.root.attrs and rank_of(m["condition"]) == 1:
         return "has an axis and a 1-D condition already"
     return True
 
@@ -134,9 +129,9 @@ def _compress_not_plain(m: Match) -> bool | str:
 def _compress_on_flat(m: Match) -> list:
     """Compress(x, condition) as onnxruntime reads it: without an axis on x flattened, the condition always flat."""
     data, condition, axis = m["x"], m["condition"], m.root.attrs.get("axis")
-    if axis is None and _rank(data) != 1:
+    if axis is None and rank_of(data) != 1:
         data = _flattened(m, data, "flat")
-    if _rank(condition) != 1:
+    if rank_of(condition) != 1:
         condition = _flattened(m, condition, "flat_condition")
     out = m.root.outputs[0]
     (y,) = m.op("Compress", [data, condition], {"axis": 0 if axis is None else axis}, dtype=out.dtype, shape=out.shape)

@@ -36,11 +36,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import iter_proto_graphs, strip_identity
+from ..graph import strip_identity
 from ..ops.rnn import add_sequence_node, is_sequence_node
 from .gru_cell import CellMatch, identify_gru_cell
 from ..graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
-from ..runtime.session import subgraph_session
+from ..graph.shapes import Shapes
+from ..runtime.subgraph import Subgraph
 
 _PROBE_BATCH = 8
 _RESHAPES = ("Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity")
@@ -68,7 +69,7 @@ def fuse_recurrent_loops(graph: gs.Graph, opset: int, notes: list[str] | None = 
                   and _looks_recurrent(n)]
     if not candidates:
         return done
-    shapes = _Shapes(graph)
+    shapes = Shapes(graph)
     shapes.infer()  # once, on the graph as it is
     for node in candidates:
         try:
@@ -98,65 +99,16 @@ def _looks_recurrent(node: gs.Node) -> bool:
 # ------------------------------------------------------------------------------------------ shapes
 
 
-class _Shapes:
-    """Shapes and dtypes: the graph's annotations, completed by onnx shape inference (run once, when needed)."""
-
-    def __init__(self, graph: gs.Graph):
-        self.graph = graph
-        self._inferred: dict | None = None
-
-    def infer(self) -> dict:
-        if self._inferred is None:
-            self._inferred = {}
-            try:
-                model = gs.export_onnx(self.graph, do_type_check=False)
-                model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-            except Exception:  # best effort: annotations only
-                return self._inferred
-            for g in iter_proto_graphs(model.graph):
-                for vi in list(g.value_info) + list(g.input) + list(g.output):
-                    if not vi.type.HasField("tensor_type"):
-                        continue
-                    tt = vi.type.tensor_type
-                    dims = None
-                    if tt.HasField("shape"):
-                        dims = [int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim]
-                    dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
-                    self._inferred[vi.name] = (dims, dtype)
-        return self._inferred
-
-    def shape(self, t: gs.Tensor) -> list | None:
-        if isinstance(t, gs.Constant):
-            return list(t.values.shape)
-        own = None if t.shape is None else [d if isinstance(d, (int, np.integer)) and d >= 0 else None
-                                            for d in t.shape]
-        if own is not None and all(d is not None for d in own):
-            return [int(d) for d in own]
-        other = self.infer().get(t.name, (None, None))[0]
-        if other is None or (own is not None and len(own) != len(other)):
-            return own
-        if own is None:
-            return other
-        return [a if a is not None else b for a, b in zip(own, other)]
-
-    def dtype(self, t: gs.Tensor):
-        if isinstance(t, gs.Constant):
-            return t.values.dtype
-        if t.dtype is not None:
-            return np.dtype(t.dtype)
-        d = self.infer().get(t.name, (None, None))[1]
-        return None if d is None else np.dtype(d)
-
-    def dim(self, t: gs.Tensor, axis: int) -> int | None:
-        """The static size of dimension `axis` of `t` (or of a tensor it is known to equal), else None."""
-        for u, ax in _dim_chain(t, axis, self):
-            s = self.shape(u)
-            if s is not None and -len(s) <= ax < len(s) and s[ax] is not None:
-                return s[ax]
-        return None
+def _dim(t: gs.Tensor, axis: int, shapes: Shapes) -> int | None:
+    """The static size of dimension `axis` of `t` (or of a tensor it is known to equal), else None."""
+    for u, ax in _dim_chain(t, axis, shapes):
+        s = shapes.shape(u)
+        if s is not None and -len(s) <= ax < len(s) and s[ax] is not None:
+            return s[ax]
+    return None
 
 
-def _dim_chain(t: gs.Tensor, axis: int, shapes: "_Shapes | None" = None) -> list[tuple[gs.Tensor, int]]:
+def _dim_chain(t: gs.Tensor, axis: int, shapes: Shapes | None = None) -> list[tuple[gs.Tensor, int]]:
     """(tensor, axis) pairs known to be the same dimension as `axis` of `t`: followed up through transposes,
     same-shape ops and the sequence ops this pass writes."""
     def rank(x):
@@ -211,52 +163,10 @@ def _axes(n: gs.Node) -> list[int] | None:
     return None if v is None else [int(a) for a in np.ravel(v)]
 
 
-def _dim_key(t: gs.Tensor, axis: int, shapes: "_Shapes | None" = None):
+def _dim_key(t: gs.Tensor, axis: int, shapes: Shapes | None = None):
     """An identity for dimension `axis` of `t`: equal keys are equal dims."""
     last, ax = _dim_chain(t, axis, shapes)[-1]
     return (id(last), ax)
-
-
-# ------------------------------------------------------------------------------------------ zeros, probes
-
-
-def _collect(outputs: list, leaves: list) -> tuple[list[gs.Node], list[gs.Tensor]]:
-    """The nodes from `leaves` to `outputs`, and the values they use that are neither leaves nor constants nor
-    made by a node (values from outside)."""
-    leaf_ids = {id(t) for t in leaves}
-    nodes, node_ids, seen, unresolved = [], set(), set(), []
-    stack = list(outputs)
-    while stack:
-        t = stack.pop()
-        if id(t) in seen or id(t) in leaf_ids or isinstance(t, gs.Constant) or not t.name:
-            continue
-        seen.add(id(t))
-        if not t.inputs:
-            unresolved.append(t)
-            continue
-        n = t.inputs[0]
-        if id(n) in node_ids:
-            continue
-        node_ids.add(id(n))
-        nodes.append(n)
-        stack.extend(n.inputs)
-    return nodes, unresolved
-
-
-class _Probe:
-    """Runs the nodes between some leaf tensors and some outputs (of a body copy) with onnxruntime."""
-
-    def __init__(self, outputs: list, leaves: list, opset: int, out_dtypes: list | None = None):
-        self.outputs, self.leaves, self.opset = outputs, leaves, opset
-        self.out_dtypes = out_dtypes or [t.dtype if t.dtype is not None else np.float32 for t in outputs]
-        self.nodes, self.unresolved = _collect(outputs, leaves)
-        self._session = None
-
-    def run(self, values: list) -> list[np.ndarray]:
-        if self._session is None:
-            self._session = subgraph_session(self.nodes, [(t, np.asarray(v).dtype) for t, v in zip(self.leaves, values)],
-                                             list(zip(self.outputs, self.out_dtypes)), self.opset)
-        return self._session.run(None, {f"leaf{i}": np.asarray(v) for i, v in enumerate(values)})
 
 
 # ------------------------------------------------------------------------------------------ folding (trip count)
@@ -271,7 +181,7 @@ class _Folder:
 
     Shape reads static dims; a dynamic dim whose key is `time_key` reads the hypothetical length `T`."""
 
-    def __init__(self, shapes: _Shapes, time_key=None, T: int | None = None):
+    def __init__(self, shapes: Shapes, time_key=None, T: int | None = None):
         self.shapes, self.time_key, self.T = shapes, time_key, T
 
     def value(self, t: gs.Tensor, env: dict, memo: dict) -> np.ndarray:
@@ -294,7 +204,7 @@ class _Folder:
         return v
 
     def _dim(self, t, axis):
-        d = self.shapes.dim(t, axis)
+        d = _dim(t, axis, self.shapes)
         if d is None and self.time_key is not None and _dim_key(t, axis, self.shapes) == self.time_key:
             d = self.T
         return d
@@ -427,7 +337,7 @@ def _is_counter(vi: gs.Tensor, vo: gs.Tensor) -> bool:
     return v is not None and v.size == 1 and float(np.ravel(v)[0]) == 1.0
 
 
-def _interface(node: gs.Node, shapes: _Shapes, opset: int):
+def _interface(node: gs.Node, shapes: Shapes, opset: int):
     """(carried: inits, body inputs, body outputs; scan outputs and their time axes; Scan slices, sources, axes)."""
     body: gs.Graph = node.attrs["body"]
     if node.op == "Loop":
@@ -457,7 +367,7 @@ def _interface(node: gs.Node, shapes: _Shapes, opset: int):
             list(body.inputs[n:]), srcs, in_axes)
 
 
-def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Plan:
+def _analyze(graph: gs.Graph, node: gs.Node, shapes: Shapes, opset: int) -> _Plan:
     """Reads a recurrent Scan/Loop by meaning, phase by phase (see the module docstring): its plan, or _Skip."""
     body: gs.Graph = node.attrs["body"]
     if _has_nested_subgraph(body):
@@ -472,7 +382,7 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: _Shapes, opset: int) -> _Pl
     x_step, extra = _per_step_inputs(node, copy, slice_srcs, in_axes, b_in, floats, shapes, opset, rng)
     cell = _find_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
     outer, padded_output = _masking(copy, cell, x_step, used_stacked, shapes, opset, rng)
-    T_static = shapes.dim(x_step.source, x_step.time_axis)
+    T_static = _dim(x_step.source, x_step.time_axis, shapes)
     trim = _steps_to_trim(x_step, (cell.att, cell.mask), T_static, shapes)
     if node.op == "Loop":
         _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
@@ -591,7 +501,7 @@ def _probe_copy(node: gs.Node, inits: list, counters: dict, invariants: dict) ->
 
 
 def _per_step_inputs(node: gs.Node, copy: _BodyCopy, slice_srcs: list, in_axes: list, b_in: list, floats: list,
-                     shapes: _Shapes, opset: int, rng) -> tuple[_Step, _Step | None]:
+                     shapes: Shapes, opset: int, rng) -> tuple[_Step, _Step | None]:
     """The per-step inputs, Scan slices and reads S[t] / S[:, t] of outer values (checked on `rng`'s data):
     (x_t, the one wide input; the narrow one, if any). All float32, as the float carried values."""
     n_carried = len(b_in)
@@ -640,16 +550,16 @@ class _Cell:
 
 
 def _search_cell(copy: _BodyCopy, x_step: _Step, extra: _Step | None, b_in: list, inits: list, floats: list,
-                 shapes: _Shapes, opset: int) -> tuple[CellMatch, gs.Tensor, int, _Step | None, int]:
+                 shapes: Shapes, opset: int) -> tuple[CellMatch, gs.Tensor, int, _Step | None, int]:
     """The first tensor after the Tanh that reads as a GRU-family cell of one float carried value, the narrow
     per-step input (if any) as the attention score, else as none: (match, tensor, state, score step, H)."""
     options = [(k, a) for k in floats for a in ([extra] if extra is not None and extra.dtype != np.bool_ else [])
                + [None]]
     for state, att_step in options:
-        H = shapes.dim(b_in[state], -1) or shapes.dim(inits[state], -1)
+        H = _dim(b_in[state], -1, shapes) or _dim(inits[state], -1, shapes)
         if not H:
             continue
-        for cand in _candidates(copy.graph, copy.carried_out[state]):
+        for cand in _candidates(copy.graph, copy.carried_out[state], opset):
             cell = identify_gru_cell(cand, copy.carried_in[state], x_step.leaf, att_step.leaf if att_step else None,
                                      hidden=H, x_width=x_step.width, opset=opset,
                                      att_column=None if att_step else -2)
@@ -659,7 +569,7 @@ def _search_cell(copy: _BodyCopy, x_step: _Step, extra: _Step | None, b_in: list
 
 
 def _find_cell(copy: _BodyCopy, x_step: _Step, extra: _Step | None, b_in: list, inits: list, floats: list,
-               shapes: _Shapes, opset: int) -> _Cell:
+               shapes: Shapes, opset: int) -> _Cell:
     """The cell (:func:`_search_cell`); a narrow per-step input that is not the score must be a 0/1 mask, and a
     second float value (Keras' previous output) a copy of the state: starting equal (updated alike: see _masking)."""
     match, new, state, att_step, H = _search_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
@@ -686,21 +596,21 @@ class _Outer:
     lens_rank: int
 
 
-def _masking(copy: _BodyCopy, cell: _Cell, x_step: _Step, used_stacked: list, shapes: _Shapes, opset: int,
+def _masking(copy: _BodyCopy, cell: _Cell, x_step: _Step, used_stacked: list, shapes: Shapes, opset: int,
              rng) -> tuple[_Outer, str]:
     """The masking and the outputs, by running the step: (its outer values, the padded_output of its stacked ones)."""
     step_leaves = [copy.carried_in[cell.state]] + [copy.carried_in[k] for k in cell.aliases] + [x_step.leaf] + \
         [s.leaf for s in (cell.att, cell.mask) if s is not None] + copy.base_leaves
     outs = [cell.new, copy.carried_out[cell.state]] + [copy.carried_out[k] for k in cell.aliases] + \
         [copy.scan_outs[j] for j in used_stacked]
-    outer = _outer_values(_Probe(outs, step_leaves, opset).unresolved, copy.outer_of, cell.mask, shapes)
-    probe = _Probe(outs, step_leaves + [u for u, _ in outer.zeros] + [u for u, _ in outer.lens_c], opset)
+    outer = _outer_values(Subgraph(outs, step_leaves, opset).unresolved, copy.outer_of, cell.mask, shapes)
+    probe = Subgraph(outs, step_leaves + [u for u, _ in outer.zeros] + [u for u, _ in outer.lens_c], opset)
     if probe.unresolved:
         raise _Skip("the step uses values from outside")
     return outer, _padded_output(probe, copy, cell, x_step, outer, used_stacked, shapes, rng)
 
 
-def _outer_values(unresolved: list, outer_of: dict, mask_step: _Step | None, shapes: _Shapes) -> _Outer:
+def _outer_values(unresolved: list, outer_of: dict, mask_step: _Step | None, shapes: Shapes) -> _Outer:
     """The values from outside that the step uses: each must be all zeros or (one of them) the sequence lengths,
     an integer or float tensor of rank 1 or [B, 1] (checked by the probe); not with a per-step mask."""
     zeros, lens_c = [], []
@@ -726,7 +636,7 @@ def _outer_values(unresolved: list, outer_of: dict, mask_step: _Step | None, sha
     return _Outer(zeros, lens_c, lens, lens_rank)
 
 
-def _probe_feeds(t: int, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, shapes: _Shapes,
+def _probe_feeds(t: int, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, shapes: Shapes,
                  rng) -> tuple[np.ndarray, list, np.ndarray]:
     """Random values for the step at t (drawn from `rng` in the order of the leaves): (h, the feeds, valid), with
     valid [B, 1] = t < len, or m_t, or all true."""
@@ -755,8 +665,8 @@ def _probe_feeds(t: int, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Ou
     return hv, feeds, valid
 
 
-def _padded_output(probe: _Probe, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, used_stacked: list,
-                   shapes: _Shapes, rng) -> str:
+def _padded_output(probe: Subgraph, copy: _BodyCopy, cell: _Cell, x_step: _Step, outer: _Outer, used_stacked: list,
+                   shapes: Shapes, rng) -> str:
     """Runs the step at t = 0, 3, 7: the new state (and its copies) must be where(valid, cell, h) (the cell's output
     if nothing masks), each used stacked output where(valid, cell, 0) ("zero") or where(valid, cell, h) ("state");
     the padded_output that all of them agree on ("zero" first)."""
@@ -790,14 +700,14 @@ def _padded_output(probe: _Probe, copy: _BodyCopy, cell: _Cell, x_step: _Step, o
 # ---- all per-step inputs span the same steps (a Loop runs exactly that many: _check_trip_count)
 
 
-def _steps_to_trim(x_step: _Step, others: tuple, T_static: int | None, shapes: _Shapes) -> list[int]:
+def _steps_to_trim(x_step: _Step, others: tuple, T_static: int | None, shapes: Shapes) -> list[int]:
     """ids of the per-step inputs among `others` (score, mask) read from a tensor that may be longer than the input:
     they are cut to its length. One known to be shorter is a _Skip."""
     trim = []
     for other in others:
         if other is None or (other.scanned and x_step.scanned):
             continue
-        To = shapes.dim(other.source, other.time_axis)
+        To = _dim(other.source, other.time_axis, shapes)
         if To is not None and T_static is not None:
             if To < T_static:
                 raise _Skip(f"{other.source.name} is shorter than the input")
@@ -810,7 +720,7 @@ def _steps_to_trim(x_step: _Step, others: tuple, T_static: int | None, shapes: _
     return trim
 
 
-def _binary(t: gs.Tensor, shapes: _Shapes, depth: int = 0) -> bool:
+def _binary(t: gs.Tensor, shapes: Shapes, depth: int = 0) -> bool:
     """True if `t` holds only 0/1 by construction: a boolean, or a Cast of one (through layout ops)."""
     if shapes.dtype(t) == np.bool_:
         return True
@@ -822,7 +732,7 @@ def _binary(t: gs.Tensor, shapes: _Shapes, depth: int = 0) -> bool:
     return False
 
 
-def _read_step(rn: gs.Node, src: gs.Tensor, base_leaves, t_feeds, shapes: _Shapes, opset: int, rng) -> _Step | None:
+def _read_step(rn: gs.Node, src: gs.Tensor, base_leaves, t_feeds, shapes: Shapes, opset: int, rng) -> _Step | None:
     """`rn` reads step t of `src`: the read (extended through reshapes) as a _Step, checked numerically."""
     s = shapes.shape(src)
     if s is None or len(s) not in (2, 3):
@@ -833,7 +743,7 @@ def _read_step(rn: gs.Node, src: gs.Tensor, base_leaves, t_feeds, shapes: _Shape
         r = r.outputs[0].outputs[0]
     data = rn.inputs[0]
     dtype = shapes.dtype(src) or np.dtype(np.float32)
-    probe = _Probe([r], [data] + base_leaves, opset, [dtype])
+    probe = Subgraph([r], [data] + base_leaves, opset, dtypes=[dtype])
     if probe.unresolved:
         return None
     free = iter((5, 7, 9))
@@ -867,10 +777,9 @@ def _read_step(rn: gs.Node, src: gs.Tensor, base_leaves, t_feeds, shapes: _Shape
     return _Step(r, src, found, int(width), rank, dtype)
 
 
-def _candidates(bc: gs.Graph, h_out: gs.Tensor) -> list[gs.Tensor]:
+def _candidates(bc: gs.Graph, h_out: gs.Tensor, opset: int) -> list[gs.Tensor]:
     """Tensors after the Tanh on the way to the new state: the cell's output is one of them (Adds first)."""
-    nodes, _ = _collect([h_out], [])
-    upstream = {id(t) for n in nodes for t in n.outputs}
+    upstream = {id(t) for n in Subgraph([h_out], [], opset).nodes for t in n.outputs}
     found, seen = [], set()
     frontier = [n.outputs[0] for n in bc.nodes if n.op == "Tanh"]
     for depth in range(6):
@@ -889,7 +798,7 @@ def _candidates(bc: gs.Graph, h_out: gs.Tensor) -> list[gs.Tensor]:
     return [o for _, _, o in found[:_MAX_CANDIDATES]]
 
 
-def _check_trip_count(node, body, counters, invariants, inits, shapes: _Shapes, x_step: _Step, T_static):
+def _check_trip_count(node, body, counters, invariants, inits, shapes: Shapes, x_step: _Step, T_static):
     """The Loop runs exactly T = (length of the read input) iterations: M, the initial and the body's condition."""
     hyps = [int(T_static)] if T_static is not None else [7, 12]
     time_key = _dim_key(x_step.source, x_step.time_axis, shapes)
@@ -925,7 +834,7 @@ def _swap01(shape):
     return None if shape is None or len(shape) < 2 else [shape[1], shape[0]] + list(shape[2:])
 
 
-def _batch_major(graph: gs.Graph, src: gs.Tensor, time_axis: int, shapes: _Shapes, name: str) -> gs.Tensor:
+def _batch_major(graph: gs.Graph, src: gs.Tensor, time_axis: int, shapes: Shapes, name: str) -> gs.Tensor:
     """`src` with batch first: itself, what a [1, 0, ...] Transpose made it from, or a new Transpose."""
     if time_axis == 1:
         return src
@@ -938,7 +847,7 @@ def _batch_major(graph: gs.Graph, src: gs.Tensor, time_axis: int, shapes: _Shape
                                    shape=_swap01(shapes.shape(src)))
 
 
-def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: _Shapes, name: str) -> gs.Tensor:
+def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: Shapes, name: str) -> gs.Tensor:
     """A [B, T] view of a [B, T] or [B, T, 1] tensor (skipping an Unsqueeze that made the 1)."""
     s = shapes.shape(t)
     if s is not None and len(s) == 2:
@@ -952,13 +861,13 @@ def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: _Shapes, name: str) -> gs.Tens
                 shape=None if s is None else s[:2])
 
 
-def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: _Shapes, name: str) -> gs.Tensor:
+def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: Shapes, name: str) -> gs.Tensor:
     """Columns `cols` (last axis) of a [B, T, I] tensor: a piece of the Concat that made it, or a Slice/Gather."""
     p = X.inputs[0] if len(X.inputs) == 1 else None
     if p is not None and p.op == "Concat" and int(p.attrs.get("axis", 0)) in (2, -1):
         start = 0
         for piece in p.inputs:
-            w = shapes.dim(piece, -1)
+            w = _dim(piece, -1, shapes)
             if w is None:
                 break
             if cols == list(range(start, start + w)):
@@ -976,7 +885,7 @@ def _columns(graph: gs.Graph, X: gs.Tensor, cols: list[int], shapes: _Shapes, na
                 name="x_columns", dtype=np.float32, shape=out_shape)
 
 
-def _column(graph: gs.Graph, X: gs.Tensor, col: int, shapes: _Shapes, name: str) -> gs.Tensor:
+def _column(graph: gs.Graph, X: gs.Tensor, col: int, shapes: Shapes, name: str) -> gs.Tensor:
     """Column `col` of a [B, T, I] tensor as [B, T]."""
     piece = _columns(graph, X, [col], shapes, name)
     return _as_bt(graph, piece, shapes, name)
@@ -992,7 +901,7 @@ def _trim(graph: gs.Graph, t: gs.Tensor, X: gs.Tensor, name: str) -> gs.Tensor:
                           b.const("axis1", np.array([1], np.int64))], name="trimmed", dtype=t.dtype)
 
 
-def _aigru_split(X: gs.Tensor, width: int, shapes: _Shapes):
+def _aigru_split(X: gs.Tensor, width: int, shapes: Shapes):
     """X = P * A with A [B, T, 1] (DIEN's AIGRU: a GRU over a*x): (P, A), else None."""
     p = X.inputs[0] if len(X.inputs) == 1 else None
     if p is None or p.op != "Mul" or len(p.inputs) != 2:
@@ -1009,7 +918,7 @@ def _aigru_split(X: gs.Tensor, width: int, shapes: _Shapes):
     return None
 
 
-def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> str:
+def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: Shapes) -> str:
     """Replaces the layer by one sequence op as `plan` says: the line that describes what was done."""
     name = node.name
     attrs = dataclasses.replace(plan.cell.attrs, padded_output=plan.padded)
@@ -1022,7 +931,7 @@ def _rewrite(graph: gs.Graph, node: gs.Node, plan: _Plan, shapes: _Shapes) -> st
     return _summary(node, plan, attrs)
 
 
-def _x_and_att(graph: gs.Graph, plan: _Plan, attrs, shapes: _Shapes, name: str):
+def _x_and_att(graph: gs.Graph, plan: _Plan, attrs, shapes: Shapes, name: str):
     """X batch-major and the attention score [B, T] (None if none): a packed column of X, the score read per step
     (cut to X's steps if needed), or A of X = P * A (then the kind becomes AIGRU). Returns (X, att, attrs)."""
     cell = plan.cell
@@ -1045,7 +954,7 @@ def _x_and_att(graph: gs.Graph, plan: _Plan, attrs, shapes: _Shapes, name: str):
     return X, att, attrs
 
 
-def _sequence_inputs(graph: gs.Graph, plan: _Plan, X: gs.Tensor, att: gs.Tensor | None, shapes: _Shapes,
+def _sequence_inputs(graph: gs.Graph, plan: _Plan, X: gs.Tensor, att: gs.Tensor | None, shapes: Shapes,
                      name: str) -> dict:
     """The sequence op's inputs: X, the weights, the lengths (flat, ceiled if float) or the mask, h0, the score."""
     cell, b = plan.cell, Builder(graph, name)
@@ -1070,7 +979,7 @@ def _sequence_inputs(graph: gs.Graph, plan: _Plan, X: gs.Tensor, att: gs.Tensor 
     return inputs
 
 
-def _sequence_outputs(graph: gs.Graph, plan: _Plan, attrs, X: gs.Tensor, shapes: _Shapes, name: str):
+def _sequence_outputs(graph: gs.Graph, plan: _Plan, attrs, X: gs.Tensor, shapes: Shapes, name: str):
     """New tensors for the outputs the plan uses (Y [B, T, H], Y_h [B, H]): (outputs, batch, steps)."""
     H = attrs.hidden_size
     xs = shapes.shape(X)

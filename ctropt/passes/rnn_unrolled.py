@@ -33,14 +33,14 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import topological_order
 from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
 from .gru_cell import CellMatch, identify_gru_cell
 from ..graph.edit import Builder, const_value, is_all_zeros, unique_name
-from ..runtime.session import subgraph_session
+from ..graph.shapes import Shapes
+from ..runtime.subgraph import Subgraph
 
 MIN_STEPS = 3          # shorter unrolled loops are left alone
 MAX_STEP_NODES = 4000  # nodes one step's comparison may visit
@@ -49,57 +49,6 @@ CHECK_TOL = 1e-4
 
 
 # ----------------------------------------------------------------------------------------- shared helpers
-
-
-class _Shapes:
-    """Shapes and dtypes of values: the graph's annotations, else onnx shape inference (run once, lazily;
-    the graph itself is not annotated)."""
-
-    def __init__(self, graph: gs.Graph, opset: int = 17):
-        self.graph, self.opset = graph, opset
-        self._inferred: dict | None = None
-
-    def _load(self) -> dict:
-        if self._inferred is None:
-            self._inferred = {}
-            try:
-                model = gs.export_onnx(self.graph, do_type_check=False)
-                inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
-                                                             data_prop=True)
-            except Exception:  # inference is best effort
-                return self._inferred
-            g = inferred.graph
-            for vi in list(g.value_info) + list(g.input) + list(g.output):
-                if not vi.type.HasField("tensor_type"):
-                    continue
-                tt = vi.type.tensor_type
-                shape = None
-                if tt.HasField("shape"):
-                    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-                dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
-                self._inferred[vi.name] = (shape, dtype)
-        return self._inferred
-
-    def shape(self, t: gs.Tensor) -> list | None:
-        v = const_value(t)
-        if v is not None:
-            return list(v.shape)
-        if t.shape is not None and all(d is not None for d in t.shape):
-            return list(t.shape)
-        return self._load().get(t.name, (None, None))[0] or (list(t.shape) if t.shape is not None else None)
-
-    def dtype(self, t: gs.Tensor):
-        v = const_value(t)
-        if v is not None:
-            return v.dtype
-        if t.dtype is not None:
-            return np.dtype(t.dtype)
-        d = self._load().get(t.name, (None, None))[1]
-        return None if d is None else np.dtype(d)
-
-    def rank(self, t: gs.Tensor) -> int | None:
-        s = self.shape(t)
-        return None if s is None else len(s)
 
 
 def _ints(t: gs.Tensor | None) -> list[int] | None:
@@ -148,7 +97,7 @@ def _take_over(t: gs.Tensor) -> gs.Tensor:
 def fuse_gru_ops(graph: gs.Graph, opset: int) -> list[str]:
     """ONNX GRU nodes (forward, one layer, default activations, no clip) → GRUSequence. Returns what was fused."""
     done: list[str] = []
-    shapes = _Shapes(graph, opset)
+    shapes = Shapes(graph, symbolic=True)
     ordered = topological_order(list(graph.nodes))
     for node in [n for n in ordered if n.op == "GRU" and n.domain in (None, "", "ai.onnx")]:
         what = _fuse_gru_op(graph, node, opset, shapes)
@@ -188,7 +137,7 @@ def _gru_op_weights(node: gs.Node):
     return H, np.ascontiguousarray(W[0].T), np.ascontiguousarray(R[0].T), np.asarray(B, np.float32)
 
 
-def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) -> str | None:
+def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: Shapes) -> str | None:
     weights = _gru_op_weights(node)
     if weights is None:
         return None
@@ -233,10 +182,10 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) ->
     yh_labels = ["D", "B", "H"] if layout == 0 else ["B", "D", "H"]
     plans = []
     if used[0]:
-        tgt, labels = _follow_layout(graph, Y, y_labels, shapes)
+        tgt, labels = _follow_layout(graph, Y, y_labels, shapes, opset)
         plans.append(("Y", tgt, labels, ["B", "T", "H"]))
     if used[1]:
-        tgt, labels = _follow_layout(graph, Y_h, yh_labels, shapes)
+        tgt, labels = _follow_layout(graph, Y_h, yh_labels, shapes, opset)
         plans.append(("Y_h", tgt, labels, ["B", "H"]))
     glue = []
     for key, tgt, labels, canon in plans:
@@ -270,7 +219,7 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: _Shapes) ->
             f"time-major layout {how})")
 
 
-def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: _Shapes):
+def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: Shapes, opset: int):
     """Walk from a GRU output through the ops that only drop the direction axis or permute axes (each value read
     by that op alone, or by Shape nodes that feed only that op's shape): the furthest value and its axis labels."""
     graph_outputs = {id(x) for x in graph.outputs}
@@ -295,7 +244,7 @@ def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: _Sh
             perm = u.attrs.get("perm")
             if perm is not None and sorted(perm) == list(range(len(labels))):
                 new = [labels[p] for p in perm]
-        elif u.op == "Reshape" and "D" in labels and _drops_axis(t, u, labels.index("D"), shapes):
+        elif u.op == "Reshape" and "D" in labels and _drops_axis(t, u, labels.index("D"), shapes, opset):
             new = [x for x in labels if x != "D"]
         if new is None:
             break
@@ -303,7 +252,7 @@ def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: _Sh
     return t, labels
 
 
-def _drops_axis(t: gs.Tensor, reshape: gs.Node, d: int, shapes: _Shapes) -> bool:
+def _drops_axis(t: gs.Tensor, reshape: gs.Node, d: int, shapes: Shapes, opset: int) -> bool:
     """True if `reshape` only removes the size-1 axis `d` of `t`: by the annotated shapes, or else by running
     the shape computation (from Shape(t) and constants) on a value of `t` with made-up sizes for unknown axes."""
     s_in, s_out = shapes.shape(t), shapes.shape(reshape.outputs[0])
@@ -333,7 +282,7 @@ def _drops_axis(t: gs.Tensor, reshape: gs.Node, d: int, shapes: _Shapes) -> bool
             nodes.append(n)
             stack.extend(n.inputs)
         try:
-            (v,) = _run(nodes, [(t, np.zeros(dims, np.float32))], [target], shapes.opset)
+            (v,) = Subgraph([target], [t], opset, nodes=nodes).run([np.zeros(dims, np.float32)])
         except Exception:
             return False
     v = [int(x) for x in np.asarray(v).ravel()]
@@ -405,7 +354,7 @@ class _Group:
     nodes: dict                # id(tensor) -> nodes from the source to it
 
 
-def _step_slices(graph: gs.Graph, shapes: _Shapes) -> list[_Group]:
+def _step_slices(graph: gs.Graph, shapes: Shapes) -> list[_Group]:
     """Every (source, step) slice along axis 1 of the main graph, grouped by source."""
     groups: dict[tuple, _Group] = {}
 
@@ -458,7 +407,7 @@ def _step_slices(graph: gs.Graph, shapes: _Shapes) -> list[_Group]:
     return list(groups.values())
 
 
-def _norm_axis(axis: int, t: gs.Tensor, shapes: _Shapes) -> int | None:
+def _norm_axis(axis: int, t: gs.Tensor, shapes: Shapes) -> int | None:
     if axis >= 0:
         return axis
     rank = shapes.rank(t)
@@ -691,7 +640,7 @@ class _Steps:
 class _Unroller:
     """Finds the chains of unrolled steps, one length T at a time, and rewrites each one that reads completely."""
 
-    def __init__(self, graph: gs.Graph, opset: int, shapes: _Shapes):
+    def __init__(self, graph: gs.Graph, opset: int, shapes: Shapes):
         self.graph, self.opset, self.shapes = graph, opset, shapes
         self.failed: set[int] = set()
 
@@ -818,7 +767,7 @@ def _chain_region(chain: _Chain) -> dict | None:
     return region
 
 
-def _read_cell(steps: _Steps, shapes: _Shapes, opset: int, chain: _Chain) -> _Cell | None:
+def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cell | None:
     """Step 1's cell: its masking, its step inputs (x, attention) and what it computes, or None."""
     s = chain.states
     masking = _peel_mask(steps, shapes, s)
@@ -842,7 +791,7 @@ def _read_cell(steps: _Steps, shapes: _Shapes, opset: int, chain: _Chain) -> _Ce
     return _Cell(attrs, found, x_group, att_group, mask_group, invert, H, I)
 
 
-def _peel_mask(steps: _Steps, shapes: _Shapes, s: list) -> tuple | None:
+def _peel_mask(steps: _Steps, shapes: Shapes, s: list) -> tuple | None:
     """The masking s_t = Where(m_t, h_new, s_{t-1}) of step 1: (mask group or None, inverted, h_new), or None
     if the mask is not a [B, T] sequence."""
     mask_group, invert, h_new1 = None, False, s[1]
@@ -863,7 +812,7 @@ def _peel_mask(steps: _Steps, shapes: _Shapes, s: list) -> tuple | None:
     return mask_group, invert, h_new1
 
 
-def _step_inputs(steps: _Steps, shapes: _Shapes, h_new1: gs.Tensor, s0: gs.Tensor) -> tuple | None:
+def _step_inputs(steps: _Steps, shapes: Shapes, h_new1: gs.Tensor, s0: gs.Tensor) -> tuple | None:
     """The step slices step 1's cell reads: (x group, x_1, attention group, a_1), the attention ones None if
     there is none; None if it reads others or not in float32."""
     cell_leaves = steps.leaves(h_new1, s0, step=1)
@@ -976,7 +925,7 @@ def _stacked(chain: _Chain, region: dict):
     return concat.outputs[0], unsq + [concat]
 
 
-def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: _Shapes, opset: int) -> bool:
+def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: Shapes, opset: int) -> bool:
     """Run the exported nodes of the first steps (slices included) on random sequences and compare the state
     with the reference op's."""
     x_group, att_group, mask_group, H, I = cell.x_group, cell.att_group, cell.mask_group, cell.H, cell.I
@@ -1022,7 +971,8 @@ def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: _Shapes, opset: in
                 return False  # a value from elsewhere: not a chain we can run alone
     out = chain.states[K - 1]
     try:
-        (got,) = _run(list(nodes.values()), list(feeds.values()), [out], opset)
+        (got,) = Subgraph([out], [t for t, _ in feeds.values()], opset, nodes=list(nodes.values())).run(
+            [v for _, v in feeds.values()])
     except Exception:
         return False
     found = cell.match
@@ -1034,7 +984,7 @@ def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: _Shapes, opset: in
 # ---- the replacement
 
 
-def _replace_chain(graph: gs.Graph, opset: int, shapes: _Shapes, chain: _Chain, cell: _Cell, stacked,
+def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, cell: _Cell, stacked,
                    need_h: bool, h0_zero: bool, n_nodes: int) -> str:
     """One sequence node over the slices' sources in place of the chain: it writes the last state (Y_h) and the
     stacked states (Y) the graph reads. Returns its description."""
@@ -1067,7 +1017,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: _Shapes, chain: _Chain, 
             f"(linear_before_reset={attrs.linear_before_reset}, att_keep={attrs.att_keep}{mask_note}; {outs})")
 
 
-def _time_prefix(b: _Builder, shapes: _Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
+def _time_prefix(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
     """`src` [B, T', ...] cut to its first T steps (as is when T' is T)."""
     shape = shapes.shape(src)
     if shape is not None and len(shape) > 1 and shape[1] == T:
@@ -1108,17 +1058,10 @@ def _same_attrs(a: dict, b: dict) -> bool:
     return True
 
 
-def _run(nodes: list[gs.Node], feeds: list[tuple], outputs: list[gs.Tensor], opset: int) -> list[np.ndarray]:
-    """Run a copy of `nodes` with onnxruntime: `feeds` are (tensor, value) pairs, constants are inlined."""
-    sess = subgraph_session(nodes, [(t, v.dtype) for t, v in feeds], [(t, t.dtype or np.float32) for t in outputs],
-                            opset)
-    return sess.run(None, {f"leaf{i}": v for i, (_, v) in enumerate(feeds)})
-
-
 def fuse_unrolled_cells(graph: gs.Graph, opset: int) -> list[str]:
     """GRU-family cells unrolled over time steps → one sequence node. Returns what was fused."""
     done: list[str] = []
-    shapes = _Shapes(graph, opset)
+    shapes = Shapes(graph, symbolic=True)
     unroller = _Unroller(graph, opset, shapes)
     for _ in range(32):
         what = unroller.find()

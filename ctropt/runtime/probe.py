@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .. import kernels
 from ..graph import runnable_model
 from .inputs import generate_inputs
+from .subgraph import ort_session
 
 # Two (batch, history length) settings with different values, so a dim equal to the batch in both runs is it.
 PROBE_SIZES = ((13, 10), (6, 7))
@@ -19,18 +19,11 @@ PROBE_SIZES = ((13, 10), (6, 7))
 
 def all_values(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every graph input and node output of the main graph, by name (onnxruntime, 1 thread)."""
-    import onnxruntime as ort
-
     model = onnx.ModelProto.FromString(model.SerializeToString())
     names = [i.name for i in model.graph.input] + [o for n in model.graph.node for o in n.output if o]
     del model.graph.output[:]
     model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in dict.fromkeys(names))
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.intra_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # every value must stay
-    kernels.register_if_used(so, model)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort_session(model, optimize=False)  # every value must stay
     out_names = [o.name for o in sess.get_outputs()]
     return dict(zip(out_names, sess.run(None, {k: v for k, v in feeds.items()})))
 

@@ -145,53 +145,6 @@ class Runner:
             raise CtroptError(f"{self.backend} failed to run the model: {_first_line(e)}") from None
 
 
-def subgraph_session(nodes: list, leaves: list, outputs: list, opset: int, functions: list | None = None):
-    """An onnxruntime session (1 thread, quiet) over a copy of graphsurgeon `nodes`, the originals untouched.
-
-    `leaves` and `outputs` are (tensor, dtype) pairs: the leaves become the inputs "leaf0", "leaf1", ... (their
-    producers are not run), the outputs "out0", ...; any other value the nodes read must be a constant (an
-    initializer or a Constant node's output, in any scope) and is inlined, else ValueError. `functions`: the
-    graphsurgeon functions the nodes call (ai.ctropt fused ops).
-    """
-    import onnx_graphsurgeon as gs
-    import onnxruntime as ort
-
-    from ..graph.edit import const_value
-
-    swap = {id(t): gs.Variable(f"leaf{i}", np.dtype(d), None) for i, (t, d) in enumerate(leaves)}
-    inputs = list(swap.values())
-    for n in nodes:
-        for t in n.outputs:
-            swap.setdefault(id(t), gs.Variable(f"v{len(swap)}", t.dtype, None))
-
-    def value(t):
-        if not t.name or id(t) in swap:
-            return swap.get(id(t), t)
-        v = const_value(t)
-        if v is None:
-            raise ValueError(f"{t.name} is neither a leaf, a constant nor made by the nodes")
-        swap[id(t)] = gs.Constant(f"c{len(swap)}", np.asarray(v))
-        return swap[id(t)]
-
-    copies = [gs.Node(n.op, n.name, dict(n.attrs), [value(t) for t in n.inputs], [swap[id(t)] for t in n.outputs],
-                      domain=n.domain) for n in nodes]
-    outs = []
-    for i, (t, d) in enumerate(outputs):  # through an Identity: an output may be a leaf itself
-        outs.append(gs.Variable(f"out{i}", np.dtype(d), None))
-        copies.append(gs.Node("Identity", f"out{i}", inputs=[value(t)], outputs=[outs[-1]]))
-    g = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=opset, functions=functions)
-    g.toposort(mode="nodes")
-    model = gs.export_onnx(g, do_type_check=False)
-    for domain in {n.domain for n in copies if n.domain} - {o.domain for o in model.opset_import}:
-        model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
-    model.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    so.intra_op_num_threads = 1
-    kernels.register_if_used(so, model)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 def run_model(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray], backend: str = "ort-cpu") -> dict:
     return Runner(model, backend).run(feeds)
 
