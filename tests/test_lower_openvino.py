@@ -13,9 +13,13 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from typer.testing import CliRunner
 
 import ctropt
-from ctropt.graph import CtroptError, interface, load, save
+from ctropt.cli import app
+from ctropt.graph import CtroptError, interface, load, save, to_graph
+from ctropt.inspect import preview_passes
+from ctropt.passes import resolve
 from ctropt.runtime import Runner, compare_outputs, generate_inputs
 
 from helpers import F, I64, init, make_model, node, ops, run_pass, vi
@@ -218,6 +222,26 @@ def test_body_inputs_own_names(tmp_path):
         o for n in once.graph.node for o in n.output}
     body = body_of(once, "Loop")
     assert [i.name for i in body.input][0] == "i" and outer.isdisjoint(i.name for i in body.input)
+
+
+def test_explain_names_the_body_rules_and_why_they_declined(tmp_path):
+    """The Loop/Scan/If lowerings are pattern rules on the one node they edit: `inspect --explain` (Pass.misses) says
+    for each rule which nodes its condition declined, and why, or how far the pattern got."""
+    once, _ = run_pass(_loop_passing_weight_through(), "body-passthrough-identity", target="openvino")
+    misses = ctropt.REGISTRY["body-passthrough-identity"].misses(to_graph(once), "openvino")
+    assert misses == [
+        "body-output-is-body-input: matched 1, declined: 'Loop_hT' (no body output is a body input itself)"]
+    passes = resolve("all", (), "openvino")
+    previews = {p.name: p for p in preview_passes(once, passes, "openvino", explain_misses=True)}
+    assert previews["loop-inline-invariant-constants"].misses == [
+        "loop-constant-passed-through: matched 1, declined: 'Loop_hT' (no carried value is a constant the body passes "
+        "through)"]
+    assert previews["concat-into-if-branches"].misses == ["if-read-by-concat: no If node to start from"]
+    assert previews["body-inputs-own-names"].misses[0].startswith("body-input-named-like-outer-value: matched 1")
+    assert previews["lower-rnn-openvino"].misses[0].startswith("sequence-op-for-openvino: no AGRUSequence*|")
+    save(once, tmp_path / "loop.onnx")
+    report = CliRunner().invoke(app, ["inspect", str(tmp_path / "loop.onnx"), "--explain", "--target", "openvino"])
+    assert report.exit_code == 0 and "body-output-is-body-input" in report.output
 
 
 def _history_padded_or_truncated_then_concatenated(length=6, width=4):

@@ -96,6 +96,22 @@ def test_pass_objects_can_be_passed_directly_without_registering():
     assert result.records[0].rewrites == 1 and "mine" not in ctropt.REGISTRY
 
 
+def test_a_pass_that_returns_a_count_is_counted():
+    """A whole-graph pass (not a set of rules) returns how many changes it made: matches and rewrites both."""
+
+    def drop_identity(ctx):
+        graph = ctx.graph
+        graph.nodes[1].inputs[0] = graph.inputs[0]
+        graph.cleanup()
+        return 1
+
+    result = ctropt.optimize(model_with_noise(), passes=[ctropt.Pass("mine", drop_identity)], speed=False)
+    assert (result.records[0].matches, result.records[0].rewrites, result.records[0].status) == (1, 1, "applied")
+    ctx = ctropt.PassContext(gs.import_onnx(model_with_noise()))
+    ctropt.REGISTRY["eliminate-common-subexpressions"](ctx)
+    assert (ctx.matches, ctx.rewrites) == (0, 0)
+
+
 def test_resolve_errors_and_skip():
     with pytest.raises(CtroptError, match="unknown pass"):
         resolve("eliminate-identity,nope")

@@ -153,3 +153,26 @@ def test_user_pass_through_python_api():
         assert result.records[0].rewrites == 1 and result.records[0].max_abs_err is not None
     finally:
         del ctropt.REGISTRY["test-fc-to-gemm"]
+
+
+def test_in_place_rules_op_prefixes_and_the_main_graph_only():
+    """A rule may edit the node it matched and return its outputs as they are (the node stays, nothing moves; the
+    condition declines it once done); `Op*` matches every op type that starts so; subgraphs=False keeps a rule
+    out of Loop/Scan/If bodies, for matching and explaining alike."""
+    model = loop_model()
+    g = to_graph(model)
+
+    def halve_weight(m):
+        m.root.inputs[1] = m.constant("w_half", m.const("w") * 0.5)
+        return list(m.root.outputs)
+
+    rule = Rewrite("halve", P["Mat*"](Var("h"), Const("w")), halve_weight,
+                   lambda m: True if m.const("w")[0, 0] == 0.5 else "halved already")
+    assert apply_rewrites(g, [rule]) == (2, 1)  # the second round matches it once more and declines
+    body = next(n for n in g.nodes if n.op == "Loop").attrs["body"]
+    assert sorted(n.op for n in body.nodes) == ["Add", "Identity", "MatMul", "Tanh"]
+    (matmul,) = [n for n in body.nodes if n.op == "MatMul"]
+    assert np.allclose(matmul.inputs[1].values, np.eye(4) * 0.25) and matmul.outputs[0].outputs[0].op == "Add"
+    only_main = Rewrite("halve-main", rule.pattern, halve_weight, rule.condition, subgraphs=False)
+    assert apply_rewrites(to_graph(model), [only_main]) == (0, 0)
+    assert "no Mat* node to start from" in str(explain(only_main.pattern, to_graph(model), subgraphs=False))

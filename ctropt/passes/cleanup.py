@@ -1,7 +1,8 @@
 """Generic cleanup passes: dead nodes, shapes, training leftovers, no-op ops, constants, duplicates.
 
 Where onnx, onnx-graphsurgeon or onnxruntime already do the job (shape inference, constant folding,
-dead-node removal) these passes call them and only count what changed.
+dead-node removal) these passes call them and return how many changes they made (the Pass counts them); the
+no-op and training-op cleanups are pattern rules.
 """
 
 from __future__ import annotations
@@ -26,23 +27,20 @@ def _node_total(graph: gs.Graph) -> int:
 
 
 @register_pass("eliminate-dead-nodes", group="cleanup")
-def eliminate_dead_nodes(ctx: PassContext) -> None:
+def eliminate_dead_nodes(ctx: PassContext) -> int:
     """Remove nodes and initializers no graph output depends on (Loop/Scan/If bodies included)."""
     before = _node_total(ctx.graph)
     ctx.graph.cleanup(remove_unused_graph_inputs=False, recurse_subgraphs=True)
-    removed = before - _node_total(ctx.graph)
-    ctx.matches += removed
-    ctx.rewrites += removed
+    return before - _node_total(ctx.graph)
 
 
 @register_pass("infer-shapes", group="cleanup")
-def infer_shapes(ctx: PassContext) -> None:
+def infer_shapes(ctx: PassContext) -> int:
     """Annotate intermediate values with dtypes and shapes (onnx shape inference with data propagation)."""
     annotated, problem = annotate_shapes(ctx.graph)
-    ctx.matches += annotated
-    ctx.rewrites += annotated
     if problem:
         ctx.note(problem)
+    return annotated
 
 
 def _keeps_interface(cond=None):
@@ -235,7 +233,7 @@ def eliminate_identity(ctx: PassContext) -> None:
 
 
 @register_pass("fold-constants", group="cleanup")
-def fold_constants(ctx: PassContext) -> None:
+def fold_constants(ctx: PassContext) -> int:
     """Evaluate subgraphs whose inputs are all constant (onnx-graphsurgeon + onnxruntime), up to a size cap."""
     before = _node_total(ctx.graph)
     cap = int(ctx.options.get("fold_size_cap", FOLD_SIZE_CAP))
@@ -249,9 +247,7 @@ def fold_constants(ctx: PassContext) -> None:
     finally:
         G_LOGGER.severity = saved
     _keep_declared_outputs(ctx.graph, declared)
-    folded = before - _node_total(ctx.graph)
-    ctx.matches += max(folded, 0)
-    ctx.rewrites += max(folded, 0)
+    return max(before - _node_total(ctx.graph), 0)
 
 
 def _keep_declared_outputs(graph: gs.Graph, declared: list) -> None:
@@ -272,11 +268,11 @@ def _constant_key(c: gs.Constant):
 
 
 @register_pass("dedup-initializers", group="cleanup")
-def dedup_initializers(ctx: PassContext) -> None:
+def dedup_initializers(ctx: PassContext) -> int:
     """Make identical constants (same dtype, shape and bytes) one tensor, within each scope and from outer scopes."""
 
-    def visit(graph: gs.Graph, visible: dict):
-        pool = dict(visible)
+    def visit(graph: gs.Graph, visible: dict) -> int:
+        pool, merged = dict(visible), 0
         interface = {id(t) for t in list(graph.inputs) + list(graph.outputs)}
         for node in graph.nodes:
             for i, t in enumerate(node.inputs):
@@ -286,16 +282,17 @@ def dedup_initializers(ctx: PassContext) -> None:
                 keep = pool.setdefault(key, t)
                 if keep is not t:
                     node.inputs[i] = keep
-                    ctx.rewrites += 1
+                    merged += 1
         for node in graph.nodes:
             for attr in node.attrs.values():
                 for sub in (attr if isinstance(attr, list) else [attr]):
                     if isinstance(sub, gs.Graph):
-                        visit(sub, pool)
+                        merged += visit(sub, pool)
+        return merged
 
-    visit(ctx.graph, {})
-    ctx.matches = ctx.rewrites
+    merged = visit(ctx.graph, {})
     ctx.graph.cleanup(remove_unused_graph_inputs=False)
+    return merged
 
 
 NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
@@ -313,8 +310,9 @@ def _attr_key(value):
 
 
 @register_pass("eliminate-common-subexpressions", group="cleanup")
-def eliminate_common_subexpressions(ctx: PassContext) -> None:
+def eliminate_common_subexpressions(ctx: PassContext) -> int:
     """Compute once what several nodes compute identically (same op, attributes and inputs)."""
+    merged = 0
     for g in list(iter_graphs(ctx.graph)):
         g.toposort(recurse_subgraphs=False, mode="nodes")
         seen: dict = {}
@@ -336,11 +334,11 @@ def eliminate_common_subexpressions(ctx: PassContext) -> None:
             keep = seen.setdefault(key, node)
             if keep is node:
                 continue
-            ctx.matches += 1
             replace_outputs(g, node, list(keep.outputs))
-            ctx.rewrites += 1
-    if ctx.rewrites:
+            merged += 1
+    if merged:
         ctx.graph.cleanup(remove_unused_graph_inputs=False)
+    return merged
 
 
 def tidy(ctx: PassContext) -> None:

@@ -19,8 +19,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
-from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import add_constant, add_node, const_value, redirect_consumers, replace_outputs, shape_of
+from ..patterns import Const, Match, P, Rewrite, Var
+from ..graph.edit import add_constant, const_value, redirect_consumers, shape_of
 from .registry import PassContext, register_pass
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu",
@@ -172,10 +172,11 @@ def _reads(value: gs.Tensor, node: gs.Node) -> bool:
 LAYOUTS = {"Transpose": _Transposed, "Reshape": _Unflattened, "Unsqueeze": _Unflattened}
 
 
-def cancel_layout_pairs(graph: gs.Graph) -> tuple[int, int]:
-    """Remove Transpose/Reshape pairs around elementwise work (see `cancel-transposes`); (matches, rewrites)."""
+def cancel_layout_pairs(graph: gs.Graph) -> int:
+    """Remove Transpose/Reshape pairs around elementwise work (see `cancel-transposes`), in one sweep of the
+    graph's nodes; returns how many entries (with the ops that undo them) were removed."""
     graph_outputs = {id(t) for t in graph.outputs}
-    matches = rewrites = 0
+    rewrites = 0
     if any(n.op in ("Reshape", "Unsqueeze") and n.outputs and n.outputs[0].shape is None for n in graph.nodes):
         annotate_shapes(graph)
     for entry in list(graph.nodes):
@@ -185,7 +186,6 @@ def cancel_layout_pairs(graph: gs.Graph) -> tuple[int, int]:
         found = _region_after(entry, layout, graph_outputs) if layout.ok() else None
         if found is None:
             continue
-        matches += 1
         nodes, consts, exits, shape_readers = found
         changed = {id(c): add_constant(graph, f"{c.name}/{entry.op.lower()}d", layout.constant(const_value(c)))
                    for c in consts}
@@ -206,72 +206,59 @@ def cancel_layout_pairs(graph: gs.Graph) -> tuple[int, int]:
     if rewrites:
         graph.cleanup()
         graph.toposort(mode="nodes")
-    return matches, rewrites
+    return rewrites
 
 
 @register_pass("cancel-transposes", group="cleanup", speed=True)
-def cancel_transposes(ctx: PassContext) -> None:
+def cancel_transposes(ctx: PassContext) -> int:
     """Transpose (or a Reshape of rows to rank ≥ 3) → elementwise ops → the op that undoes it: both removed, the
-    constants the ops read permuted (or reshaped) instead."""
-    matches, rewrites = cancel_layout_pairs(ctx.graph)
-    ctx.matches += matches
-    ctx.rewrites += rewrites
+    constants the ops read permuted (or reshaped) instead.
+
+    Not a pattern rule: the region between the pair has any size and shape (`_region_after` walks it), and one
+    sweep decides each entry once, on the graph as the entries before it left it."""
+    return cancel_layout_pairs(ctx.graph)
 
 
-def _masked_rows(n: gs.Node) -> gs.Tensor | None:
-    """The row mask m of `GatherND(data, Transpose(NonZero(Expand(m, Shape(data)))))` (torch's masked_select
-    with a bool mask broadcast over all but the first axis), when the indices serve only this GatherND."""
-    if n.op != "GatherND" or n.attrs.get("batch_dims", 0) != 0 or len(n.inputs) != 2:
-        return None
-    data, idx = n.inputs
-    chain = []
-    t = idx
-    for op in ("Transpose", "NonZero", "Expand"):
-        if len(t.inputs) != 1 or t.inputs[0].op != op or len(t.outputs) != 1:
-            return None
-        chain.append(t.inputs[0])
-        t = t.inputs[0].inputs[0]
-    transpose, _, expand = chain
-    if list(transpose.attrs.get("perm", [1, 0])) != [1, 0]:
-        return None
-    mask, target = expand.inputs
-    shape = target.inputs[0] if len(target.inputs) == 1 else None
-    if shape is None or shape.op != "Shape" or shape.inputs[0] is not data or shape.attrs.get("start", 0) != 0 \
-            or shape.attrs.get("end") is not None:
-        return None
-    dims = shape_of(mask)
-    if mask.dtype != np.bool_ or dims is None or len(dims) != len(shape_of(data) or []) or any(d != 1 for d in dims[1:]):
-        return None
-    return mask
+def _rows_mask(m: Match) -> bool | str:
+    """The mask is bool with a unit dim after the first on each axis of the data (one flag per row)."""
+    mask, dims = m["mask"], shape_of(m["mask"])
+    if mask.dtype != np.bool_:
+        return "the mask is not bool"
+    if dims is None or len(dims) != len(shape_of(m["data"]) or []):
+        return "the mask's rank is unknown or not the data's"
+    return True if all(d == 1 for d in dims[1:]) else "the mask is not one flag per row"
 
 
-@register_pass("select-masked-rows", group="cleanup", speed=True)
+def _compress_rows(m: Match) -> list:
+    """The rows whose flag is set, Compressed and flattened (what GatherND of the element indices gives)."""
+    data, mask, out, name = m["data"], m["mask"], m.root.outputs[0], m.root.name
+    rank = len(shape_of(data))
+    (shape,) = m.op("Shape", [data], name=f"{name}/shape", dtype=np.int64)
+    (rows,) = m.op("Gather", [shape, m.constant(f"{name}/axis0", np.array([0], np.int64))], {"axis": 0},
+                   name=f"{name}/rows", dtype=np.int64)
+    (target,) = m.op("Concat", [rows, m.constant(f"{name}/ones", np.ones(rank - 1, np.int64))], {"axis": 0},
+                     name=f"{name}/row_shape", dtype=np.int64)
+    (per_row,) = m.op("Expand", [mask, target], name=f"{name}/row_mask", dtype=mask.dtype)
+    flat_shape = m.constant(f"{name}/flat", np.array([-1], np.int64))
+    (cond,) = m.op("Reshape", [per_row, flat_shape], name=f"{name}/condition", dtype=mask.dtype)
+    (kept,) = m.op("Compress", [data, cond], {"axis": 0}, name=f"{name}/Compress", dtype=data.dtype)
+    return m.op("Reshape", [kept, flat_shape], name=f"{name}/flatten", dtype=out.dtype, shape=out.shape)
+
+
+# torch's masked_select with a bool mask broadcast over all but the first axis: one index per element
+_DATA_SHAPE = P.Shape(Var("data"), _shared=True, start=lambda v: not v, end=lambda v: v is None)
+_ELEMENT_INDICES = P.Transpose(P.NonZero(P.Expand(Var("mask"), _DATA_SHAPE)),
+                               perm=lambda p: p is None or list(p) == [1, 0])
+MASKED_ROWS_RULES = (
+    Rewrite("masked-rows-as-compress", P.GatherND(Var("data"), _ELEMENT_INDICES, batch_dims=lambda v: not v),
+            _compress_rows, _rows_mask, subgraphs=False),
+)
+
+
+@register_pass("select-masked-rows", group="cleanup", speed=True, rules=MASKED_ROWS_RULES)
 def select_masked_rows(ctx: PassContext) -> None:
     """torch's masked_select over whole rows (GatherND of the NonZero of a row mask expanded to the data: one
     index per element) → the rows Compressed, flattened (deepctr-torch DIEN packs histories this way)."""
-    graph = ctx.graph
-    if any(n.op == "NonZero" for n in graph.nodes):
-        annotate_shapes(graph)  # the mask's rank and unit dims are read from shapes
-    for n in list(graph.nodes):
-        mask = _masked_rows(n)
-        if mask is None:
-            continue
-        ctx.matches += 1
-        data, out = n.inputs[0], n.outputs[0]
-        rank = len(shape_of(data))
-        (shape,) = add_node(graph, "Shape", [data], name=f"{n.name}/shape", dtype=np.int64)
-        (rows,) = add_node(graph, "Gather", [shape, add_constant(graph, f"{n.name}/axis0", np.array([0], np.int64))],
-                           {"axis": 0}, name=f"{n.name}/rows", dtype=np.int64)
-        (target,) = add_node(graph, "Concat", [rows, add_constant(graph, f"{n.name}/ones", np.ones(rank - 1, np.int64))],
-                             {"axis": 0}, name=f"{n.name}/row_shape", dtype=np.int64)
-        (per_row,) = add_node(graph, "Expand", [mask, target], name=f"{n.name}/row_mask", dtype=mask.dtype)
-        flat_shape = add_constant(graph, f"{n.name}/flat", np.array([-1], np.int64))
-        (cond,) = add_node(graph, "Reshape", [per_row, flat_shape], name=f"{n.name}/condition", dtype=mask.dtype)
-        (kept,) = add_node(graph, "Compress", [data, cond], {"axis": 0}, name=f"{n.name}/Compress", dtype=data.dtype)
-        (flat,) = add_node(graph, "Reshape", [kept, flat_shape], name=f"{n.name}/flatten", dtype=out.dtype,
-                           shape=out.shape)
-        replace_outputs(graph, n, [flat])
-        ctx.rewrites += 1
-    if ctx.rewrites:
-        graph.cleanup()
-        graph.toposort(mode="nodes")
+    if any(n.op == "NonZero" for n in ctx.graph.nodes):
+        annotate_shapes(ctx.graph)  # the mask's rank and unit dims are read from shapes
+    ctx.apply(*MASKED_ROWS_RULES)

@@ -30,6 +30,10 @@ What OpenVINO 2026.4 trips over in exported CTR models, and the pass that fixes 
   TF feature columns: DeepRec BST), so rows are scattered to the wrong places. The keys become distinct, rank·n +
   index (rank from a sorted Unique), whose TopK has no ties; exact on onnxruntime (int64), and in OpenVINO, which
   runs int64 as int32, while n² < 2³¹ (n, the entries sorted, up to 46340).
+
+Each pass is pattern rules: the node to change (for the Loop/Scan/If passes the one node whose body is edited in
+place, for `gru-sequence-lens-as-mask` the GRU), a condition that says why a node needs no change (shown by
+`ctropt inspect --explain`; it declines a node once it is done) and the edit.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, iter_graphs
-from ..patterns.matcher import P, Match, Rewrite, Var
-from ..graph.edit import dtype_of, rank_of, shape_of, unique_name
+from ..patterns.matcher import Any, P, Match, Rewrite, Var
+from ..graph.edit import Builder, dtype_of, rank_of, redirect_consumers, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
@@ -206,141 +210,198 @@ def _thread_through(graph: gs.Graph, node: gs.Node, body: gs.Graph, outer: gs.Va
                                              shape=outer.shape))
 
 
-def _explicit_outer_values(ctx: PassContext, op: str = "Scan") -> None:
-    _annotate_if(ctx, lambda n: _outer_values(n.attrs["body"]) if n.op == op and "body" in n.attrs else [])
-    # Deepest graphs first: making an inner body's outer values explicit can add outer reads to the body around it.
-    for g in reversed(list(iter_graphs(ctx.graph))):
-        for node in list(g.nodes):
-            if node.op != op or "body" not in node.attrs:
-                continue
-            body = node.attrs["body"]
-            outer = [t for t in _outer_values(body) if t.dtype is not None]
-            if not outer:
-                continue
-            ctx.matches += 1
-            for t in outer:
-                states = len(node.inputs) - int(node.attrs["num_scan_inputs"])
-                _thread_through(ctx.graph, node, body, t, states, states, states, states)
-            ctx.rewrites += 1
-
-
-def _rename_shadowing_inputs(root: gs.Graph, graph: gs.Graph, around: frozenset = frozenset()) -> int:
-    """Give every Loop/Scan body input named like a value of a scope around it (`around`: names visible in
-    `graph`'s enclosing scopes) a name of its own, nested bodies included; returns how many bodies changed."""
-    visible = around | frozenset(graph.tensors())
-    changed = 0
-    for node in graph.nodes:
+def _scopes(top: gs.Graph, g: gs.Graph) -> list[gs.Graph]:
+    """The graphs from `top` down to `g`, each holding the node whose body is the next; [] if g is not in top."""
+    if g is top:
+        return [top]
+    for node in top.nodes:
         for sub in _subgraphs(node):
-            if node.op in ("Loop", "Scan"):
-                shadowing = [t for t in sub.inputs if t.name in visible]
-                for t in shadowing:
-                    t.name = unique_name(root, f"{t.name}/body")
-                changed += bool(shadowing)
-            changed += _rename_shadowing_inputs(root, sub, visible)
-    return changed
+            chain = _scopes(sub, g)
+            if chain:
+                return [top] + chain
+    return []
 
 
-@register_pass("body-inputs-own-names", group="lower", targets=TARGETS, speed=False)
+def _shadowing_inputs(m: Match) -> list[gs.Tensor]:
+    """The Loop/Scan's body inputs named like a value of the graph around it or of a scope around that one."""
+    visible = {name for scope in _scopes(m.top, m.graph) for name in scope.tensors()}
+    return [t for sub in _subgraphs(m.root) for t in sub.inputs if t.name in visible]
+
+
+def _has_shadowing_inputs(m: Match) -> bool | str:
+    return True if _shadowing_inputs(m) else "no body input is named like a value around the body"
+
+
+def _rename_body_inputs(m: Match) -> list:
+    for t in _shadowing_inputs(m):
+        t.name = unique_name(m.top, f"{t.name}/body")
+    return list(m.root.outputs)  # edited in place
+
+
+BODY_NAME_RULES = (
+    Rewrite("body-input-named-like-outer-value", P["Loop|Scan"](...), _rename_body_inputs, _has_shadowing_inputs),
+)
+
+
+@register_pass("body-inputs-own-names", group="lower", targets=TARGETS, speed=False, rules=BODY_NAME_RULES)
 def body_inputs_own_names(ctx: PassContext) -> None:
     """A Loop/Scan body input named like a value around the body gets a name of its own (OpenVINO reads the outer one).
 
     paddle2onnx's while loops name their body inputs after the values that feed them."""
-    changed = _rename_shadowing_inputs(ctx.graph, ctx.graph)
-    ctx.matches += changed
-    ctx.rewrites += changed
+    ctx.apply(*BODY_NAME_RULES)
 
 
-@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, speed=False)
+def _typed_outer_values(node: gs.Node) -> list[gs.Variable]:
+    """The values of scopes around it that the body of `node` reads and whose dtype is known."""
+    return [t for t in _outer_values(node.attrs["body"]) if t.dtype is not None]
+
+
+def _reads_outer_values(m: Match) -> bool | str:
+    """The Scan's body reads typed values from outside, and no Scan nested in it still does (the deepest go first:
+    making an inner body's outer values explicit can add outer reads to the body around it)."""
+    if "body" not in m.root.attrs:
+        return "no body"
+    if not _typed_outer_values(m.root):
+        return "its body reads no typed value of the scopes around it"
+    inner = [n for g in _graph_tree(m.root.attrs["body"]) for n in g.nodes
+             if n.op == "Scan" and "body" in n.attrs and _typed_outer_values(n)]
+    return f"the Scan '{inner[0].name}' in its body goes first" if inner else True
+
+
+def _outer_values_as_states(m: Match) -> list:
+    node, body = m.root, m.root.attrs["body"]
+    for t in _typed_outer_values(node):
+        states = len(node.inputs) - int(node.attrs["num_scan_inputs"])
+        _thread_through(m.top, node, body, t, states, states, states, states)
+    return list(node.outputs)  # edited in place: the states added
+
+
+SCAN_STATE_RULES = (
+    Rewrite("scan-outer-value-as-state", P.Scan(...), _outer_values_as_states, _reads_outer_values),
+)
+
+
+@register_pass("scan-outer-scope-as-state", group="lower", targets=TARGETS, speed=False, rules=SCAN_STATE_RULES)
 def scan_outer_scope_as_state(ctx: PassContext) -> None:
     """Values a Scan body reads from the outer scope become explicit pass-through states (OpenVINO miscounts them)."""
-    _explicit_outer_values(ctx, "Scan")
+    _annotate_if(ctx, lambda n: _outer_values(n.attrs["body"]) if n.op == "Scan" and "body" in n.attrs else [])
+    ctx.apply(*SCAN_STATE_RULES)
 
 
-@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, speed=False)
+def _constant_slots(m: Match) -> list[int]:
+    """The Loop's carried values that start as a constant, that its body passes through unchanged (as one body
+    output), and whose final value is not a graph output."""
+    node, body = m.root, m.root.attrs["body"]
+    graph_outputs = {id(t) for t in m.graph.outputs}
+    return [k for k in range(len(node.inputs) - 2)
+            if isinstance(node.inputs[2 + k], gs.Constant) and body.outputs[1 + k] is body.inputs[2 + k]
+            and sum(o is body.inputs[2 + k] for o in body.outputs) == 1
+            and (k >= len(node.outputs) or id(node.outputs[k]) not in graph_outputs)]
+
+
+def _has_constant_slots(m: Match) -> bool | str:
+    if "body" not in m.root.attrs:
+        return "no body"
+    return True if _constant_slots(m) else "no carried value is a constant the body passes through"
+
+
+def _inline_constant_slots(m: Match) -> list:
+    node, body = m.root, m.root.attrs["body"]
+    for k in reversed(_constant_slots(m)):
+        value, inner = node.inputs[2 + k], body.inputs[2 + k]
+        for sub in _graph_tree(body):
+            for n in sub.nodes:
+                for i, t in enumerate(n.inputs):
+                    if t is inner:
+                        n.inputs[i] = value
+        if k < len(node.outputs):
+            redirect_consumers(node.outputs[k], value)
+            del node.outputs[k]
+        del body.outputs[1 + k]
+        del body.inputs[2 + k]
+        del node.inputs[2 + k]
+    return list(node.outputs)  # edited in place: the slots gone
+
+
+LOOP_CONSTANT_RULES = (
+    Rewrite("loop-constant-passed-through", P.Loop(...), _inline_constant_slots, _has_constant_slots),
+)
+
+
+@register_pass("loop-inline-invariant-constants", group="lower", targets=TARGETS, speed=False,
+               rules=LOOP_CONSTANT_RULES)
 def loop_inline_invariant_constants(ctx: PassContext) -> None:
     """A Loop-carried value the body passes through unchanged and that starts as a constant is read as that constant."""
-    for g in iter_graphs(ctx.graph):
-        graph_outputs = {id(t) for t in g.outputs}
-        for node in g.nodes:
-            if node.op != "Loop" or "body" not in node.attrs:
-                continue
-            body = node.attrs["body"]
-            carried = len(node.inputs) - 2
-            slots = [k for k in range(carried)
-                     if isinstance(node.inputs[2 + k], gs.Constant) and body.outputs[1 + k] is body.inputs[2 + k]
-                     and sum(o is body.inputs[2 + k] for o in body.outputs) == 1
-                     and (k >= len(node.outputs) or id(node.outputs[k]) not in graph_outputs)]
-            if not slots:
-                continue
-            ctx.matches += 1
-            for k in reversed(slots):
-                value, inner = node.inputs[2 + k], body.inputs[2 + k]
-                for sub in _graph_tree(body):
-                    for n in sub.nodes:
-                        for i, t in enumerate(n.inputs):
-                            if t is inner:
-                                n.inputs[i] = value
-                if k < len(node.outputs):
-                    final = node.outputs[k]
-                    for user in list(final.outputs):
-                        for i, t in enumerate(user.inputs):
-                            if t is final:
-                                user.inputs[i] = value
-                    del node.outputs[k]
-                del body.outputs[1 + k]
-                del body.inputs[2 + k]
-                del node.inputs[2 + k]
-            ctx.rewrites += 1
+    ctx.apply(*LOOP_CONSTANT_RULES)
 
 
-@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, speed=False)
+def _has_passthrough(m: Match) -> bool | str:
+    body = m.root.attrs.get("body")
+    if body is None:
+        return "no body"
+    inputs = {id(t) for t in body.inputs}
+    return True if any(id(t) in inputs for t in body.outputs) else "no body output is a body input itself"
+
+
+def _identity_for_passthrough(m: Match) -> list:
+    body = m.root.attrs["body"]
+    inputs = {id(t) for t in body.inputs}
+    for i, t in enumerate(list(body.outputs)):
+        if id(t) in inputs:
+            copy = gs.Variable(unique_name(m.top, f"{t.name}/out"), dtype=dtype_of(t), shape=shape_of(t))
+            Builder(body, root=m.top).op("Identity", [t], name=f"{t.name}/pass", out=[copy])
+            body.outputs[i] = copy
+    return list(m.root.outputs)  # edited in place
+
+
+PASSTHROUGH_RULES = (
+    Rewrite("body-output-is-body-input", P["Loop|Scan"](...), _identity_for_passthrough, _has_passthrough),
+)
+
+
+@register_pass("body-passthrough-identity", group="lower", targets=TARGETS, speed=False, rules=PASSTHROUGH_RULES)
 def body_passthrough_identity(ctx: PassContext) -> None:
     """A Loop/Scan body output that is a body input itself is routed through an Identity (OpenVINO's file reader needs it)."""
-    for g in iter_graphs(ctx.graph):
-        for node in g.nodes:
-            if node.op not in ("Loop", "Scan") or "body" not in node.attrs:
-                continue
-            body = node.attrs["body"]
-            inputs = {id(t) for t in body.inputs}
-            changed = False
-            for i, t in enumerate(list(body.outputs)):
-                if id(t) in inputs:
-                    copy = gs.Variable(unique_name(ctx.graph, f"{t.name}/out"), dtype=dtype_of(t), shape=shape_of(t))
-                    body.nodes.append(gs.Node("Identity", unique_name(ctx.graph, f"{t.name}/pass"), inputs=[t],
-                                              outputs=[copy]))
-                    body.outputs[i] = copy
-                    changed = True
-            if changed:
-                ctx.matches += 1
-                ctx.rewrites += 1
+    ctx.apply(*PASSTHROUGH_RULES)
 
 
-@register_pass("concat-into-if-branches", group="lower", targets=TARGETS, speed=False)
+_TOOK_CONCAT = "_ctropt_took_concat"  # an If whose Concat moved into its branches (one per If and run)
+
+
+def _read_by_one_concat(m: Match) -> bool | str:
+    out = m.root.outputs[0]
+    if any(o is out for o in m.graph.outputs):
+        return "its output is a graph output"
+    if len(out.outputs) != 1 or out.outputs[0].op != "Concat":
+        return "its output is not read by one Concat only"
+    return "a Concat moved into its branches already" if m.root.__dict__.get(_TOOK_CONCAT) else True
+
+
+def _concat_in_branches(m: Match) -> list:
+    node, out = m.root, m.root.outputs[0]
+    cat = out.outputs[0]
+    for branch in ("then_branch", "else_branch"):
+        body = node.attrs[branch]
+        result = gs.Variable(unique_name(m.top, f"{cat.name}/{branch}"), dtype=dtype_of(cat.outputs[0]))
+        inputs = [body.outputs[0] if t is out else t for t in cat.inputs]
+        Builder(body, root=m.top).op("Concat", inputs, dict(cat.attrs), name=f"{cat.name}/{branch}", out=[result])
+        body.outputs[0] = result
+    m.graph.nodes.remove(node)
+    m.graph.nodes[m.graph.nodes.index(cat)] = node  # after what the Concat's other inputs need
+    node.outputs = list(cat.outputs)
+    cat.inputs.clear()
+    cat.outputs.clear()
+    node.__dict__[_TOOK_CONCAT] = True
+    return list(node.outputs)  # the If now gives the Concat's result
+
+
+IF_CONCAT_RULES = (Rewrite("if-read-by-concat", P.If(Any(), _outputs=1), _concat_in_branches, _read_by_one_concat),)
+
+
+@register_pass("concat-into-if-branches", group="lower", targets=TARGETS, speed=False, rules=IF_CONCAT_RULES)
 def concat_into_if_branches(ctx: PassContext) -> None:
     """An If output read only by a Concat: the Concat runs in both branches and the If gives its result."""
-    for g in iter_graphs(ctx.graph):
-        graph_outputs = {id(t) for t in g.outputs}
-        for node in list(g.nodes):
-            if node.op != "If" or len(node.outputs) != 1 or id(node.outputs[0]) in graph_outputs:
-                continue
-            out = node.outputs[0]
-            if len(out.outputs) != 1 or out.outputs[0].op != "Concat":
-                continue
-            cat = out.outputs[0]
-            ctx.matches += 1
-            for branch in ("then_branch", "else_branch"):
-                body = node.attrs[branch]
-                result = gs.Variable(unique_name(ctx.graph, f"{cat.name}/{branch}"), dtype=dtype_of(cat.outputs[0]))
-                inputs = [body.outputs[0] if t is out else t for t in cat.inputs]
-                body.nodes.append(gs.Node("Concat", unique_name(ctx.graph, f"{cat.name}/{branch}"), dict(cat.attrs),
-                                          inputs=inputs, outputs=[result]))
-                body.outputs[0] = result
-            g.nodes.remove(node)
-            g.nodes[g.nodes.index(cat)] = node  # after what the Concat's other inputs need
-            node.outputs = list(cat.outputs)
-            cat.inputs.clear()
-            cat.outputs.clear()
-            ctx.rewrites += 1
+    ctx.apply(*IF_CONCAT_RULES)
 
 
 # ----------------------------------------------------------------------------------------- GRU sequence_lens
@@ -351,17 +412,26 @@ def _direction(node: gs.Node) -> str:
     return d.decode() if isinstance(d, bytes) else str(d)
 
 
-@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, speed=False)
+def _forward_with_lengths(m: Match) -> bool | str:
+    if not _has_input(m.root, 4):
+        return "no sequence_lens"
+    if _direction(m.root) != "forward":
+        return f"direction {_direction(m.root)}"
+    return "batch-major layout" if m.root.attrs.get("layout", 0) != 0 else True
+
+
+def _lengths_after_gru(m: Match) -> list:
+    _lower_gru_sequence_lens(m.top, m.graph, m.root)
+    return list(m.root.outputs)  # edited in place: unmasked, its old outputs computed after it
+
+
+GRU_LENGTH_RULES = (Rewrite("gru-with-sequence-lens", P.GRU(...), _lengths_after_gru, _forward_with_lengths),)
+
+
+@register_pass("gru-sequence-lens-as-mask", group="lower", targets=TARGETS, speed=False, rules=GRU_LENGTH_RULES)
 def gru_sequence_lens_as_mask(ctx: PassContext) -> None:
     """Forward GRU with sequence_lens (OpenVINO CPU ignores them): run unmasked, zero Y past each length, take Y_h at length-1."""
-    for g in iter_graphs(ctx.graph):
-        for node in list(g.nodes):
-            if (node.op != "GRU" or not _has_input(node, 4) or _direction(node) != "forward"
-                    or node.attrs.get("layout", 0) != 0):
-                continue
-            ctx.matches += 1
-            _lower_gru_sequence_lens(ctx.graph, g, node)
-            ctx.rewrites += 1
+    ctx.apply(*GRU_LENGTH_RULES)
 
 
 def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:

@@ -52,17 +52,49 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import CtroptError, iter_graphs
+from ..ops import DOMAIN
 from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
 from ..graph.edit import Builder, const_value, dtype_of, shape_of, unique_name
+from ..patterns import Match, P, Rewrite
 from .cleanup import tidy
 from .registry import PassContext, register_pass
+from .rnn import SEQUENCE_OPS, sequence_op
 
 FORMS = ("auto", "scan", "gru-op", "augru-unrolled")
 MAX_UNROLL = 512  # steps: longer chains would bloat the graph (18 nodes per step)
 GATE_ONE_BIAS = 60.0  # sigmoid(60) == 1.0 in float32: pins the update gate of AGRU-as-AUGRU
 
 
-@register_pass("lower-rnn-openvino", group="lower", targets=("openvino",))
+def _opset(graph: gs.Graph) -> int:
+    return int(getattr(graph, "opset", None) or 0)
+
+
+def _lowerable(m: Match) -> bool | str:
+    """A sequence op in a model whose opset its forms need."""
+    verdict, opset = sequence_op(m), _opset(m.top)
+    return f"opset {opset} < {MIN_OPSET}" if verdict is True and opset < MIN_OPSET else verdict
+
+
+def _openvino_rules(form: str = "auto", static_t=None, note=None, gru_sources: set | None = None) -> tuple:
+    """Each sequence node → the form `choose_form` picks (one GRU op per input: `gru_sources`, the inputs GRU ops
+    read so far, filled in as nodes are lowered in graph order; by default those of the graph rewritten);
+    `note(text)` hears which form each node got."""
+
+    def lower(m: Match) -> list:
+        sources = gru_sources if gru_sources is not None else _kept_gru_sources(m.top)
+        name, op = m.root.name, m.root.op
+        chosen = _lower(m.top, m.graph, m.root, form, static_t, _opset(m.top), sources)
+        if note is not None:
+            note(f"{name} ({op}): {chosen}")
+        return list(m.root.outputs)  # the node is gone; the nodes made write its old outputs
+
+    return (Rewrite("sequence-op-for-openvino", P[SEQUENCE_OPS](..., _domain=DOMAIN), lower, _lowerable),)
+
+
+OPENVINO_RULES = _openvino_rules()
+
+
+@register_pass("lower-rnn-openvino", group="lower", targets=("openvino",), rules=OPENVINO_RULES)
 def lower_rnn_openvino(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → OpenVINO's fastest exact form: GRU op, unrolled AUGRU cells (static T), lean Scan."""
     form = ctx.options.get("rnn_openvino_form", "auto") or "auto"
@@ -71,18 +103,12 @@ def lower_rnn_openvino(ctx: PassContext) -> None:
     static_t = ctx.options.get("static_seq_len")
     if static_t is not None and (not isinstance(static_t, (int, np.integer)) or int(static_t) < 1):
         raise CtroptError(f"static_seq_len must be a positive integer, not {static_t!r}")
-    opset = int(getattr(ctx.graph, "opset", None) or 0)
+    opset = _opset(ctx.graph)
+    if opset < MIN_OPSET:
+        for node in (n for g in iter_graphs(ctx.graph) for n in g.nodes if is_sequence_node(n)):
+            ctx.note(f"{node.name}: left as is, opset {opset} < {MIN_OPSET}")
     gru_sources = _gru_sources(ctx.graph)  # batch-major inputs GRU ops already read (see _lower)
-    for g in iter_graphs(ctx.graph):
-        for node in [n for n in g.nodes if is_sequence_node(n)]:
-            ctx.matches += 1
-            if opset < MIN_OPSET:
-                ctx.note(f"{node.name}: left as is, opset {opset} < {MIN_OPSET}")
-                continue
-            chosen = _lower(ctx.graph, g, node, form, static_t, opset, gru_sources)
-            ctx.rewrites += 1
-            ctx.note(f"{node.name} ({node.op}): {chosen}")
-    if ctx.rewrites:
+    if ctx.apply(*_openvino_rules(form, static_t, ctx.note, gru_sources)):
         used = {(n.domain, n.op) for g in iter_graphs(ctx.graph) for n in g.nodes}
         ctx.graph.functions = [f for f in ctx.graph.functions if (f.domain, f.name) in used]
         tidy(ctx)
@@ -101,6 +127,13 @@ def _gru_sources(root: gs.Graph) -> set:
                     and list(x.inputs[0].attrs.get("perm", [])) == [1, 0, 2]:
                 found.add((id(x.inputs[0].inputs[0]),))
     return found
+
+
+def _kept_gru_sources(root: gs.Graph) -> set:
+    """`_gru_sources` of the graph as it was when first asked, then kept with it (and filled in by `_lower`)."""
+    if "_ctropt_gru_sources" not in root.__dict__:  # not getattr: graphsurgeon logs misses as errors
+        root.__dict__["_ctropt_gru_sources"] = _gru_sources(root)
+    return root.__dict__["_ctropt_gru_sources"]
 
 
 def _static_steps(node: gs.Node) -> int | None:

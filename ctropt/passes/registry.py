@@ -31,11 +31,17 @@ class PassContext:
     input_facts: dict | None = None  # the raw model's runtime.inputs facts, for passes that generate inputs
 
     def apply(self, *rules: Rewrite) -> int:
-        """Run pattern rewrites to a fixpoint over the graph and all subgraphs; returns rewrites."""
+        """Run pattern rewrites to a fixpoint over the graph and its subgraphs (a rule with subgraphs=False: the
+        graph only), counting matches and rewrites; returns the rewrites."""
         matches, rewrites = apply_rewrites(self.graph, list(rules))
         self.matches += matches
         self.rewrites += rewrites
         return rewrites
+
+    def count(self, changes: int) -> None:
+        """Record what a whole-graph pass changed (each change one match and one rewrite)."""
+        self.matches += changes
+        self.rewrites += changes
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -43,10 +49,13 @@ class PassContext:
 
 @dataclasses.dataclass
 class Pass:
-    """A named graph transformation: `fn(ctx)` rewrites `ctx.graph` in place and counts what it did."""
+    """A named graph transformation: `fn(ctx)` rewrites `ctx.graph` in place. What it did is counted in `ctx`:
+    a pass of pattern rules through `ctx.apply(*rules)` (matches and rewrites); a whole-graph pass (dead nodes,
+    shape inference, constant folding, CSE) by returning how many changes it made, which calling the Pass adds
+    to both `ctx.matches` and `ctx.rewrites`."""
 
     name: str
-    fn: Callable[[PassContext], None]
+    fn: Callable[[PassContext], int | None]
     group: str = "fusion"
     targets: tuple[str, ...] = ("any",)
     description: str = ""
@@ -67,7 +76,7 @@ class Pass:
         for rule in self.rules_for(target):
             declined = []
             if rule.condition is not None:
-                for m in find_matches(rule.pattern, graph):
+                for m in find_matches(rule.pattern, graph, subgraphs=rule.subgraphs):
                     try:
                         verdict = rule.condition(m)
                     except Exception as e:  # a condition that cannot judge this match declines it
@@ -78,7 +87,7 @@ class Pass:
                 misses.append(f"{rule.name}: matched {len(declined)}, declined: {', '.join(declined[:5])}"
                               + (f" and {len(declined) - 5} more" if len(declined) > 5 else ""))
             else:
-                misses.append(f"{rule.name}: {explain(rule.pattern, graph)}")
+                misses.append(f"{rule.name}: {explain(rule.pattern, graph, subgraphs=rule.subgraphs)}")
         return misses
 
     def __post_init__(self):
@@ -93,7 +102,10 @@ class Pass:
             self.speed = self.group in ("fusion", "lower")
 
     def __call__(self, ctx: PassContext) -> None:
-        self.fn(ctx)
+        """Run the pass on `ctx`; a count it returns is added to ctx.matches and ctx.rewrites."""
+        changed = self.fn(ctx)
+        if isinstance(changed, int) and not isinstance(changed, bool):
+            ctx.count(changed)
 
     def applies_to(self, target: str) -> bool:
         return "any" in self.targets or target in self.targets
@@ -128,10 +140,15 @@ def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] 
                   description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`).
 
+    rules: the pattern rules (`Rewrite`s) the pass applies with `ctx.apply(*rules)`, or a function target → rules;
+    `ctropt inspect --explain` reports, for a pass that does not fire, why each rule did not. A pass that is not
+    a set of rules (a whole-graph tool: dead nodes, shapes, folding, CSE) returns the number of changes it made
+    instead: calling the Pass adds it to ctx.matches and ctx.rewrites.
+
     speed: whether the speed guard times the pass against its input (default: fusion and lower passes; a pass
     that makes a model load or compute right on its target, rather than faster, says False)."""
 
-    def wrap(fn: Callable[[PassContext], None]) -> Pass:
+    def wrap(fn: Callable[[PassContext], int | None]) -> Pass:
         place = order if order is not None else PIPELINE_ORDER.get(name, 100)
         p = Pass(name, fn, group, tuple(targets), description, place, default, exact,
                  rules if callable(rules) else tuple(rules), speed)

@@ -16,8 +16,10 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError
-from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
+from ..ops import DOMAIN
+from ..ops.rnn import INPUTS, KINDS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
 from ..graph.edit import Builder, add_constant, add_node, const_value, unique_name
+from ..patterns import Match, P, Rewrite
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -34,29 +36,25 @@ def _opset(graph: gs.Graph) -> int:
 
 
 @register_pass("fuse-rnn", group="fusion")
-def fuse_rnn(ctx: PassContext) -> None:
-    """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each."""
+def fuse_rnn(ctx: PassContext) -> int:
+    """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each.
+
+    The readers (one per dialect) read each layer by meaning; the pass returns how many layers they fused."""
     from .rnn_loops import fuse_recurrent_loops
     from .rnn_unrolled import fuse_gru_ops, fuse_unrolled_cells
 
     opset = _opset(ctx.graph)
     if opset < MIN_OPSET:
         ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
-        return
+        return 0
     skipped: list[str] = []
-    for reader in (fuse_gru_ops, fuse_unrolled_cells):
-        for line in reader(ctx.graph, opset):
-            ctx.matches += 1
-            ctx.rewrites += 1
-            ctx.note(line)
-    for line in fuse_recurrent_loops(ctx.graph, opset, notes=skipped):
-        ctx.matches += 1
-        ctx.rewrites += 1
+    fused = [line for reader in (fuse_gru_ops, fuse_unrolled_cells) for line in reader(ctx.graph, opset)]
+    fused += list(fuse_recurrent_loops(ctx.graph, opset, notes=skipped))
+    for line in fused + [f"left as is: {line}" for line in skipped]:
         ctx.note(line)
-    for line in skipped:
-        ctx.note(f"left as is: {line}")
-    if ctx.rewrites:
+    if fused:
         _forget_intermediate_shapes(ctx.graph)
+    return len(fused)
 
 
 def _forget_intermediate_shapes(graph: gs.Graph) -> None:
@@ -235,7 +233,30 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> N
     graph.nodes.remove(node)
 
 
-@register_pass("lower-rnn-ort", group="lower", targets=("ort",))
+# Every variant of the sequence ops (`GRUSequence`, `GRUSequence_2`, ...; ``ops.rnn.add_sequence_node``).
+SEQUENCE_OPS = "|".join(f"{kind}Sequence*" for kind in KINDS)
+
+
+def sequence_op(m: Match) -> bool | str:
+    """The node is one of ctropt's sequence ops (not another op whose name starts alike)."""
+    return True if is_sequence_node(m.root) else "not an ai.ctropt sequence op"
+
+
+def _ort_rules(form: str = "auto") -> tuple:
+    """Each sequence node of the main graph → the onnxruntime form `form` (see `lower_sequence_node`)."""
+
+    def lower(m: Match) -> list:
+        lower_sequence_node(m.graph, m.root, form)
+        return list(m.root.outputs)  # the node is gone; the nodes made write its old outputs
+
+    return (Rewrite("sequence-op-for-ort", P[SEQUENCE_OPS](..., _domain=DOMAIN), lower, sequence_op,
+                    subgraphs=False),)
+
+
+ORT_RULES = _ort_rules()
+
+
+@register_pass("lower-rnn-ort", group="lower", targets=("ort",), rules=ORT_RULES)
 def lower_rnn_ort(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → onnxruntime's fastest measured stock form (lean Scan with X·W hoisted, GRU op at small
     batch), or with rnn_ort_form=kernel ctropt's GRUScan kernel (needs ctropt's kernel library at run time)."""
@@ -244,10 +265,5 @@ def lower_rnn_ort(ctx: PassContext) -> None:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
     if form == "kernel" and not kernels.available():
         raise CtroptError("rnn_ort_form=kernel needs ctropt's kernel library: run `ctropt kernels build` first")
-    for node in [n for n in ctx.graph.nodes if is_sequence_node(n)]:
-        lower_sequence_node(ctx.graph, node, form)
-        ctx.matches += 1
-        ctx.rewrites += 1
-    if ctx.rewrites:
-        ctx.graph.cleanup(remove_unused_graph_inputs=False)
+    if ctx.apply(*_ort_rules(form)):
         tidy(ctx)

@@ -8,9 +8,11 @@
 
 Keyword arguments of an op pattern are attribute checks (a value, or a predicate on the value);
 `_name` captures the node, `_shared=True` allows the node's outputs to be used outside the match,
-`_domain` restricts the op domain. Matching runs in every graph, Loop/Scan/If bodies included; a
-Var or Const may bind a value from an outer scope, but nodes of an outer scope are never part of a
-match (a rewrite inside a body cannot change them).
+`_domain` restricts the op domain. An op type ending in `*` stands for every op type that starts
+with the rest (`P["GRUSequence*"](...)`: all variants of a custom op). Matching runs in every graph,
+Loop/Scan/If bodies included; a Var or Const may bind a value from an outer scope, but nodes of an
+outer scope are never part of a match (a rewrite inside a body cannot change them). A rule with
+`Rewrite(..., subgraphs=False)` looks at the outermost graph only.
 """
 
 from ..graph.edit import const_value  # a graph helper, kept here for the pattern API's users

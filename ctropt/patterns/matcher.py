@@ -158,11 +158,13 @@ class _Either(Pattern):
 
 
 class OpPattern(Pattern):
-    """A node of one of `op_types` whose inputs match `inputs` (in either order for commutative ops)."""
+    """A node of one of `op_types` whose inputs match `inputs` (in either order for commutative ops); an op type
+    ending in `*` stands for every op that starts with the rest (`GRUSequence*`: the variants of a custom op)."""
 
     def __init__(self, op_types: str, inputs: tuple, attrs: dict | None = None, *, name: str | None = None,
                  domain: str | None = None, shared: bool = False, outputs: int | None = None):
         self.op_types = tuple(op_types.split("|"))
+        self.prefixes = tuple(t[:-1] for t in self.op_types if t.endswith("*"))
         self.variadic = bool(inputs) and inputs[-1] is Ellipsis
         self.inputs = tuple(i for i in inputs if i is not Ellipsis)
         self.attrs = attrs or {}
@@ -171,6 +173,10 @@ class OpPattern(Pattern):
 
     def __getitem__(self, index: int) -> "_OutputOf":
         return _OutputOf(self, index)
+
+    def accepts(self, op: str) -> bool:
+        """Whether a node of type `op` may be this pattern's node."""
+        return op in self.op_types or (bool(self.prefixes) and op.startswith(self.prefixes))
 
     def op_patterns(self):
         yield self
@@ -191,7 +197,7 @@ class OpPattern(Pattern):
         bound = st.nodes.get(id(self))
         if bound is not None:
             return True if bound is node else st.fail(f"node '{node.name}' differs from the one bound before")
-        if node.op not in self.op_types:
+        if not self.accepts(node.op):
             return st.fail(f"{_describe(value)}: wanted {'|'.join(self.op_types)}")
         if self.domain is not None and (node.domain or "") != self.domain:
             return st.fail(f"node '{node.name}' is in domain {node.domain!r}, wanted {self.domain!r}")
@@ -265,7 +271,8 @@ P = _OpNamespace()
 
 @dataclasses.dataclass
 class Match:
-    """One match: the graph it lives in, the root node, every matched node and the captures."""
+    """One match: the graph it lives in, the root node, every matched node and the captures; `top` is the
+    outermost graph (the one being rewritten: `graph` itself, or the model graph around a Loop/Scan/If body)."""
 
     graph: gs.Graph
     root: gs.Node
@@ -273,6 +280,7 @@ class Match:
     values: dict[str, gs.Tensor]
     consts: dict[str, np.ndarray]
     named_nodes: dict[str, gs.Node]
+    top: gs.Graph | None = None
 
     def __getitem__(self, name: str) -> gs.Tensor:
         return self.values[name]
@@ -313,9 +321,9 @@ def _roots(pattern: Pattern) -> list[tuple[OpPattern, int, Pattern]]:
 
 
 def _match_at(pattern: Pattern, node: gs.Node, graph: gs.Graph, graph_nodes: set[int],
-              tracker: _Tracker | None) -> Match | None:
+              tracker: _Tracker | None, top: gs.Graph | None = None) -> Match | None:
     for op_pattern, index, alternative in _roots(pattern):
-        if node.op not in op_pattern.op_types or index >= len(node.outputs):
+        if not op_pattern.accepts(node.op) or index >= len(node.outputs):
             continue
         st = _State(graph_nodes, tracker)
         if not alternative.match(node.outputs[index], st):
@@ -323,7 +331,7 @@ def _match_at(pattern: Pattern, node: gs.Node, graph: gs.Graph, graph_nodes: set
         nodes = list(st.nodes.values())
         if _leaks(st, node, graph, alternative, tracker):
             continue
-        return Match(graph, node, nodes, st.values, st.consts, st.named_nodes)
+        return Match(graph, node, nodes, st.values, st.consts, st.named_nodes, graph if top is None else top)
     return None
 
 
@@ -352,7 +360,7 @@ def find_matches(pattern: Pattern, graph: gs.Graph, *, subgraphs: bool = True) -
     for g in (iter_graphs(graph) if subgraphs else [graph]):
         ids = {id(n) for n in g.nodes}
         for node in list(g.nodes):
-            m = _match_at(pattern, node, g, ids, None)
+            m = _match_at(pattern, node, g, ids, None, graph)
             if m is not None:
                 found.append(m)
     return found
@@ -378,21 +386,22 @@ class Explanation:
 
 def explain(pattern: Pattern, graph: gs.Graph, *, subgraphs: bool = True) -> Explanation:
     """Report a match, or the deepest partial attempt and the check that failed."""
-    roots = {op for p, _, _ in _roots(pattern) for op in p.op_types}
+    starts = [p for p, _, _ in _roots(pattern)]
     best: tuple[float, gs.Node | None, _Tracker | None] = (-1, None, None)
     for g in (iter_graphs(graph) if subgraphs else [graph]):
         ids = {id(n) for n in g.nodes}
         for node in g.nodes:
-            if node.op not in roots:
+            if not any(p.accepts(node.op) for p in starts):
                 continue
             tracker = _Tracker()
-            m = _match_at(pattern, node, g, ids, tracker)
+            m = _match_at(pattern, node, g, ids, tracker, graph)
             if m is not None:
                 return Explanation(True, node.name, [n.name for n in m.nodes], "")
             if tracker.depth > best[0]:
                 best = (tracker.depth, node, tracker)
     if best[1] is None:
-        return Explanation(False, None, [], f"no {'|'.join(sorted(roots))} node to start from")
+        roots = sorted({op for p in starts for op in p.op_types})
+        return Explanation(False, None, [], f"no {'|'.join(roots)} node to start from")
     tracker = best[2]
     return Explanation(False, best[1].name, [f"{n.op} '{n.name}'" for n in tracker.nodes], tracker.reason)
 
@@ -405,13 +414,23 @@ class Rewrite:
     """A pattern, a condition (True, or False/a reason string to skip) and a replacement.
 
     `replace(match)` builds new nodes with `match.op(...)` and returns the tensors that take the place of
-    the root node's outputs (one per output; None keeps that output), or None to skip the match.
+    the root node's outputs (one per output; None keeps that output), or None to skip the match. A rewrite
+    that edits the root node in place (a Loop body, its inputs), or builds nodes that write the root's old
+    outputs and detaches it, returns the root's outputs as they now are (`list(match.root.outputs)`): nothing
+    is moved. Rewrites run to a fixpoint, so the condition must decline a node once it is done.
+    `subgraphs=False`: the rule looks at the outermost graph only, not in Loop/Scan/If bodies.
     """
 
     name: str
     pattern: Pattern
     replace: Callable[[Match], list | None]
     condition: Callable[[Match], bool | str] | None = None
+    subgraphs: bool = True
+
+
+def _in_place(node: gs.Node, new: list) -> bool:
+    """Whether a replacement is the node's own outputs as they now are (it was edited in place)."""
+    return len(new) == len(node.outputs) and all(a is b for a, b in zip(new, node.outputs))
 
 
 def apply_rewrites(graph: gs.Graph, rules: list[Rewrite], *, max_rounds: int = 20) -> tuple[int, int]:
@@ -424,11 +443,12 @@ def apply_rewrites(graph: gs.Graph, rules: list[Rewrite], *, max_rounds: int = 2
         for g in list(iter_graphs(graph)):
             touched: set[int] = set()
             ids = {id(n) for n in g.nodes}
+            in_scope = rules if g is graph else [r for r in rules if r.subgraphs]
             for node in list(g.nodes):
                 if id(node) in touched or id(node) not in ids:
                     continue
-                for rule in rules:
-                    m = _match_at(rule.pattern, node, g, ids, None)
+                for rule in in_scope:
+                    m = _match_at(rule.pattern, node, g, ids, None, graph)
                     if m is None or any(id(n) in touched for n in m.nodes):
                         continue
                     matches += 1
@@ -437,7 +457,8 @@ def apply_rewrites(graph: gs.Graph, rules: list[Rewrite], *, max_rounds: int = 2
                     new = rule.replace(m)
                     if new is None:
                         continue
-                    replace_outputs(g, node, new)
+                    if not _in_place(node, new):
+                        replace_outputs(g, node, new)
                     touched.update(id(n) for n in m.nodes)
                     changed += 1
                     break
