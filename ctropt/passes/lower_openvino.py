@@ -365,16 +365,13 @@ def body_passthrough_identity(ctx: PassContext) -> None:
     ctx.apply(*PASSTHROUGH_RULES)
 
 
-_TOOK_CONCAT = "_ctropt_took_concat"  # an If whose Concat moved into its branches (one per If and run)
-
-
 def _read_by_one_concat(m: Match) -> bool | str:
     out = m.root.outputs[0]
     if any(o is out for o in m.graph.outputs):
         return "its output is a graph output"
     if len(out.outputs) != 1 or out.outputs[0].op != "Concat":
         return "its output is not read by one Concat only"
-    return "a Concat moved into its branches already" if m.root.__dict__.get(_TOOK_CONCAT) else True
+    return True
 
 
 def _concat_in_branches(m: Match) -> list:
@@ -391,7 +388,6 @@ def _concat_in_branches(m: Match) -> list:
     node.outputs = list(cat.outputs)
     cat.inputs.clear()
     cat.outputs.clear()
-    node.__dict__[_TOOK_CONCAT] = True
     return list(node.outputs)  # the If now gives the Concat's result
 
 
