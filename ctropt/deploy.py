@@ -3,7 +3,8 @@ Model Server config, each with the model optimized for that server's runtime and
 
 Triton: `<name>/config.pbtxt` + `<name>/1/model.onnx` (onnxruntime backend), max_batch_size = the largest
 bucket and dynamic batching preferring the buckets when rows are independent (padding-free batching of
-requests is only exact then); otherwise max_batch_size 0 and the full shapes. OVMS: `config.json` with
+requests is only exact then); otherwise max_batch_size 0 and the full shapes. A model that uses ctropt's kernel
+library gets a copy of it beside config.pbtxt, named in `model_operations { op_library_filename }`. OVMS: `config.json` with
 `model_config_list` and `<name>/1/model.onnx` optimized with `--target openvino`, checked to load in OpenVINO.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import onnx
 
+from . import kernels
 from .graph import CtroptError, interface, save
 from .passes import PassManager
 from .runtime import Runner, generate_inputs
@@ -40,9 +43,12 @@ def _dims(dims, batched: bool) -> tuple[list[int], bool]:
 
 
 def triton_config(model: onnx.ModelProto, name: str, buckets: list[int], *, batched: bool,
-                  instance_kind: str = "KIND_CPU", queue_delay_us: int = 100) -> str:
-    """config.pbtxt text (protobuf text format of Triton's ModelConfig)."""
+                  instance_kind: str = "KIND_CPU", queue_delay_us: int = 100, op_library: str | None = None) -> str:
+    """config.pbtxt text (protobuf text format of Triton's ModelConfig); `op_library`: a custom-op library the
+    onnxruntime backend registers for the model."""
     lines = [f'name: "{name}"', 'backend: "onnxruntime"', f"max_batch_size: {max(buckets) if batched else 0}"]
+    if op_library:
+        lines.append(f'model_operations {{\n  op_library_filename: "{op_library}"\n}}')
     for kind in ("input", "output"):
         entries = []
         for k, tensor, elem, dims in interface(model):
@@ -97,7 +103,11 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
         model_dir.mkdir(parents=True, exist_ok=True)
         save(result.model, model_dir / "model.onnx")
         if server == "triton":
-            text = triton_config(result.model, name, buckets, batched=not why_not)
+            library = None
+            if kernels.uses_kernels(result.model):  # Triton's onnxruntime backend registers it for this model
+                library = str((out / server / name / kernels.library_path().name).resolve())
+                shutil.copyfile(kernels.library_path(), library)
+            text = triton_config(result.model, name, buckets, batched=not why_not, op_library=library)
             (out / server / name / "config.pbtxt").write_text(text)
             summary["triton"] = str(out / server / name / "config.pbtxt")
         else:

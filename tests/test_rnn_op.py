@@ -68,7 +68,7 @@ MASKING = [(1, 0), (0, 1), (0, 0)]  # lengths, mask, neither
 
 
 @pytest.mark.parametrize("kind,lbr,keep,pad", VARIANTS)
-@pytest.mark.parametrize("form", ["function", "scan", "gru-op", "auto"])
+@pytest.mark.parametrize("form", ["function", "scan", "gru-op", "standard"])
 def test_sequence_op_matches_reference(kind, lbr, keep, pad, form):
     rng = np.random.default_rng(0)
     for (with_lens, with_mask), with_h0, want_y in itertools.product(MASKING, (0, 1), (0, 1)):
@@ -87,7 +87,7 @@ def test_sequence_op_matches_reference(kind, lbr, keep, pad, form):
 
 
 @pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AIGRU"])
-@pytest.mark.parametrize("form", ["scan", "gru-op", "auto"])
+@pytest.mark.parametrize("form", ["scan", "gru-op", "standard"])
 def test_last_state_only_runs_up_to_the_longest_length(kind, form, monkeypatch):
     """A layer read only for its last state runs the steps before the batch's longest length (X, att sliced);
     with all states wanted, or a mask instead of lengths, it runs all T steps."""
@@ -110,7 +110,7 @@ def test_auto_form_switches_on_the_batch(monkeypatch):
     monkeypatch.setattr(rnn_passes, "GRU_OP_MAX_BATCH", 3)
     rng = np.random.default_rng(6)
     g, n, feeds, want = _layer(SequenceAttrs("GRU", H, 1), 1, 0, 0, 1, rng)
-    lower_sequence_node(g, n, "auto")
+    lower_sequence_node(g, n, "standard")
     g.cleanup()
     model = to_model(g, make_model([], [], []))
     assert [x.op_type for x in model.graph.node if x.op_type == "If"] == ["If"]

@@ -243,6 +243,27 @@ def test_repository_configs_parse_with_the_servers_schemas(tmp_path, source):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
 
 
+def test_a_repository_with_kernels_names_the_library_and_the_backend_can_load_it(tmp_path):
+    import onnxruntime as ort
+
+    r = CliRunner().invoke(app, ["repository", str(ZOO / "dien_tf.onnx"), "-o", str(tmp_path), "--name", "dien",
+                                 "--option", "rnn_ort_form=kernel"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    folder = tmp_path / "triton" / "dien"
+    config = _parse_triton((folder / "config.pbtxt").read_text())
+    (library,) = config.model_operations.op_library_filename
+    assert Path(library) == (folder / "libctropt_kernels.so").resolve() and Path(library).exists()
+    so = ort.SessionOptions()  # what Triton's onnxruntime backend does with op_library_filename
+    so.register_custom_ops_library(library)
+    model = folder / "1" / "model.onnx"
+    assert any(n.domain == "ai.ctropt.kernels" for n in load(model).graph.node)
+    sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    feeds = generate_inputs(load(ZOO / "dien_tf.onnx"), batch=4)
+    want = Runner(load(ZOO / "dien_tf.onnx")).run(feeds)
+    for name, got in zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)):
+        np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-5)
+
+
 def test_triton_config_without_batching_for_batch_dependent_models():
     from ctropt.deploy import triton_config
 

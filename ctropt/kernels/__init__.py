@@ -1,13 +1,15 @@
 """ctropt's onnxruntime kernel library (``ai.ctropt.kernels`` ops), built from C on the machine that runs it.
 
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
-lower-rnn-ort emits it with ``--option rnn_ort_form=kernel``. A model that holds such a node needs the library registered in its
-onnxruntime session: ctropt's own sessions do it, other code calls ``register(session_options)``.
+lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). A model that holds
+such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
+``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
 The build needs gcc and onnxruntime's C API header ``onnxruntime_c_api.h`` from any release up to the installed
-onnxruntime: the API is versioned, so a library built against an older header loads in newer onnxruntimes. It is looked
-for in $ORT_INCLUDE_DIR, then /usr/include/onnxruntime and /usr/local/include/onnxruntime (Debian's
-``libonnxruntime-dev``). ``tools/fetch_ort_headers.sh`` unpacks that package into a folder without installing it.
+onnxruntime: the API is versioned, so a library built against an older header loads in newer onnxruntimes. ctropt
+ships that header (``include/``: onnxruntime 1.21, API 21, MIT licence beside it), so ``ensure()`` builds the
+library on first use with nothing but gcc; $ORT_INCLUDE_DIR, /usr/include/onnxruntime and
+/usr/local/include/onnxruntime (Debian's ``libonnxruntime-dev``) are looked in first.
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from ..graph import CtroptError, iter_proto_nodes
 DOMAIN = "ai.ctropt.kernels"
 SOURCE = Path(__file__).with_name("gru_sequence.c")
 HEADER = "onnxruntime_c_api.h"
+SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
+_BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
 
 
 def library_path() -> Path:
-    """Where the built library is (or goes): $CTROPT_KERNELS_DIR, else beside the source."""
-    folder = Path(os.environ.get("CTROPT_KERNELS_DIR") or SOURCE.parent)
-    return folder / "libctropt_kernels.so"
+    """Where the built library is (or goes): $CTROPT_KERNELS_DIR, else beside the source when that folder is
+    writable (a checkout), else the user's cache (~/.cache/ctropt, for a read-only install)."""
+    folder = os.environ.get("CTROPT_KERNELS_DIR")
+    if not folder:
+        folder = SOURCE.parent if os.access(SOURCE.parent, os.W_OK) else \
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctropt"
+    return Path(folder) / "libctropt_kernels.so"
 
 
 def available() -> bool:
@@ -35,27 +43,44 @@ def available() -> bool:
 
 
 def include_dir() -> Path | None:
-    places = [os.environ.get("ORT_INCLUDE_DIR"), "/usr/include/onnxruntime", "/usr/local/include/onnxruntime"]
+    """The folder with onnxruntime's C API header: the environment's or system's, else the one ctropt ships."""
+    places = [os.environ.get("ORT_INCLUDE_DIR"), "/usr/include/onnxruntime", "/usr/local/include/onnxruntime",
+              SHIPPED_HEADER_DIR]
     return next((Path(p) for p in places if p and (Path(p) / HEADER).exists()), None)
 
 
-def build(include: str | Path | None = None, compiler: str = "gcc") -> Path:
-    """Compile the library for this machine's CPU (-march=native); returns its path."""
+def build(include: str | Path | None = None, compiler: str | None = None) -> Path:
+    """Compile the library for this machine's CPU (-march=native, with $CC or gcc); returns its path."""
+    compiler = compiler or os.environ.get("CC") or "gcc"
     inc = Path(include) if include else include_dir()
     if inc is None or not (inc / HEADER).exists():
-        raise CtroptError(f"{HEADER} not found (looked in $ORT_INCLUDE_DIR, /usr/include/onnxruntime, "
-                          "/usr/local/include/onnxruntime): install libonnxruntime-dev, or run "
-                          "tools/fetch_ort_headers.sh DIR and set ORT_INCLUDE_DIR=DIR")
+        raise CtroptError(f"{HEADER} not found in {inc}: give a folder that holds it (ctropt ships one in "
+                          f"{SHIPPED_HEADER_DIR}; tools/fetch_ort_headers.sh DIR unpacks Debian's)")
     out = library_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", str(SOURCE), "-o", str(out)]
+    part = out.with_name(f"{out.name}.{os.getpid()}.part")  # then renamed: a concurrent build never loads half a file
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", str(SOURCE), "-o", str(part)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:
         raise CtroptError(f"{compiler} not found: a C compiler is needed to build the kernels") from None
     if done.returncode:
         raise CtroptError(f"building the kernels failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(part, out)
     return out
+
+
+def ensure() -> str | None:
+    """Build the library if it is not built yet; None when it is ready, else why not (one try per process)."""
+    if available():
+        return None
+    if not _BUILD_FAILED:
+        try:
+            build()
+            return None
+        except CtroptError as e:
+            _BUILD_FAILED.append(str(e).splitlines()[0])
+    return _BUILD_FAILED[0]
 
 
 def uses_kernels(model) -> bool:
@@ -71,7 +96,7 @@ def register_if_used(session_options, model) -> None:
 
 def register(session_options) -> None:
     """Register the library with onnxruntime SessionOptions; a clear error if it is not built."""
-    if not available():
-        raise CtroptError(f"the model uses {DOMAIN} ops and ctropt's kernel library is not built for this "
-                          "checkout: run `ctropt kernels build`")
+    problem = ensure()
+    if problem:
+        raise CtroptError(f"the model uses {DOMAIN} ops and ctropt's kernel library cannot be built here: {problem}")
     session_options.register_custom_ops_library(str(library_path()))

@@ -1,6 +1,6 @@
 """Recurrent layers: `fuse-rnn` turns every GRU-family layer, in whatever form the exporter wrote it, into one
 ai.ctropt sequence op (``ctropt.ops.rnn``); `lower-rnn-ort` turns those into what onnxruntime runs fastest:
-stock ONNX ops, or ctropt's own kernel (``ctropt.kernels``) when asked to.
+ctropt's own kernel (``ctropt.kernels``, built on first use) where its library loads, else stock ONNX ops.
 
 Dialects (each reader lives beside this module and identifies the cell by meaning, ``ctropt.passes.gru_cell``):
 - ONNX GRU ops (torch ``nn.GRU``, tf2onnx's GRU rewriter): ``rnn_unrolled.fuse_gru_ops``;
@@ -23,8 +23,9 @@ from ..patterns import Match, P, Rewrite
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
-# onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime").
-ORT_FORMS = ("auto", "scan", "gru-op", "kernel")
+# onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime"): auto is the kernel where
+# ctropt's kernel library loads (1.77-3.42x over raw on the DIEN exports, against 1.28-1.92x), else `standard`.
+ORT_FORMS = ("auto", "standard", "scan", "gru-op", "kernel")
 # onnxruntime's GRU op runs the whole sequence in one kernel but each step slower than the lean Scan's ops:
 # `python benchmarks/rnn_forms.py` (T=100, H=36, 1 thread), time(GRU op)/time(Scan): 0.03-0.10 at batch 1,
 # 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch.
@@ -206,10 +207,10 @@ def _up_to_the_longest(graph: gs.Graph, inputs: dict, base: str) -> dict:
     return cut
 
 
-def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> None:
-    """Replace one sequence node by what onnxruntime runs: the lean Scan of its function body, the GRU op, (auto)
-    the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time, or (kernel) ctropt's
-    GRUScan. A Scan or GRU op layer whose only output is its last state runs up to the batch's longest length
+def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "standard") -> None:
+    """Replace one sequence node by what onnxruntime runs: the lean Scan of its function body, the GRU op,
+    (standard) the GRU op for batches below GRU_OP_MAX_BATCH and the Scan above, chosen at run time, or (kernel)
+    ctropt's GRUScan, for constant weights (else standard). A Scan or GRU op layer whose only output is its last state runs up to the batch's longest length
     (`_up_to_the_longest`); GRUScan stops each row at its own length anyway."""
     attrs = SequenceAttrs.of(node)
     inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
@@ -224,7 +225,7 @@ def lower_sequence_node(graph: gs.Graph, node: gs.Node, form: str = "auto") -> N
         _lower_to_kernel(graph, inputs, outputs, attrs, base)
     elif form == "gru-op" and gru_op:
         _lower_to_gru_op(graph, graph, inputs, outputs, attrs, base)
-    elif form == "auto" and gru_op:
+    elif form in ("standard", "kernel") and gru_op:
         _by_batch(graph, attrs, inputs, outputs, base)
     else:
         build_sequence(graph, attrs, inputs, outputs, prefix=base)
@@ -242,7 +243,7 @@ def sequence_op(m: Match) -> bool | str:
     return True if is_sequence_node(m.root) else "not an ai.ctropt sequence op"
 
 
-def _ort_rules(form: str = "auto") -> tuple:
+def _ort_rules(form: str = "standard") -> tuple:
     """Each sequence node of the main graph → the onnxruntime form `form` (see `lower_sequence_node`)."""
 
     def lower(m: Match) -> list:
@@ -258,12 +259,20 @@ ORT_RULES = _ort_rules()
 
 @register_pass("lower-rnn-ort", group="lower", targets=("ort",), rules=ORT_RULES)
 def lower_rnn_ort(ctx: PassContext) -> None:
-    """ai.ctropt sequence ops → onnxruntime's fastest measured stock form (lean Scan with X·W hoisted, GRU op at small
-    batch), or with rnn_ort_form=kernel ctropt's GRUScan kernel (needs ctropt's kernel library at run time)."""
+    """ai.ctropt sequence ops → ctropt's GRUScan kernel where its library loads (the saved model then needs it at
+    run time: `ctropt.kernels.register`), else onnxruntime's fastest measured stock form (lean Scan with X·W
+    hoisted, GRU op at small batch); rnn_ort_form picks one (kernel, standard, scan, gru-op)."""
     form = ctx.options.get("rnn_ort_form", "auto")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
-    if form == "kernel" and not kernels.available():
-        raise CtroptError("rnn_ort_form=kernel needs ctropt's kernel library: run `ctropt kernels build` first")
+    if not any(is_sequence_node(n) for n in ctx.graph.nodes):
+        return
+    if form in ("auto", "kernel"):
+        problem = kernels.ensure()
+        if problem and form == "kernel":
+            raise CtroptError(f"rnn_ort_form=kernel needs ctropt's kernel library, which cannot be built here: {problem}")
+        form = "standard" if problem else "kernel"
+        ctx.note(f"standard ops: ctropt's kernel library is not available ({problem})" if problem else
+                 f"GRUScan kernels: the model needs ctropt's kernel library at run time ({kernels.library_path()})")
     if ctx.apply(*_ort_rules(form)):
         tidy(ctx)
