@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ctropt.graph import to_model  # noqa: E402
 from ctropt.ops.rnn import SequenceAttrs, add_sequence_node  # noqa: E402
-from ctropt.passes.rnn import lower_sequence_node  # noqa: E402
+from ctropt.passes.rnn.lower_ort import lower_sequence_node  # noqa: E402
 from ctropt.runtime import Runner  # noqa: E402
 from ctropt.runtime.bench import bench  # noqa: E402
 from tests.helpers import make_model  # noqa: E402

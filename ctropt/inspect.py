@@ -41,7 +41,8 @@ class Recurrent:
 def embedding_tables(graph: gs.Graph) -> list[Table]:
     """Constant matrices read by Gather (lookup) or multiplied by a OneHot (indicator/one-hot lookup), with the
     embedding pass that takes their lookups."""
-    from .passes.embedding import _bag_loop, padded_bag_tables, parallel_lookup_tables
+    from .passes.embedding.bags import _bag_loop, padded_bag_tables
+    from .passes.embedding.parallel import parallel_lookup_tables
 
     found: dict[str, list] = collections.defaultdict(list)
     shapes, taken = {}, {}

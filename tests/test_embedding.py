@@ -10,7 +10,7 @@ import ctropt
 import ctropt.exporters.zoo
 from ctropt.exporters import Export
 from ctropt.graph import load
-from ctropt.passes import embedding
+from ctropt.passes.embedding import parallel
 from ctropt.runtime import generate_inputs
 from ctropt.runtime.inputs import stored_input_facts
 from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
@@ -51,7 +51,7 @@ def test_stacked_lookups_become_one_gather_on_doubled_tables():
 
 
 def test_large_tables_are_stored_once_and_ids_wrapped(monkeypatch):
-    monkeypatch.setattr(embedding, "DOUBLED_TABLE_BYTES", 0)
+    monkeypatch.setattr(parallel, "DOUBLED_TABLE_BYTES", 0)
     out, _ = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Mod", "Add", "Gather", "Flatten"],
                         feeds=feeds_with_boundaries((5, 1)))
     assert max(t.dims[0] for t in out.graph.initializer) == sum(ROWS)

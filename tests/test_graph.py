@@ -138,3 +138,18 @@ def test_missing_external_data_file(tmp_path):
     (tmp_path / "m.onnx.data").unlink()
     with pytest.raises(CtroptError, match="external data"):
         load(path)
+
+
+def test_builder_reuses_the_nodes_it_made_for_the_same_op_inputs_and_attributes():
+    import onnx_graphsurgeon as gs
+
+    from ctropt.graph.edit import Builder
+
+    x = gs.Variable("x", np.float32, [4])
+    g = gs.Graph(inputs=[x], opset=17)
+    b = Builder(g, "a", reuse="lens")
+    first = b.op("Cast", [x], {"to": 7})
+    assert Builder(g, "b", reuse="lens").op("Cast", [x], {"to": 7}) is first  # another Builder, the same pool
+    assert b.op("Cast", [x], {"to": 6}) is not first and b.op("Neg", [x]) is not first
+    assert Builder(g, "c").op("Cast", [x], {"to": 7}) is not first  # without `reuse`, always a new node
+    assert len(g.nodes) == 4

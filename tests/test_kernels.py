@@ -20,7 +20,7 @@ import ctropt
 from ctropt import kernels
 from ctropt.graph import CtroptError, interface, load, to_model
 from ctropt.ops.rnn import SequenceAttrs
-from ctropt.passes.rnn import lower_sequence_node
+from ctropt.passes.rnn.lower_ort import lower_sequence_node
 from ctropt.runtime import Runner, compare_outputs
 from tests.helpers import make_model
 from tests.test_rnn_op import H, MASKING, VARIANTS, _layer

@@ -1,4 +1,4 @@
-"""`lower-rnn-openvino` (ctropt/passes/lower_rnn_openvino.py): every ai.ctropt sequence node becomes standard ONNX
+"""`lower-rnn-openvino` (ctropt/passes/rnn/lower_openvino.py): every ai.ctropt sequence node becomes standard ONNX
 that OpenVINO's CPU plugin loads and runs with the op's meaning (``ctropt.ops.rnn.reference``), on onnxruntime too;
 AUGRU (att_keep=1) and AGRU with a static T become cells OpenVINO fuses into one AUGRUSequence, GRU/AIGRU the GRU op.
 """
@@ -13,7 +13,6 @@ import onnx_graphsurgeon as gs
 import pytest
 
 import ctropt
-import ctropt.passes.lower_rnn_openvino  # noqa: F401  (registers the pass until ctropt.passes imports it)
 from ctropt.graph import interface, save, to_graph, to_model
 from ctropt.ops import DOMAIN
 from ctropt.ops.rnn import SequenceAttrs, add_sequence_node, reference

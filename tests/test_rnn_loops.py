@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ctropt.graph import to_graph, to_model
-from ctropt.passes.rnn_loops import fuse_recurrent_loops
+from ctropt.passes.rnn.loops import fuse_recurrent_loops
 from ctropt.runtime import compare_outputs, generate_inputs, run_model
 from helpers import F, I64, init, make_model, node, vi
 

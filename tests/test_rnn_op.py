@@ -15,9 +15,9 @@ from onnx import TensorProto
 from ctropt.graph import to_graph, to_model
 from ctropt.ops import DOMAIN
 from ctropt.ops.rnn import SequenceAttrs, add_sequence_node, reference
-from ctropt.passes import rnn as rnn_passes
-from ctropt.passes.rnn import lower_sequence_node
-from ctropt.passes.gru_cell import identify_gru_cell
+from ctropt.passes.rnn import lower_ort as rnn_passes
+from ctropt.passes.rnn.lower_ort import lower_sequence_node
+from ctropt.passes.rnn.cell import identify_gru_cell
 from tests.helpers import init, make_model, node, vi
 
 Bn, T, I, H = 5, 7, 4, 3

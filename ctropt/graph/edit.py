@@ -83,11 +83,13 @@ _DEFAULT = object()
 class Builder:
     """New nodes (appended to `graph`, or to `nodes`) and constants named `prefix/...`, unique in `root` (default
     `graph`); outputs of `dtype` unless told. In a gs.Function constants are Constant nodes. `share`: small
-    constants shared by value within `graph`; `fold(op, inputs, attrs)`: the outputs' values if known (no node)."""
+    constants shared by value within `graph`; `reuse`: a node that a Builder of the same `reuse` made before in
+    `graph` (same op, inputs and attributes) is reused instead of made again; `fold(op, inputs, attrs)`: the
+    outputs' values if known (no node)."""
 
     def __init__(self, graph: gs.Graph, prefix: str = "", dtype=None, *, root: gs.Graph | None = None,
-                 nodes: list | None = None, share: str | None = None, fold=None):
-        self.graph, self.prefix, self.dtype, self.share, self.fold = graph, prefix, dtype, share, fold
+                 nodes: list | None = None, share: str | None = None, reuse: str | None = None, fold=None):
+        self.graph, self.prefix, self.dtype, self.share, self.reuse, self.fold = graph, prefix, dtype, share, reuse, fold
         self.root = graph if root is None else root
         self._nodes = nodes
 
@@ -113,6 +115,12 @@ class Builder:
             if values is not None:
                 folded = [gs.Constant(self.name("folded"), np.ascontiguousarray(v)) for v in values]
                 return folded if outputs > 1 else folded[0]
+        made = key = None
+        if self.reuse is not None and out is None:
+            made = self.graph.__dict__.setdefault("_ctropt_shared_nodes", {})  # per graph, like shared constants
+            key = (self.reuse, op, domain, outputs, tuple(id(t) for t in inputs), repr(sorted((attrs or {}).items())))
+            if key in made:
+                return made[key]
         node = self.name(name or op)
         if out is None:
             dtype = self.dtype if dtype is _DEFAULT else dtype
@@ -121,7 +129,10 @@ class Builder:
         else:
             outs = list(out) if isinstance(out, (list, tuple)) else [out]
         self.nodes.append(gs.Node(op, node, attrs=attrs or {}, inputs=list(inputs), outputs=outs, domain=domain))
-        return outs if len(outs) > 1 else outs[0]
+        result = outs if len(outs) > 1 else outs[0]
+        if made is not None:
+            made[key] = result
+        return result
 
     def const(self, name: str, value, dtype=None) -> gs.Tensor:
         """A constant named `prefix/name` (0-d values stay 0-d)."""

@@ -442,60 +442,45 @@ def _lower_gru_sequence_lens(root: gs.Graph, g: gs.Graph, gru: gs.Node) -> None:
         return t if t is not None and (t.outputs or id(t) in graph_outputs) else None
 
     y_out, yh_out = used(0), used(1)
-    made = g.__dict__.setdefault("_ctropt_ov_made", {})  # shared by GRUs reading the same x / lengths
-
-    def var(name, dt=None, shape=None):
-        return gs.Variable(unique_name(root, f"{base}/{name}"), dtype=dt, shape=shape)
-
-    def add(op, inputs, outputs, **attrs):
-        key = (op, tuple(id(t) for t in inputs), tuple(sorted(attrs.items())))
-        if key in made and not any(outputs[0] is o for o in (y_out, yh_out)):
-            return made[key]
-        g.nodes.append(gs.Node(op, unique_name(root, f"{base}/{op}"), attrs=attrs, inputs=inputs, outputs=outputs))
-        made[key] = outputs[0]
-        return outputs[0]
-
-    y_full = var("y_unmasked", dtype, None)
+    b = Builder(g, base, root=root, reuse="gru-lengths")  # what GRUs reading the same x / lengths compute, once
+    y_full = gs.Variable(unique_name(root, f"{base}/y_unmasked"), dtype=dtype)
     gru.inputs[4] = gs.Variable.empty()
     gru.outputs.clear()
     gru.outputs.append(y_full)
     zero = _constant(root, f"{base}/zero", np.zeros((), dtype=dtype))
     lens64 = lens if dtype_of(lens) is not None and np.dtype(dtype_of(lens)) == np.int64 else \
-        add("Cast", [lens], [var("lens", np.int64, None)], to=onnx.TensorProto.INT64)
+        b.op("Cast", [lens], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
     if y_out is not None:
         # mask[t, n] = t < lens[n]
         steps = (shape_of(x) or [None])[0]
         if isinstance(steps, (int, np.integer)):
             t_col = _constant(root, f"{base}/t_col", np.arange(int(steps), dtype=np.int64)[:, None])
         else:
-            steps = add("Gather", [add("Shape", [x], [var("x_shape", np.int64, [3])]),
-                                   _constant(root, f"{base}/time_axis", np.array(0, np.int64))],
-                        [var("steps", np.int64, [])], axis=0)
-            t = add("Range", [_constant(root, f"{base}/t0", np.array(0, np.int64)), steps,
-                              _constant(root, f"{base}/t1", np.array(1, np.int64))],
-                    [var("t", np.int64, None)])
-            t_col = add("Unsqueeze", [t, _constant(root, f"{base}/t_axes", np.array([1], np.int64))],
-                        [var("t_col", np.int64, None)])
-        mask = add("Less", [t_col, lens64], [var("mask", np.bool_, None)])
-        mask4 = add("Unsqueeze", [mask, _constant(root, f"{base}/mask_axes", np.array([1, 3], np.int64))],
-                    [var("mask4", np.bool_, None)])
-        add("Where", [mask4, y_full, zero], [y_out])
+            steps = b.op("Gather", [b.op("Shape", [x], dtype=np.int64, shape=[3]),
+                                    _constant(root, f"{base}/time_axis", np.array(0, np.int64))],
+                         {"axis": 0}, dtype=np.int64, shape=[])
+            t = b.op("Range", [_constant(root, f"{base}/t0", np.array(0, np.int64)), steps,
+                               _constant(root, f"{base}/t1", np.array(1, np.int64))], dtype=np.int64)
+            t_col = b.op("Unsqueeze", [t, _constant(root, f"{base}/t_axes", np.array([1], np.int64))], dtype=np.int64)
+        mask = b.op("Less", [t_col, lens64], dtype=np.bool_)
+        mask4 = b.op("Unsqueeze", [mask, _constant(root, f"{base}/mask_axes", np.array([1, 3], np.int64))],
+                     dtype=np.bool_)
+        b.op("Where", [mask4, y_full, zero], out=y_out)
     if yh_out is not None:
-        last = add("Max", [add("Sub", [lens64, _constant(root, f"{base}/one", np.array(1, np.int64))],
-                               [var("lens_m1", np.int64, None)]),
-                           _constant(root, f"{base}/zero_i", np.array(0, np.int64))], [var("last", np.int64, None)])
-        idx = add("Unsqueeze", [last, _constant(root, f"{base}/last_axes", np.array([0, 1, 3], np.int64))],
-                  [var("last4", np.int64, None)])
-        idx = add("Expand", [idx, _constant(root, f"{base}/last_shape", np.array([1, 1, 1, hidden], np.int64))],
-                  [var("last_idx", np.int64, None)])
-        picked = add("GatherElements", [y_full, idx], [var("y_last", dtype, None)], axis=0)
-        picked = add("Squeeze", [picked, _constant(root, f"{base}/squeeze_axes", np.array([0], np.int64))],
-                     [var("h_last", dtype, None)])
-        valid = add("Greater", [lens64, _constant(root, f"{base}/zero_len", np.array(0, np.int64))],
-                    [var("nonempty", np.bool_, None)])
-        valid = add("Unsqueeze", [valid, _constant(root, f"{base}/valid_axes", np.array([0, 2], np.int64))],
-                    [var("nonempty3", np.bool_, None)])
-        add("Where", [valid, picked, zero], [yh_out])
+        last = b.op("Max", [b.op("Sub", [lens64, _constant(root, f"{base}/one", np.array(1, np.int64))],
+                                 dtype=np.int64),
+                            _constant(root, f"{base}/zero_i", np.array(0, np.int64))], dtype=np.int64)
+        idx = b.op("Unsqueeze", [last, _constant(root, f"{base}/last_axes", np.array([0, 1, 3], np.int64))],
+                   dtype=np.int64)
+        idx = b.op("Expand", [idx, _constant(root, f"{base}/last_shape", np.array([1, 1, 1, hidden], np.int64))],
+                   dtype=np.int64)
+        picked = b.op("GatherElements", [y_full, idx], {"axis": 0}, dtype=dtype)
+        picked = b.op("Squeeze", [picked, _constant(root, f"{base}/squeeze_axes", np.array([0], np.int64))],
+                      dtype=dtype)
+        valid = b.op("Greater", [lens64, _constant(root, f"{base}/zero_len", np.array(0, np.int64))], dtype=np.bool_)
+        valid = b.op("Unsqueeze", [valid, _constant(root, f"{base}/valid_axes", np.array([0, 2], np.int64))],
+                     dtype=np.bool_)
+        b.op("Where", [valid, picked, zero], out=yh_out)
 
 
 # ----------------------------------------------------------------------------------------- Split + Cast(bool)

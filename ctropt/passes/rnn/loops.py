@@ -15,7 +15,7 @@ Rather than one pattern per dialect, a layer is read by meaning on a throwaway c
 1. roles of the carried values (counter: ``v + 1`` from a constant start; invariant: passed through; the
    float state, and possibly a copy of it) and of the per-step inputs (Scan slices, or reads ``S[t]`` /
    ``S[:, t]`` of an outer tensor, each checked numerically against numpy on random data);
-2. the cell: the first tensor after the Tanh that :func:`ctropt.passes.gru_cell.identify_gru_cell` reads as
+2. the cell: the first tensor after the Tanh that :func:`ctropt.passes.rnn.cell.identify_gru_cell` reads as
    a GRU-family cell of (h, x_t[, a_t]); a one-wide per-step input is the score a_t, or else a 0/1 mask;
 3. the masking, by running the body step on random states, inputs, masks and lengths around t: with
    valid = t < len (or m_t), the new state must be ``where(valid, cell, h)`` (``cell`` if neither), each stacked
@@ -36,12 +36,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import strip_identity
-from ..ops.rnn import add_sequence_node, is_sequence_node
-from .gru_cell import CellMatch, identify_gru_cell
-from ..graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
-from ..graph.shapes import Shapes
-from ..runtime.subgraph import Subgraph
+from ...graph import strip_identity
+from ...ops.rnn import add_sequence_node, is_sequence_node
+from .cell import CellMatch, identify_gru_cell
+from ...graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
+from ...graph.shapes import Shapes
+from ...runtime.subgraph import Subgraph
 
 _PROBE_BATCH = 8
 _RESHAPES = ("Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity")

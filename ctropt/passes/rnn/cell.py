@@ -22,8 +22,8 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ops.rnn import SequenceAttrs, reference
-from ..runtime.subgraph import Subgraph
+from ...ops.rnn import SequenceAttrs, reference
+from ...runtime.subgraph import Subgraph
 
 TOL = 1e-4
 

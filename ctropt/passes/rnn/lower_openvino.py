@@ -51,14 +51,14 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import CtroptError, iter_graphs
-from ..ops import DOMAIN
-from ..ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..graph.edit import Builder, const_value, dtype_of, shape_of, unique_name
-from ..patterns import Match, P, Rewrite
-from .cleanup import tidy
-from .registry import PassContext, register_pass
-from .rnn import SEQUENCE_OPS, sequence_op
+from ...graph import CtroptError, iter_graphs
+from ...ops import DOMAIN
+from ...ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
+from ...graph.edit import Builder, const_value, dtype_of, shape_of, unique_name
+from ...patterns import Match, P, Rewrite
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
+from .lower_ort import SEQUENCE_OPS, sequence_op
 
 FORMS = ("auto", "scan", "gru-op", "augru-unrolled")
 MAX_UNROLL = 512  # steps: longer chains would bloat the graph (18 nodes per step)

@@ -18,7 +18,7 @@ the value the old consumers expect.
    values) is compared op by op, attribute by attribute and constant by constant with step 1's; step 0 binds
    the initial state;
 4. *meaning*: the masking (``Where(m_t, h_new, s_{t-1})`` → ``mask`` = the mask's sequence tensor, padded output
-   "state") is peeled off and :func:`ctropt.passes.gru_cell.identify_gru_cell` reads step 1's cell
+   "state") is peeled off and :func:`ctropt.passes.rnn.cell.identify_gru_cell` reads step 1's cell
    (kind, linear_before_reset, att_keep, weights); a numeric check of the first steps (the exported nodes,
    slices included, against :func:`ctropt.ops.rnn.reference`, rows masked fully, partly and not at all) guards
    the rewrite.
@@ -35,12 +35,12 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph import topological_order
-from ..ops.rnn import SequenceAttrs, add_sequence_node, reference
-from .gru_cell import CellMatch, identify_gru_cell
-from ..graph.edit import Builder, const_value, is_all_zeros, unique_name
-from ..graph.shapes import Shapes
-from ..runtime.subgraph import Subgraph
+from ...graph import topological_order
+from ...ops.rnn import SequenceAttrs, add_sequence_node, reference
+from .cell import CellMatch, identify_gru_cell
+from ...graph.edit import Builder, const_value, is_all_zeros, unique_name
+from ...graph.shapes import Shapes
+from ...runtime.subgraph import Subgraph
 
 MIN_STEPS = 3          # shorter unrolled loops are left alone
 MAX_STEP_NODES = 4000  # nodes one step's comparison may visit

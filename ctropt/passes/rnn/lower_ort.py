@@ -1,12 +1,5 @@
-"""Recurrent layers: `fuse-rnn` turns every GRU-family layer, in whatever form the exporter wrote it, into one
-ai.ctropt sequence op (``ctropt.ops.rnn``); `lower-rnn-ort` turns those into what onnxruntime runs fastest:
-ctropt's own kernel (``ctropt.kernels``, built on first use) where its library loads, else stock ONNX ops.
-
-Dialects (each reader lives beside this module and identifies the cell by meaning, ``ctropt.passes.gru_cell``):
-- ONNX GRU ops (torch ``nn.GRU``, tf2onnx's GRU rewriter): ``rnn_unrolled.fuse_gru_ops``;
-- Scan/Loop layers (tf2onnx from ``dynamic_rnn``, Keras GRU, DeepCTR's while loops): ``rnn_loops``;
-- cells unrolled over time (a Python loop over steps in PyTorch): ``rnn_unrolled.fuse_unrolled_cells``.
-"""
+"""`lower-rnn-ort`: ai.ctropt sequence ops → what onnxruntime runs fastest: ctropt's own kernel (``ctropt.kernels``,
+built on first use) where its library loads, else stock ONNX ops (the lean Scan, or the GRU op at small batch)."""
 
 from __future__ import annotations
 
@@ -14,14 +7,14 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import CtroptError
-from ..ops import DOMAIN
-from ..ops.rnn import INPUTS, KINDS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
-from ..graph.edit import Builder, add_constant, add_node, const_value, unique_name
-from ..patterns import Match, P, Rewrite
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph import CtroptError
+from ...ops import DOMAIN
+from ...ops.rnn import INPUTS, KINDS, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
+from ...graph.edit import Builder, add_constant, add_node, const_value, unique_name
+from ...patterns import Match, P, Rewrite
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 
 # onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime"): auto is the kernel where
 # ctropt's kernel library loads (1.77-3.42x over raw on the DIEN exports, against 1.28-1.92x), else `standard`.
@@ -30,41 +23,6 @@ ORT_FORMS = ("auto", "standard", "scan", "gru-op", "kernel")
 # `python benchmarks/rnn_forms.py` (T=100, H=36, 1 thread), time(GRU op)/time(Scan): 0.03-0.10 at batch 1,
 # 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch.
 GRU_OP_MAX_BATCH = 192
-
-
-def _opset(graph: gs.Graph) -> int:
-    return int(getattr(graph, "opset", None) or 0)
-
-
-@register_pass("fuse-rnn", group="fusion")
-def fuse_rnn(ctx: PassContext) -> int:
-    """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each.
-
-    The readers (one per dialect) read each layer by meaning; the pass returns how many layers they fused."""
-    from .rnn_loops import fuse_recurrent_loops
-    from .rnn_unrolled import fuse_gru_ops, fuse_unrolled_cells
-
-    opset = _opset(ctx.graph)
-    if opset < MIN_OPSET:
-        ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
-        return 0
-    skipped: list[str] = []
-    fused = [line for reader in (fuse_gru_ops, fuse_unrolled_cells) for line in reader(ctx.graph, opset)]
-    fused += list(fuse_recurrent_loops(ctx.graph, opset, notes=skipped))
-    for line in fused + [f"left as is: {line}" for line in skipped]:
-        ctx.note(line)
-    if fused:
-        _forget_intermediate_shapes(ctx.graph)
-    return len(fused)
-
-
-def _forget_intermediate_shapes(graph: gs.Graph) -> None:
-    """Shapes annotated before the rewrite may name dims of values that now mean something else (a GRU over
-    packed rows becomes one over the batch); the manager re-infers them."""
-    keep = {id(t) for t in list(graph.inputs) + list(graph.outputs)}
-    for t in graph.tensors().values():
-        if isinstance(t, gs.Variable) and id(t) not in keep:
-            t.shape = None
 
 
 def _gru_op_ok(node: gs.Node, attrs: SequenceAttrs) -> bool:

@@ -1,0 +1,10 @@
+"""Recurrent layers (GRU, AUGRU, AGRU, AIGRU): `fuse-rnn` reads each layer, in any exporter's dialect, into one
+ai.ctropt sequence op; `lower-rnn-ort` and `lower-rnn-openvino` turn those into what each runtime runs fastest.
+
+- `fuse.py`: the fuse-rnn pass, dispatching to the dialect readers;
+- `loops.py` (Scan/Loop bodies) and `unrolled.py` (ONNX GRU ops, cells unrolled over time): where a layer is;
+- `cell.py`: what its cell computes, read by meaning (gates probed as affine maps, checked numerically);
+- `lower_ort.py`, `lower_openvino.py`: the lowerings.
+"""
+
+from . import fuse, lower_openvino, lower_ort  # noqa: F401  (registers the passes)

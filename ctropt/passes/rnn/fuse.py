@@ -1,0 +1,47 @@
+"""`fuse-rnn`: every GRU-family layer, in whatever form the exporter wrote it, → one ai.ctropt sequence op
+(``ctropt.ops.rnn``). The readers find where a layer is; ``cell.identify_gru_cell`` reads its cell by meaning:
+- ONNX GRU ops (torch ``nn.GRU``, tf2onnx's GRU rewriter): ``unrolled.fuse_gru_ops``;
+- Scan/Loop layers (tf2onnx from ``dynamic_rnn``, Keras GRU, DeepCTR's while loops): ``loops``;
+- cells unrolled over time (a Python loop over steps in PyTorch): ``unrolled.fuse_unrolled_cells``.
+"""
+
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+from ...ops.rnn import MIN_OPSET
+from ..registry import PassContext, register_pass
+from .loops import fuse_recurrent_loops
+from .unrolled import fuse_gru_ops, fuse_unrolled_cells
+
+
+def _opset(graph: gs.Graph) -> int:
+    return int(getattr(graph, "opset", None) or 0)
+
+
+@register_pass("fuse-rnn", group="fusion")
+def fuse_rnn(ctx: PassContext) -> int:
+    """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each.
+
+    The readers (one per dialect) read each layer by meaning; the pass returns how many layers they fused."""
+    opset = _opset(ctx.graph)
+    if opset < MIN_OPSET:
+        ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
+        return 0
+    skipped: list[str] = []
+    fused = [line for reader in (fuse_gru_ops, fuse_unrolled_cells) for line in reader(ctx.graph, opset)]
+    fused += list(fuse_recurrent_loops(ctx.graph, opset, notes=skipped))
+    for line in fused + [f"left as is: {line}" for line in skipped]:
+        ctx.note(line)
+    if fused:
+        _forget_intermediate_shapes(ctx.graph)
+    return len(fused)
+
+
+def _forget_intermediate_shapes(graph: gs.Graph) -> None:
+    """Shapes annotated before the rewrite may name dims of values that now mean something else (a GRU over
+    packed rows becomes one over the batch); the manager re-infers them."""
+    keep = {id(t) for t in list(graph.inputs) + list(graph.outputs)}
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Variable) and id(t) not in keep:
+            t.shape = None
