@@ -189,3 +189,18 @@ def test_build_without_the_header_says_where_it_looked(monkeypatch, tmp_path):
     monkeypatch.setenv("CTROPT_KERNELS_DIR", str(tmp_path))
     with pytest.raises(CtroptError, match="onnxruntime_c_api.h not found.*fetch_ort_headers"):
         kernels.build(include=tmp_path)
+
+
+def test_optimize_says_which_form_the_recurrent_layers_took(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ctropt.cli import app
+
+    args = ["optimize", str(ZOO / "dien_tf.onnx"), "-o", str(tmp_path / "k.onnx"), "--no-speed-check"]
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0 and "recurrent layers run as ctropt's GRUScan" in " ".join(r.output.split()), r.output
+    _no_compiler(tmp_path, monkeypatch)
+    r = CliRunner().invoke(app, args[:3] + [str(tmp_path / "s.onnx"), "--no-speed-check"], catch_exceptions=False)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "lower-rnn-ort: standard ops: ctropt's kernel library is not available" in text, text
+    assert "GRUScan" not in text

@@ -172,6 +172,7 @@ def optimize(
                 color = {"slower": "yellow", "applied": "green"}.get(r.status, "red")
                 console.print(f"[{color}]{r.name} {r.status}[/]: {escape(r.message)}")
         _print_whole_speed(result)
+        _print_runtime_needs(result)
         for r in result.records:
             if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
                 console.print(f"[bold]{r.name}[/]:\n" + "\n".join(f"  {escape(n)}" for n in r.notes))
@@ -209,6 +210,21 @@ def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None
         "passes": [{"name": r.name, "status": r.status, "rewrites": r.rewrites, "nodes": [r.nodes_before, r.nodes_after],
                     "max_abs_err": r.max_abs_err, "speedup": r.speedup, "seconds": round(r.seconds, 3),
                     "message": r.message} for r in result.records]}, indent=1))
+
+
+def _print_runtime_needs(result) -> None:
+    """Which form the recurrent layers took on onnxruntime: ctropt's kernels (the saved model needs the library)
+    or stock ops, and why."""
+    from .. import kernels
+
+    if kernels.uses_kernels(result.model):
+        console.print(f"[cyan]kernels:[/] recurrent layers run as ctropt's GRUScan; onnxruntime needs "
+                      f"{kernels.library_path()} registered (ctropt's own sessions and `ctropt repository` do it; "
+                      "other code: ctropt.kernels.register(session_options))")
+    for r in result.records:
+        for note in r.notes if r.name == "lower-rnn-ort" and r.status == "applied" else ():
+            if note.startswith("standard ops"):
+                console.print(f"[yellow]{r.name}:[/] {escape(note)}")
 
 
 def _print_whole_speed(result) -> None:
