@@ -282,6 +282,78 @@ def test_steps_with_other_weights_are_not_one_chain():
     assert done == [] and sorted(ops(fused)) == sorted(ops(model))
 
 
+def paddle_cell_model(T=5, I=3, H=4, back_to_batch_major=True, extra_reader=False):
+    """paddle.nn.GRUCell in a Python loop as paddle2onnx writes it: the sequence transposed time-major, x_t =
+    Squeeze(Slice(Xt, t, t+1, axis 0)), one MatMul + Add per side split into paddle's gate order (r, z, c),
+    h' = (h - c) * z + c, h0 = Expand(0, [batch of x_0, H]), states stacked by one Concat(axis 0) per step grown
+    from an empty [0, B, H] tensor, transposed back; the last state sliced off that stack."""
+    Wx = RNG.normal(size=(I, 3 * H)).astype(np.float32) * 0.6
+    Wh = RNG.normal(size=(H, 3 * H)).astype(np.float32) * 0.6
+    bx, bh = (RNG.normal(size=3 * H).astype(np.float32) * 0.2 for _ in range(2))
+    inits = [init("Wx", Wx), init("Wh", Wh), init("bx", bx), init("bh", bh), init("zero", np.zeros(1, np.float32)),
+             init("split", np.array([H, H, H])), init("ax0", np.array([0])), init("ax1", np.array([1])),
+             init("hdim", np.array([H])), init("last", np.array([-1])), init("end", np.array([2 ** 31 - 1]))]
+    nodes = [node("Transpose", ["X"], ["Xt"], perm=[1, 0, 2])]
+    for t in range(T):
+        inits += [init(f"s{t}", np.array([t])), init(f"e{t}", np.array([t + 1]))]
+        p = f"c{t}_"
+        nodes += [node("Slice", ["Xt", f"s{t}", f"e{t}", "ax0", "ax1"], [p + "x1"]),
+                  node("Squeeze", [p + "x1", "ax0"], [p + "x"])]
+        if t == 0:
+            nodes += [node("Shape", ["c0_x"], ["shp"]), node("Slice", ["shp", "ax0", "ax1", "ax0"], ["bdim"]),
+                      node("Concat", ["bdim", "hdim"], ["hshape"], axis=0), node("Expand", ["zero", "hshape"], ["h0"]),
+                      node("Concat", ["ax0", "bdim", "hdim"], ["eshape"], axis=0),
+                      node("Expand", ["zero", "eshape"], ["stack_"])]
+        h, prev = ("h0", "stack_") if t == 0 else (f"c{t - 1}_h", f"c{t - 1}_stack")
+        nodes += [node("MatMul", [p + "x", "Wx"], [p + "mx"]), node("Add", [p + "mx", "bx"], [p + "gx"]),
+                  node("MatMul", [h, "Wh"], [p + "mh"]), node("Add", [p + "mh", "bh"], [p + "gh"]),
+                  helper.make_node("Split", [p + "gx", "split"], [p + "xr", p + "xz", p + "xc"], axis=1),
+                  helper.make_node("Split", [p + "gh", "split"], [p + "hr", p + "hz", p + "hc"], axis=1),
+                  node("Add", [p + "xr", p + "hr"], [p + "ar"]), node("Sigmoid", [p + "ar"], [p + "r"]),
+                  node("Add", [p + "xz", p + "hz"], [p + "az"]), node("Sigmoid", [p + "az"], [p + "z"]),
+                  node("Mul", [p + "r", p + "hc"], [p + "rh"]), node("Add", [p + "xc", p + "rh"], [p + "ac"]),
+                  node("Tanh", [p + "ac"], [p + "c"]), node("Sub", [h, p + "c"], [p + "d"]),
+                  node("Mul", [p + "d", p + "z"], [p + "dz"]), node("Add", [p + "dz", p + "c"], [p + "h"]),
+                  node("Unsqueeze", [p + "h", "ax0"], [p + "u"]),
+                  node("Concat", [prev, p + "u"], [p + "stack"], axis=0)]
+    stack = f"c{T - 1}_stack"
+    outputs = [vi("h_last", F, ["batch", H])]
+    if back_to_batch_major:
+        nodes += [node("Transpose", [stack], ["Y"], perm=[1, 0, 2]),
+                  node("Slice", ["Y", "last", "end", "ax1", "ax1"], ["Yl"]), node("Squeeze", ["Yl", "ax1"], ["h_last"])]
+        outputs.insert(0, vi("Y", F, ["batch", T, H]))
+    else:
+        nodes += [node("Gather", [stack, init("tl", np.array(T - 1)).name], ["h_last"], axis=0)]
+        inits.append(init("tl", np.array(T - 1)))
+        outputs.insert(0, vi(stack, F, [T, "batch", H]))
+    if extra_reader:  # a step's gate read outside the chain: the chain is left, with the reason in the notes
+        outputs.append(vi("c2_z", F, ["batch", H]))
+    return make_model(nodes, [vi("X", F, ["batch", T, I])], outputs, inits, opset=13)
+
+
+@pytest.mark.parametrize("back_to_batch_major", [True, False])
+def test_paddle_time_major_cell_becomes_one_sequence_node(back_to_batch_major):
+    model = paddle_cell_model(back_to_batch_major=back_to_batch_major)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "GRU cell unrolled over 5 steps" in done[0]
+    assert [o for o in ops(fused) if o in ("GRUSequence", "Tanh", "Sigmoid", "Split", "MatMul")] == ["GRUSequence"]
+    if back_to_batch_major:  # the stack's Transpose back is the node's Y; the last state is still sliced off it
+        assert sorted(ops(fused)) == ["GRUSequence", "Slice", "Squeeze"]
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["linear_before_reset"], _s(seq["padded_output"])) == ("GRU", 1, "zero")
+    assert seq["inputs"]["X"] == "X" and seq["inputs"]["initial_h"] == ""
+    feeds = {"X": RNG.normal(size=(6, 5, 3)).astype(np.float32)}
+    assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+def test_chain_left_as_is_says_why():
+    model = paddle_cell_model(extra_reader=True)
+    graph, notes = to_graph(model), []
+    assert fuse_unrolled_cells(graph, 13, notes=notes) == []
+    assert len(notes) == 1 and "unrolled over 5 steps" in notes[0] and "reads the chain other than" in notes[0]
+
+
 # ----------------------------------------------------------------------------------------- exporters' models
 
 

@@ -29,7 +29,7 @@ def fuse_rnn(ctx: PassContext) -> int:
         ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
         return 0
     skipped: list[str] = []
-    fused = [line for reader in (fuse_gru_ops, fuse_unrolled_cells) for line in reader(ctx.graph, opset)]
+    fused = list(fuse_gru_ops(ctx.graph, opset)) + list(fuse_unrolled_cells(ctx.graph, opset, notes=skipped))
     fused += list(fuse_recurrent_loops(ctx.graph, opset, notes=skipped))
     for line in fused + [f"left as is: {line}" for line in skipped]:
         ctx.note(line)

@@ -8,10 +8,13 @@ exporters write around the op (Transpose [B,T,I]→[T,B,I] before, Squeeze of th
 back after, dynamo's Transpose/Reshape/Transpose) is absorbed; where it cannot be, a Transpose/Unsqueeze makes
 the value the old consumers expect.
 
-:func:`fuse_unrolled_cells` finds a GRU-family cell that PyTorch exported once per step of a Python loop:
+:func:`fuse_unrolled_cells` finds a GRU-family cell exported once per step of a Python loop (PyTorch,
+paddle2onnx):
 
 1. *step slices*: Gather(S, t, axis=1), Slice(S, t, t+1, axis 1) (+ Squeeze) or Split(S, axis 1) over every
-   t in 0..T-1 of a sequence tensor S; each slice is a step input (x_t, the attention a_t, the mask m_t);
+   t in 0..T-1 of a sequence tensor S; each slice is a step input (x_t, the attention a_t, the mask m_t); x_t
+   may also be a time-major step, the same ops along axis 0 of S [T, B, I] with the time axis dropped
+   (paddle2onnx transposes the sequence, then slices and squeezes);
 2. *levels*: each value gets the highest step whose slices it depends on; the state s_t that the cells pass on
    is the one level-t value every level-t value that step t+2 reads derives from (the dominator of the chain);
 3. *same cell every step*: each step's subgraph (from s_t back to s_{t-1}, its step slices, constants and shared
@@ -23,9 +26,11 @@ the value the old consumers expect.
    slices included, against :func:`ctropt.ops.rnn.reference`, rows masked fully, partly and not at all) guards
    the rewrite.
 
-The chain becomes one sequence node over the slices' sources: the last state becomes Y_h, states stacked with
-Unsqueeze + Concat(axis 1) (or SequenceConstruct + ConcatFromSequence) become Y. A GRU cell over a_t * x_t is
-an AIGRU. A chain that is not read completely (other masking, other state readers, shapes unknown) stays as is.
+The chain becomes one sequence node over the slices' sources (a time-major one transposed back): the last state
+becomes Y_h, states stacked with Unsqueeze + Concat(axis 1) (or SequenceConstruct + ConcatFromSequence) become
+Y; stacked along axis 0 (paddle2onnx: one Concat per step grown from an empty tensor) they become Y transposed.
+A GRU cell over a_t * x_t is an AIGRU. A chain that is not read completely (other masking, other state readers,
+shapes unknown) stays as is, and `notes` says which phase stopped it.
 """
 
 from __future__ import annotations
@@ -366,6 +371,8 @@ def _step_slices(graph: gs.Graph, shapes: Shapes) -> list[_Group]:
                 axes = _axes_of(u)
                 if len(axes) == 1 and (axes[0] == axis or (rank is not None and axes[0] % rank == axis)):
                     out, squeezed, nodes = u.outputs[0], True, nodes + [u]
+        if axis == 0 and not squeezed:
+            return  # time-major steps drop the time axis: [1, B, ...] slices are not step inputs
         key = (id(source), axis, squeezed)
         g = groups.setdefault(key, _Group(key, source, axis, squeezed, {}, {}))
         g.steps.setdefault(t, []).append(out)
@@ -378,33 +385,44 @@ def _step_slices(graph: gs.Graph, shapes: Shapes) -> list[_Group]:
         if const_value(src) is not None:
             continue
         if n.op == "Gather" and len(n.inputs) == 2:
-            axis = _norm_axis(int(n.attrs.get("axis", 0)), src, shapes)
+            axis = _time_axis(int(n.attrs.get("axis", 0)), src, shapes)
             idx = const_value(n.inputs[1])
-            if axis != 1 or idx is None or idx.dtype.kind not in "iu" or idx.size != 1 or int(idx.ravel()[0]) < 0:
+            if axis is None or idx is None or idx.dtype.kind not in "iu" or idx.size != 1 or int(idx.ravel()[0]) < 0:
                 continue
-            add(src, 1, int(idx.ravel()[0]), n.outputs[0], idx.ndim == 0, [n])
+            add(src, axis, int(idx.ravel()[0]), n.outputs[0], idx.ndim == 0, [n])
         elif n.op == "Slice" and len(n.inputs) >= 4:
             starts, ends, axes = _ints(n.inputs[1]), _ints(n.inputs[2]), _ints(n.inputs[3])
             steps = _ints(n.inputs[4]) if len(n.inputs) > 4 and _present(n.inputs[4]) else [1]
             if None in (starts, ends, axes, steps) or len(starts) != 1 or len(ends) != 1 or len(axes) != 1:
                 continue
-            if steps != [1] or _norm_axis(axes[0], src, shapes) != 1 or starts[0] < 0 or ends[0] != starts[0] + 1:
+            axis = _time_axis(axes[0], src, shapes)
+            if steps != [1] or axis is None or starts[0] < 0 or ends[0] != starts[0] + 1:
                 continue
-            add(src, 1, starts[0], n.outputs[0], False, [n])
+            add(src, axis, starts[0], n.outputs[0], False, [n])
         elif n.op == "Split" and len(n.outputs) >= MIN_STEPS:
-            if _norm_axis(int(n.attrs.get("axis", 0)), src, shapes) != 1:
+            axis = _time_axis(int(n.attrs.get("axis", 0)), src, shapes)
+            if axis is None:
                 continue
             k = len(n.outputs)
             sizes = _ints(n.inputs[1]) if len(n.inputs) > 1 and _present(n.inputs[1]) else n.attrs.get("split")
             if sizes is None:
                 shape = shapes.shape(src)
-                ok = shape is not None and len(shape) > 1 and shape[1] == k
+                ok = shape is not None and len(shape) > 1 and shape[axis] == k
             else:
                 ok = list(sizes) == [1] * k
             if ok:
                 for t, o in enumerate(n.outputs):
-                    add(src, 1, t, o, False, [n])
+                    add(src, axis, t, o, False, [n])
     return list(groups.values())
+
+
+def _time_axis(axis: int, t: gs.Tensor, shapes: Shapes) -> int | None:
+    """The time axis a slice along `axis` of `t` steps over: 1 (batch-major [B, T, ...]), 0 (time-major
+    [T, B, ...], rank 3: paddle2onnx's transpose-then-slice loops), else None."""
+    axis = _norm_axis(axis, t, shapes)
+    if axis == 1 or (axis == 0 and shapes.rank(t) == 3):
+        return axis
+    return None
 
 
 def _norm_axis(axis: int, t: gs.Tensor, shapes: Shapes) -> int | None:
@@ -637,12 +655,18 @@ class _Steps:
         return found
 
 
+class _Miss(Exception):
+    """A chain that does not read completely: the phase that stopped it."""
+
+
 class _Unroller:
-    """Finds the chains of unrolled steps, one length T at a time, and rewrites each one that reads completely."""
+    """Finds the chains of unrolled steps, one length T at a time, and rewrites each one that reads completely;
+    `misses` says why each chain found but left as is was left."""
 
     def __init__(self, graph: gs.Graph, opset: int, shapes: Shapes):
         self.graph, self.opset, self.shapes = graph, opset, shapes
         self.failed: set[int] = set()
+        self.misses: list[tuple] = []          # (step 2's Tanh, why its chain was left)
 
     def scan(self):
         """The complete step groups (every step 0..T-1 sliced) by their length T."""
@@ -678,8 +702,13 @@ class _Unroller:
                     continue
                 try:
                     done = self._try(steps, tanh)
-                except Exception:  # anything unexpected: leave the chain as it is
+                except _Miss as e:
                     done = None
+                    self.misses.append((tanh, f"cell unrolled over {T} steps (step 2 at {tanh.name}): {e}"))
+                except Exception as e:  # anything unexpected: leave the chain as it is
+                    done = None
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+                    self.misses.append((tanh, f"cell unrolled over {T} steps (step 2 at {tanh.name}): {why}"))
                 if done:
                     return done
                 self.failed.add(id(tanh))
@@ -694,7 +723,8 @@ class _Unroller:
 
     @staticmethod
     def _trace(steps: _Steps, tanh2: gs.Node) -> _Chain | None:
-        """Follow the state from step 0 through every step, each step's cell the same as step 1's."""
+        """Follow the state from step 0 through every step, each step's cell the same as step 1's (None: no state
+        passed from step to step; _Miss: a step differs)."""
         T = steps.T
         s0 = steps.state_before(tanh2, 2)
         if s0 is None:
@@ -721,7 +751,7 @@ class _Unroller:
                 if hit:
                     break
             if hit is None:
-                return None
+                raise _Miss(f"step {t} does not compute step 1's cell (same ops, attributes, constants, slices)")
             cand, (ref_nodes, cand_nodes, bound_h) = hit
             if t == 1:
                 h_init = bound_h
@@ -736,19 +766,17 @@ class _Unroller:
         one sequence node: its description, or None where it does not read completely."""
         region = _chain_region(chain)
         if region is None:
-            return None
+            raise _Miss("a node belongs to two steps")
         cell = _read_cell(steps, self.shapes, self.opset, chain)
-        if cell is None:
-            return None
         readers = _chain_readers(self.graph, chain, region)
         if readers is None:
-            return None
+            raise _Miss("the graph reads the chain other than through the last state and the stacked states")
         stacked, need_h = readers
         h0_zero = is_all_zeros(chain.h0)
         if const_value(chain.h0) is not None and not h0_zero:
-            return None
+            raise _Miss("the initial state is a nonzero constant")
         if not _check(chain, cell, h0_zero, self.shapes, self.opset):
-            return None
+            raise _Miss("numeric check of the first steps against the reference op failed")
         return _replace_chain(self.graph, self.opset, self.shapes, chain, cell, stacked, need_h, h0_zero,
                               len(region))
 
@@ -767,26 +795,26 @@ def _chain_region(chain: _Chain) -> dict | None:
     return region
 
 
-def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cell | None:
-    """Step 1's cell: its masking, its step inputs (x, attention) and what it computes, or None."""
+def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cell:
+    """Step 1's cell: its masking, its step inputs (x, attention) and what it computes; _Miss if not read."""
     s = chain.states
     masking = _peel_mask(steps, shapes, s)
     if masking is None:
-        return None
+        raise _Miss("the Where mask is not a [B, T] sequence")
     mask_group, invert, h_new1 = masking
     step_inputs = _step_inputs(steps, shapes, h_new1, s[0])
     if step_inputs is None:
-        return None
+        raise _Miss("the cell's step inputs are not x_t [B, I] (and a_t) of float32 sequences")
     x_group, x1, att_group, att1 = step_inputs
     H = _last_dim(shapes.shape(s[0])) or _last_dim(shapes.shape(s[1]))
     I = _last_dim(shapes.shape(x_group.source))
     if not H or not I:
-        return None
+        raise _Miss("hidden or input width unknown")
     found = _identify_cell(chain.nodes[1], h_new1, s[0], x1, att1, H, I, opset)
     if found is None or list(found.x_columns) != list(range(I)):
-        return None
+        raise _Miss("step 1 is not a GRU-family cell (identify_gru_cell)")
     if (found.attrs.kind == "GRU") != (att_group is None):
-        return None
+        raise _Miss(f"a {found.attrs.kind} cell {'without' if att_group is None else 'with'} an attention sequence")
     attrs = dataclasses.replace(found.attrs, padded_output="state" if mask_group is not None else "zero")
     return _Cell(attrs, found, x_group, att_group, mask_group, invert, H, I)
 
@@ -894,8 +922,9 @@ def _chain_readers(graph: gs.Graph, chain: _Chain, region: dict) -> tuple | None
 
 
 def _stacked(chain: _Chain, region: dict):
-    """States stacked as Y [B, T, H]: Concat(axis 1) of Unsqueeze(s_t, 1), or ConcatFromSequence(axis 1,
-    new_axis 1) of SequenceConstruct(s_t), t = 0..T-1 in order. Returns (Y, the stacking nodes), None if
+    """States stacked along time: Concat(axis 1) of Unsqueeze(s_t, 1), or ConcatFromSequence(axis 1, new_axis 1)
+    of SequenceConstruct(s_t), t = 0..T-1 in order, Y [B, T, H]; or along axis 0, Y [T, B, H] (paddle2onnx's
+    stacks grow one Concat per step from an empty tensor). Returns (Y, the stacking nodes, time axis), None if
     only the last state is read, False if the states are read in another way."""
     s = chain.states
     outside = [[u for u in st.outputs if id(u) not in region] for st in s]
@@ -910,19 +939,64 @@ def _stacked(chain: _Chain, region: dict):
                 or len(cfs) != 1 or cfs[0].op != "ConcatFromSequence"
                 or int(cfs[0].attrs.get("new_axis", 0)) != 1 or int(cfs[0].attrs.get("axis", 0)) not in (1, -2)):
             return False
-        return cfs[0].outputs[0], [first, cfs[0]]
+        return cfs[0].outputs[0], [first, cfs[0]], 1
+    axis = {(1,): 1, (-2,): 1, (0,): 0, (-3,): 0}.get(tuple(_axes_of(first) or ())) if first.op == "Unsqueeze" else None
+    if axis is None:
+        return False
     unsq = []
     for t, st in enumerate(s):
         us = [u for u in outside[t] if u.op == "Unsqueeze"]
-        if len(us) != 1 or _axes_of(us[0]) not in ([1], [-2]) or len(us[0].outputs[0].outputs) != 1:
+        if len(us) != 1 or _axes_of(us[0]) not in ([axis], [axis - 3]) or len(us[0].outputs[0].outputs) != 1:
             return False
         unsq.append(us[0])
-    concat = unsq[0].outputs[0].outputs[0]
-    if concat.op != "Concat" or int(concat.attrs.get("axis", 0)) not in (1, -2):
+    concats = _concat_steps([u.outputs[0] for u in unsq], axis)
+    if concats is None:
         return False
-    if len(concat.inputs) != len(s) or any(concat.inputs[t] is not unsq[t].outputs[0] for t in range(len(s))):
+    return concats[-1].outputs[0], unsq + concats, axis
+
+
+def _concat_steps(parts: list, axis: int) -> list | None:
+    """The Concat(axis) nodes that join `parts` in order: one Concat of them all, or one per step, each of the
+    previous result (an empty tensor, or nothing, before the first part) and the next part."""
+    c = parts[0].outputs[0]
+    if c.op != "Concat" or int(c.attrs.get("axis", 0)) not in (axis, axis - 3):
+        return None
+    if len(c.inputs) == len(parts) and all(c.inputs[t] is parts[t] for t in range(len(parts))):
+        return [c]
+    start = 0 if len(c.inputs) == 2 and c.inputs[1] is parts[0] and _empty_along(c.inputs[0], axis) else 1
+    if start == 1 and not (len(c.inputs) == 2 and c.inputs[0] is parts[0] and c.inputs[1] is parts[1]):
+        return None
+    chain = [c]
+    for part in parts[start + 1:]:
+        prev = chain[-1].outputs[0]
+        c = part.outputs[0]
+        if (c.op != "Concat" or c.attrs != chain[0].attrs or len(c.inputs) != 2 or c.inputs[0] is not prev
+                or c.inputs[1] is not part or len(prev.outputs) != 1):
+            return None
+        chain.append(c)
+    return chain
+
+
+def _empty_along(t: gs.Tensor, axis: int) -> bool:
+    """True if `t` has length 0 along `axis` by construction: a constant, or ConstantOfShape/Expand (of one
+    value) to a shape whose entry `axis` is a constant 0."""
+    v = const_value(t)
+    if v is not None:
+        return v.ndim > axis and v.shape[axis] == 0
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is None or p.op not in ("ConstantOfShape", "Expand"):
         return False
-    return concat.outputs[0], unsq + [concat]
+    if p.op == "Expand" and (const_value(p.inputs[0]) is None or const_value(p.inputs[0]).size != 1):
+        return False
+    shape = p.inputs[-1]
+    dims = _ints(shape)
+    if dims is not None:
+        return len(dims) > axis and dims[axis] == 0
+    q = shape.inputs[0] if len(shape.inputs) == 1 else None
+    if q is None or q.op != "Concat" or len(q.inputs) <= axis:
+        return False
+    head = [_ints(x) for x in q.inputs[:axis + 1]]
+    return all(h is not None and len(h) == 1 for h in head) and head[axis] == [0]
 
 
 def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: Shapes, opset: int) -> bool:
@@ -939,7 +1013,7 @@ def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: Shapes, opset: int
     produced = {id(o) for n in nodes.values() for o in n.outputs}
     feeds = {}
     X = rng.normal(size=(batch, T, I)).astype(np.float32)
-    feeds[id(x_group.source)] = (x_group.source, X)
+    feeds[id(x_group.source)] = (x_group.source, X if x_group.axis == 1 else np.ascontiguousarray(X.transpose(1, 0, 2)))
     att = mask = None
     if att_group is not None:
         att = rng.uniform(0.05, 1.0, size=(batch, T)).astype(np.float32)
@@ -990,11 +1064,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
     stacked states (Y) the graph reads. Returns its description."""
     T, attrs, found = chain.T, cell.attrs, cell.match
     b = _Builder(graph, opset, unique_name(graph, f"rnn_{attrs.kind.lower()}"))
-    X = cell.x_group.source
-    src_T = (shapes.shape(X) or [None, None])[1]
-    if src_T != T:
-        X = b.op("Slice", [X, b.const("starts", np.array([0], np.int64)), b.const("ends", np.array([T], np.int64)),
-                           b.const("axes", np.array([1], np.int64))], dtype=np.float32)
+    X = _batch_major(b, shapes, cell.x_group, T)
     inputs = {"X": X, "W": b.const("W", found.W), "R": b.const("R", found.R), "B": b.const("B", found.B)}
     if not h0_zero:
         inputs["initial_h"] = chain.h0
@@ -1009,12 +1079,44 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
     if need_h:
         outputs["Y_h"] = _take_over(chain.states[-1])
     if stacked:
-        outputs["Y"] = _take_over(stacked[0])
+        outputs["Y"] = _stacked_output(graph, b, stacked)
     add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{b.prefix}/{attrs.op_type}"))
     mask_note = "" if cell.mask_group is None else (", Where mask → mask" + (" (inverted)" if cell.invert else ""))
     outs = " and ".join(k for k in ("Y", "Y_h") if k in outputs)
     return (f"{attrs.kind} cell unrolled over {T} steps ({n_nodes} nodes) → {attrs.op_type} "
             f"(linear_before_reset={attrs.linear_before_reset}, att_keep={attrs.att_keep}{mask_note}; {outs})")
+
+
+def _stacked_output(graph: gs.Graph, b: _Builder, stacked) -> gs.Tensor:
+    """The value the node's Y [B, T, H] writes: the stack itself, or for a time-major stack [T, B, H] the
+    Transpose back that reads it (or a fresh Y with a Transpose to the stack)."""
+    Y, _, axis = stacked
+    if axis == 1:
+        return _take_over(Y)
+    readers = Y.outputs
+    if (len(readers) == 1 and readers[0].op == "Transpose" and list(readers[0].attrs.get("perm", [])) == [1, 0, 2]
+            and all(Y is not o for o in graph.outputs)):
+        return _take_over(readers[0].outputs[0])
+    fresh = gs.Variable(unique_name(graph, f"{b.prefix}/Y"), dtype=np.float32)
+    b.op("Transpose", [fresh], {"perm": [1, 0, 2]}, out=_take_over(Y))
+    return fresh
+
+
+def _batch_major(b: _Builder, shapes: Shapes, g: _Group, T: int) -> gs.Tensor:
+    """The steps' sequence as X [B, T, I]: a time-major source [T', B, I] transposed back (the Transpose that made
+    it, where there is one), then cut to its first T steps."""
+    X, axis = g.source, g.axis
+    if axis == 0:
+        p = X.inputs[0] if len(X.inputs) == 1 else None
+        if p is not None and p.op == "Transpose" and list(p.attrs.get("perm", [])) == [1, 0, 2]:
+            X, axis = p.inputs[0], 1
+    src_T = (shapes.shape(X) or [None, None])[axis]
+    if src_T != T:
+        X = b.op("Slice", [X, b.const("starts", np.array([0], np.int64)), b.const("ends", np.array([T], np.int64)),
+                           b.const("axes", np.array([axis], np.int64))], dtype=np.float32)
+    if axis == 0:
+        X = b.op("Transpose", [X], {"perm": [1, 0, 2]}, dtype=np.float32)
+    return X
 
 
 def _time_prefix(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
@@ -1058,8 +1160,9 @@ def _same_attrs(a: dict, b: dict) -> bool:
     return True
 
 
-def fuse_unrolled_cells(graph: gs.Graph, opset: int) -> list[str]:
-    """GRU-family cells unrolled over time steps → one sequence node. Returns what was fused."""
+def fuse_unrolled_cells(graph: gs.Graph, opset: int, notes: list[str] | None = None) -> list[str]:
+    """GRU-family cells unrolled over time steps → one sequence node. Returns what was fused; why chains were
+    left as they are goes to `notes` when given."""
     done: list[str] = []
     shapes = Shapes(graph, symbolic=True)
     unroller = _Unroller(graph, opset, shapes)
@@ -1069,6 +1172,9 @@ def fuse_unrolled_cells(graph: gs.Graph, opset: int) -> list[str]:
             break
         done.append(what)
         graph.cleanup(remove_unused_graph_inputs=False)
+    if notes is not None:  # chains still there (one tried under another length may have been fused since)
+        present = {id(n) for n in graph.nodes}
+        notes.extend(dict.fromkeys(why for tanh, why in unroller.misses if id(tanh) in present))
     if done:
         graph.toposort(mode="nodes")  # "full" recurses forever on graphs with If/Loop plus functions (gs 0.6.1)
     return done
