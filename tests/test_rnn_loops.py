@@ -365,3 +365,55 @@ def test_loop_that_stops_before_the_last_step_stays_unfused():
     out, lines, notes = fuse(raw)
     assert lines == [] and len(notes) == 1 and "Loop runs" in notes[0], notes
     assert recurrent(out)
+
+
+# ----------------------------------------------------------------------------------------- the reader's phases alone
+
+
+def _phases_until(model, last: str):
+    """The hand-built Scan read by rnn/loops' phases, up to `last`: what each phase found, by name."""
+    import numpy as np
+
+    from ctropt.graph.shapes import Shapes
+    from ctropt.passes.rnn import loops
+
+    graph = to_graph(model)
+    (scan,) = [n for n in graph.nodes if n.op == "Scan"]
+    shapes, opset, found = Shapes(graph), graph.opset, {}
+    inits, b_in, b_out, scan_outs, out_axes, slices, slice_srcs, in_axes = loops._interface(scan, shapes, opset)
+    found["interface"] = (inits, b_in, b_out, slice_srcs)
+    finals = list(scan.outputs[:len(inits)])
+    counters, invariants, floats = found["roles"] = loops._carried_roles(graph, inits, b_in, b_out, finals)
+    if last == "roles":
+        return found
+    copy = loops._probe_copy(scan, inits, counters, invariants)
+    rng = np.random.default_rng(0)
+    x_step, extra = found["step inputs"] = loops._per_step_inputs(scan, copy, slice_srcs, in_axes, b_in, floats,
+                                                                 shapes, opset, rng)
+    if last == "step inputs":
+        return found
+    cell = found["cell"] = loops._find_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
+    if last == "cell":
+        return found
+    found["masking"] = loops._masking(copy, cell, x_step, [0], shapes, opset, rng)
+    return found
+
+
+def test_phase_roles_tells_the_counter_from_the_state():
+    counters, invariants, floats = _phases_until(scan_model(), "roles")["roles"]
+    assert list(counters) == [0] and not invariants and floats == [1]  # carried: t (counter), h (state)
+
+
+def test_phase_step_inputs_finds_the_scanned_input_and_its_time_axis():
+    x_step, extra = _phases_until(scan_model(batch_major=True), "step inputs")["step inputs"]
+    assert (x_step.source.name, x_step.time_axis, x_step.width) == ("x", 1, I) and extra is None
+
+
+def test_phase_cell_reads_the_gru_by_meaning():
+    cell = _phases_until(scan_model(att=True), "cell")["cell"]
+    assert (cell.match.attrs.kind, cell.H, cell.state) == ("AUGRU", H, 1) and cell.att is not None
+
+
+def test_phase_masking_reads_the_lengths_and_what_padded_steps_give():
+    outer, padded = _phases_until(scan_model("state"), "masking")["masking"]
+    assert outer.lens is not None and outer.lens.name == "seq_len" and padded == "state"
