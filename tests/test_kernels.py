@@ -204,3 +204,11 @@ def test_optimize_says_which_form_the_recurrent_layers_took(tmp_path, monkeypatc
     text = " ".join(r.output.split())
     assert r.exit_code == 0 and "lower-rnn-ort: standard ops: ctropt's kernel library is not available" in text, text
     assert "GRUScan" not in text
+
+
+def test_a_read_only_install_builds_into_the_users_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("CTROPT_KERNELS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)  # site-packages not writable
+    assert kernels.library_path() == tmp_path / "ctropt" / "libctropt_kernels.so"
+    assert (kernels.include_dir() / kernels.HEADER).exists()  # the header ctropt ships, at the least
