@@ -383,7 +383,7 @@ def _phases_until(model, last: str):
     inits, b_in, b_out, scan_outs, out_axes, slices, slice_srcs, in_axes = loops._interface(scan, shapes, opset)
     found["interface"] = (inits, b_in, b_out, slice_srcs)
     finals = list(scan.outputs[:len(inits)])
-    counters, invariants, floats = found["roles"] = loops._carried_roles(graph, inits, b_in, b_out, finals)
+    counters, invariants, floats, grown = found["roles"] = loops._carried_roles(graph, inits, b_in, b_out, finals)
     if last == "roles":
         return found
     copy = loops._probe_copy(scan, inits, counters, invariants)
@@ -400,8 +400,8 @@ def _phases_until(model, last: str):
 
 
 def test_phase_roles_tells_the_counter_from_the_state():
-    counters, invariants, floats = _phases_until(scan_model(), "roles")["roles"]
-    assert list(counters) == [0] and not invariants and floats == [1]  # carried: t (counter), h (state)
+    counters, invariants, floats, grown = _phases_until(scan_model(), "roles")["roles"]
+    assert list(counters) == [0] and not invariants and floats == [1] and not grown  # carried: t (counter), h (state)
 
 
 def test_phase_step_inputs_finds_the_scanned_input_and_its_time_axis():
@@ -417,3 +417,59 @@ def test_phase_cell_reads_the_gru_by_meaning():
 def test_phase_masking_reads_the_lengths_and_what_padded_steps_give():
     outer, padded = _phases_until(scan_model("state"), "masking")["masking"]
     assert outer.lens is not None and outer.lens.name == "seq_len" and padded == "state"
+
+
+# ----------------------------------------------------------------------------------------- paddle2onnx's while
+
+
+def paddle_loop_model(start_rows=0):
+    """paddle2onnx's form of a ``while`` over a GRU cell (PaddleRec's dynamic-length DIEN): the counter goes through
+    ``scale`` (Cast → Mul 1 → Add 1 → Cast), x_t = x_tm[ar[t]] with ar = Range(0, T, 1) read by Slices, the
+    outputs grow a stack by Concat from an empty start (`start_rows` rows otherwise), and two values are written
+    each step but read by no one (an int and a float)."""
+    body_nodes = [
+        node("Cast", ["t"], ["t_f"], to=F), node("Mul", ["t_f", "one"], ["t_m"]), node("Add", ["t_m", "one"], ["t_a"]),
+        node("Cast", ["t_a"], ["t_next"], to=I64), node("Unsqueeze", ["t", "i0"], ["t_b"]),
+        node("Unsqueeze", ["t_next", "i0"], ["t_e"]), node("Slice", ["ar", "t_b", "t_e", "i0"], ["s1"]),
+        node("Squeeze", ["s1", "i0"], ["s"]), node("Add", ["s", "step"], ["s_end"]),
+        node("Unsqueeze", ["s", "i0"], ["s_b"]), node("Unsqueeze", ["s_end", "i0"], ["s_e"]),
+        node("Slice", ["x_tm", "s_b", "s_e", "i0"], ["x_t1"]), node("Squeeze", ["x_t1", "i0"], ["x_t"])] + \
+        cell("h", "x_t", "c") + [
+        node("Unsqueeze", ["c", "i0"], ["piece"]), node("Identity", ["stk"], ["stk_in"]),
+        node("Concat", ["stk_in", "piece"], ["stk_next"], axis=0), node("Less", ["t_next", "steps"], ["go"])]
+    carried = [vi("t", I64, []), vi("stk", F, [None, "B", H]), vi("h", F, ["B", H]), vi("di", I64, []),
+               vi("df", F, ["B", I])]
+    body = helper.make_graph(body_nodes, "while", [vi("i", I64, []), vi("cond", TensorProto.BOOL, [])] + carried,
+                             [vi("go", TensorProto.BOOL, []), vi("t_next", I64, []), vi("stk_next", F, [None, "B", H]),
+                              vi("c", F, ["B", H]), vi("s", I64, []), vi("x_t", F, ["B", I])])
+    nodes = zeros_like_state() + [
+        node("Transpose", ["x"], ["x_tm"], perm=[1, 0, 2]), node("Shape", ["x_tm"], ["tm_shape"]),
+        node("Slice", ["tm_shape", "i0", "i1"], ["len1"]), node("Squeeze", ["len1", "i0"], ["len"]),
+        node("Range", ["t0", "len", "step"], ["ar"]), node("Shape", ["ar"], ["ar_shape"]),
+        node("Slice", ["ar_shape", "i0", "i1"], ["steps1"]), node("Squeeze", ["steps1", "i0"], ["steps"]),
+        node("Less", ["t0", "steps"], ["go0"]), node("Concat", ["rows", "batch", "hsize"], ["stk_shape"], axis=0),
+        node("Expand", ["zero1", "stk_shape"], ["stk0"]), node("Gather", ["x_tm", "t0"], ["x0"], axis=0),
+        helper.make_node("Loop", ["", "go0", "t0", "stk0", "h0", "t0", "x0"],
+                         ["t_last", "stk_last", "h_last", "s_last", "x_last"], name="rnn", body=body),
+        node("Transpose", ["stk_last"], ["y_bm"], perm=[1, 0, 2]), node("Identity", ["h_last"], ["h_final"])]
+    return make_model(nodes, [vi("x", F, ["B", "T", I])], [vi("y_bm", F, ["B", None, H]), vi("h_final", F, ["B", H])],
+                      common_inits() + [init("rows", np.array([start_rows])), init("zero1", np.zeros(1, np.float32))])
+
+
+def test_paddle_while_with_a_grown_stack_fuses_and_runs_any_length():
+    raw = paddle_loop_model()
+    fused, lines, notes = fuse(raw)
+    assert len(lines) == 1 and not notes and not recurrent(fused), (lines, notes)
+    (n,) = sequence_nodes(fused)
+    assert attrs(n)["kind"] == "GRU" and n.input[0] == "x"
+    for steps in (1, 2, 7):
+        assert_same(raw, fused, hand_feeds(raw, (0, 0, 0, 0), steps=steps, seed=steps))
+    again, lines2, _ = fuse(fused)
+    assert lines2 == [] and [m.op_type for m in again.graph.node] == [m.op_type for m in fused.graph.node]
+
+
+def test_paddle_while_whose_stack_starts_with_rows_stays_unfused():
+    raw = paddle_loop_model(start_rows=1)
+    fused, lines, notes = fuse(raw)
+    assert lines == [] and len(notes) == 1 and "grows from a start that is not empty" in notes[0], notes
+    assert recurrent(fused)

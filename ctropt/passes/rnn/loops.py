@@ -209,6 +209,19 @@ class _Folder:
             d = self.T
         return d
 
+    def _shape(self, n: gs.Node, env, memo):
+        """A Shape: static dims, the hypothetical length, or the size of a Range it folds; None where unknown."""
+        rank = self.shapes.shape(n.inputs[0])
+        if rank is None:
+            raise _Unknown(n.name)
+        dims = [self._dim(n.inputs[0], i) for i in range(len(rank))]
+        if any(d is None for d in dims) and n.inputs[0].inputs and n.inputs[0].inputs[0].op == "Range":
+            dims = list(self.value(n.inputs[0], env, memo).shape)
+        dims = dims[n.attrs.get("start", 0):n.attrs.get("end", None)]
+        if any(d is None for d in dims):
+            return np.array(dims, dtype=object)
+        return np.array(dims, dtype=np.int64)
+
     def _op(self, n: gs.Node, env, memo):
         def arg(i):
             if i >= len(n.inputs) or not n.inputs[i].name:
@@ -245,16 +258,10 @@ class _Folder:
             for v in vals[1:]:
                 out = f(out, v)
             return out
+        if op == "Range":  # paddle's arange over the steps
+            return np.arange(*[np.ravel(arg(i))[0] for i in range(3)]).astype(arg(0).dtype)
         if op == "Shape":
-            rank = self.shapes.shape(n.inputs[0])
-            if rank is None:
-                raise _Unknown(n.name)
-            dims = [self._dim(n.inputs[0], i) for i in range(len(rank))]
-            start, end = a.get("start", 0), a.get("end", None)
-            dims = dims[start:end]
-            if any(d is None for d in dims):
-                return np.array(dims, dtype=object)
-            return np.array(dims, dtype=np.int64)
+            return self._shape(n, env, memo)
         if op == "Gather":
             return np.take(arg(0), arg(1).astype(np.int64), axis=a.get("axis", 0))
         if op == "Slice":
@@ -326,15 +333,45 @@ def _used(graph: gs.Graph, t: gs.Tensor) -> bool:
 
 
 def _is_counter(vi: gs.Tensor, vo: gs.Tensor) -> bool:
-    vo = strip_identity(vo)
-    if len(vo.inputs) != 1 or vo.inputs[0].op != "Add":
-        return False
-    a, b = vo.inputs[0].inputs
-    other = b if a is vi else (a if b is vi else None)
-    if other is None:
-        return False
-    v = const_value(other)
-    return v is not None and v.size == 1 and float(np.ravel(v)[0]) == 1.0
+    """vo = vi + 1: an Add of 1 (tf2onnx), or paddle2onnx's ``scale`` (Cast → Mul 1 → Add 1 → Cast back)."""
+    return _affine(vo, vi) == (1.0, 1.0)
+
+
+def _affine(t: gs.Tensor, vi: gs.Tensor, depth: int = 0) -> tuple[float, float] | None:
+    """(a, b) with t = a * vi + b through Identity/Cast and Add/Sub/Mul by constant scalars, else None."""
+    if t is vi:
+        return 1.0, 0.0
+    if depth > 8 or len(t.inputs) != 1 or not t.inputs[0].inputs:
+        return None
+    n = t.inputs[0]
+    if n.op in ("Identity", "Cast"):
+        return _affine(n.inputs[0], vi, depth + 1)
+    if n.op not in ("Add", "Sub", "Mul") or len(n.inputs) != 2:
+        return None
+    consts = [const_value(x) for x in n.inputs]
+    k = next((i for i in (1, 0) if consts[i] is not None and consts[i].size == 1), None)
+    if k is None or (n.op == "Sub" and k == 0):
+        return None
+    inner = _affine(n.inputs[1 - k], vi, depth + 1)
+    if inner is None:
+        return None
+    c, (a, b) = float(np.ravel(consts[k])[0]), inner
+    return (a * c, b * c) if n.op == "Mul" else (a, b + c) if n.op == "Add" else (a, b - c)
+
+
+def _grown_axis(vi: gs.Tensor, vo: gs.Tensor) -> int | None:
+    """The axis along which vo = Concat(vi, piece) grows a stack by one step each iteration (paddle2onnx's
+    concat-grown outputs of a ``while``), if nothing else reads vi; else None."""
+    vo, t = strip_identity(vo), vi
+    while len(t.outputs) == 1 and t.outputs[0].op == "Identity":
+        t = t.outputs[0].outputs[0]
+    if len(vo.inputs) != 1 or vo.inputs[0].op != "Concat" or len(vo.inputs[0].inputs) != 2:
+        return None
+    cat = vo.inputs[0]
+    if cat.inputs[0] is not t or len(t.outputs) != 1 or cat.inputs[1] is t:
+        return None
+    axis = int(cat.attrs.get("axis", 0))
+    return axis % 3 if -3 <= axis < 3 else None
 
 
 def _interface(node: gs.Node, shapes: Shapes, opset: int):
@@ -375,9 +412,15 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: Shapes, opset: int) -> _Pla
     inits, b_in, b_out, scan_outs, out_axes, slices, slice_srcs, in_axes = _interface(node, shapes, opset)
     n_carried = len(inits)
     finals, stacked_outs = list(node.outputs[:n_carried]), list(node.outputs[n_carried:])
-    counters, invariants, floats = _carried_roles(graph, inits, b_in, b_out, finals)
-    used_stacked = [j for j, t in enumerate(stacked_outs) if _used(graph, t)]
+    counters, invariants, floats, grown = _carried_roles(graph, inits, b_in, b_out, finals)
     copy = _probe_copy(node, inits, counters, invariants)
+    for k, axis in grown.items():  # a stack grown from empty is a stacked output
+        if _used(graph, finals[k]) and not _empty_along(inits[k], axis, shapes):
+            raise _Skip(f"stack {b_in[k].name} grows from a start that is not empty")
+        stacked_outs.append(finals[k])
+        out_axes = list(out_axes) + [axis]
+        copy.scan_outs.append(strip_identity(copy.carried_out[k]).inputs[0].inputs[1])
+    used_stacked = [j for j, t in enumerate(stacked_outs) if _used(graph, t)]
     rng = np.random.default_rng(0)  # one stream for every probe below, consumed in this order
     x_step, extra = _per_step_inputs(node, copy, slice_srcs, in_axes, b_in, floats, shapes, opset, rng)
     cell = _find_cell(copy, x_step, extra, b_in, inits, floats, shapes, opset)
@@ -385,13 +428,31 @@ def _analyze(graph: gs.Graph, node: gs.Node, shapes: Shapes, opset: int) -> _Pla
     T_static = _dim(x_step.source, x_step.time_axis, shapes)
     trim = _steps_to_trim(x_step, (cell.att, cell.mask), T_static, shapes)
     if node.op == "Loop":
-        _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static)
+        _check_trip_count(node, body, counters, invariants, inits, shapes, x_step, T_static, copy.ranges)
     state = cell.state
     h0 = None if is_all_zeros(inits[state]) else inits[state]
     passthrough = [(finals[k], inits[k]) for k in invariants if _used(graph, finals[k])]
     return _Plan(cell.match, x_step, cell.att, cell.mask, outer.lens, outer.lens_rank, h0, padded_output,
                  [(stacked_outs[j], out_axes[j]) for j in used_stacked],
                  [finals[k] for k in [state] + cell.aliases if _used(graph, finals[k])], passthrough, trim)
+
+
+def _empty_along(t: gs.Tensor, axis: int, shapes: Shapes) -> bool:
+    """True if `t` has size 0 along `axis`: by its shape, or as an Expand / ConstantOfShape to a shape that folds
+    to 0 there (paddle2onnx's ``full_with_tensor`` start of a grown stack)."""
+    if _dim(t, axis, shapes) == 0:
+        return True
+    t = strip_identity(t)
+    if len(t.inputs) != 1 or t.inputs[0].op not in ("Expand", "ConstantOfShape"):
+        return False
+    n = t.inputs[0]
+    if n.op == "Expand" and (const_value(n.inputs[0]) is None or const_value(n.inputs[0]).ndim > 1):
+        return False
+    try:
+        dims = np.ravel(_Folder(shapes).value(n.inputs[-1], {}, {}))
+    except (_Unknown, ValueError, TypeError, IndexError, KeyError, RecursionError):
+        return False
+    return len(dims) == 3 and dims[axis] is not None and int(dims[axis]) == 0
 
 
 def _has_nested_subgraph(body: gs.Graph) -> bool:
@@ -403,10 +464,13 @@ def _has_nested_subgraph(body: gs.Graph) -> bool:
 # ---- carried values
 
 
-def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals: list) -> tuple[dict, dict, list]:
+def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals: list
+                   ) -> tuple[dict, dict, list, dict]:
     """Roles of the carried values: (counters: k → start, for v + 1 from a constant; invariants: k → outer init,
-    for values passed through; floats: the k of the float values, the state and possibly a copy of it)."""
-    counters, invariants, floats = {}, {}, []
+    for values passed through; floats: the k of the float values, the state and possibly a copy of it; grown:
+    k → axis, for stacks grown by one step each iteration). Values the body never reads and nobody reads after
+    the loop (paddle2onnx carries every variable of a ``while``, written or not) have no role."""
+    counters, invariants, floats, grown = {}, {}, [], {}
     for k, (vi, vo) in enumerate(zip(b_in, b_out)):
         if strip_identity(vo) is vi:
             invariants[k] = inits[k]
@@ -415,6 +479,10 @@ def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals
             if start is None or start.size != 1:
                 raise _Skip(f"counter {vi.name} starts at a value that is not constant")
             counters[k] = int(np.ravel(start)[0])
+        elif not vi.outputs and not _used(graph, finals[k]):
+            continue  # written each step, read by no one
+        elif _grown_axis(vi, vo) is not None:
+            grown[k] = _grown_axis(vi, vo)
         elif vi.dtype is not None and np.issubdtype(np.dtype(vi.dtype), np.floating):
             floats.append(k)
         else:
@@ -426,7 +494,7 @@ def _carried_roles(graph: gs.Graph, inits: list, b_in: list, b_out: list, finals
     for k in counters:
         if _used(graph, finals[k]):
             raise _Skip(f"the final value of counter {b_in[k].name} is used")
-    return counters, invariants, floats
+    return counters, invariants, floats, grown
 
 
 # ---- a copy of the body to probe
@@ -448,6 +516,7 @@ class _BodyCopy:
     outer_of: dict
     t_sources: list
     extra_leaves: list
+    ranges: list = dataclasses.field(default_factory=list)  # outer Ranges probed by a long prefix of theirs
 
     @property
     def base_leaves(self) -> list:
@@ -474,7 +543,7 @@ def _probe_copy(node: gs.Node, inits: list, counters: dict, invariants: dict) ->
     c_in = list(bc.inputs)
     off = 2 if node.op == "Loop" else 0
     c_b_in = c_in[off:off + n_carried]
-    outer_of = {id(c_b_in[k]): inits[k] for k in invariants}
+    outer_of, ranges = {id(c_b_in[k]): inits[k] for k in invariants}, []
     for t in bc.tensors().values():
         if not t.inputs and not isinstance(t, gs.Constant) and t.name and all(t is not x for x in c_in):
             if t.name in orig:
@@ -483,6 +552,10 @@ def _probe_copy(node: gs.Node, inits: list, counters: dict, invariants: dict) ->
         if id(t) not in outer_of:
             continue
         v = const_value(outer_of[id(t)])
+        if v is None and node.op == "Loop":
+            v = _range_prefix(outer_of[id(t)])
+            if v is not None:
+                ranges.append(outer_of[id(t)])
         if v is not None:
             redirect_consumers(t, gs.Constant(f"{t.name}/const", np.asarray(v)))
     c_out = list(bc.outputs)
@@ -494,7 +567,21 @@ def _probe_copy(node: gs.Node, inits: list, counters: dict, invariants: dict) ->
     if node.op == "Loop":
         t_sources.append((c_in[0], 0))
         extra_leaves.append(c_in[1])
-    return _BodyCopy(bc, c_in, c_b_in, c_b_out, c_scan_outs, outer_of, t_sources, extra_leaves)
+    return _BodyCopy(bc, c_in, c_b_in, c_b_out, c_scan_outs, outer_of, t_sources, extra_leaves, ranges)
+
+
+def _range_prefix(t: gs.Tensor) -> np.ndarray | None:
+    """For an outer ``Range(start, limit, delta)`` of constant start and delta (paddle's ``arange`` over the steps
+    that a ``while`` indexes by its counter): a prefix longer than any probe; _check_trip_count checks that the
+    Range is at least as long as the Loop runs. Else None."""
+    t = strip_identity(t)
+    if len(t.inputs) != 1 or t.inputs[0].op != "Range":
+        return None
+    start, delta = const_value(t.inputs[0].inputs[0]), const_value(t.inputs[0].inputs[2])
+    if start is None or delta is None or start.size != 1 or delta.size != 1 or float(np.ravel(delta)[0]) == 0:
+        return None
+    a, d = np.ravel(start)[0], np.ravel(delta)[0]
+    return np.arange(a, a + 64 * d, d).astype(np.result_type(start, delta))[:64]
 
 
 # ---- per-step inputs
@@ -798,8 +885,10 @@ def _candidates(bc: gs.Graph, h_out: gs.Tensor, opset: int) -> list[gs.Tensor]:
     return [o for _, _, o in found[:_MAX_CANDIDATES]]
 
 
-def _check_trip_count(node, body, counters, invariants, inits, shapes: Shapes, x_step: _Step, T_static):
-    """The Loop runs exactly T = (length of the read input) iterations: M, the initial and the body's condition."""
+def _check_trip_count(node, body, counters, invariants, inits, shapes: Shapes, x_step: _Step, T_static,
+                      ranges: tuple = ()):
+    """The Loop runs exactly T = (length of the read input) iterations: M, the initial and the body's condition;
+    each outer Range the step reads (`ranges`) holds at least T values."""
     hyps = [int(T_static)] if T_static is not None else [7, 12]
     time_key = _dim_key(x_step.source, x_step.time_axis, shapes)
     b_in = body.inputs[2:]
@@ -821,10 +910,13 @@ def _check_trip_count(node, body, counters, invariants, inits, shapes: Shapes, x
                 cond = bool(np.ravel(folder.value(body.outputs[0], env, {}))[0])
                 i += 1
                 run = cond and (M is None or i < M)
+            short = [r.name for r in ranges if np.size(folder.value(r, {}, {})) < T]
         except (_Unknown, ValueError, TypeError, IndexError, KeyError, RecursionError) as e:
             raise _Skip(f"cannot tell how many times the Loop runs ({type(e).__name__} {e})") from None
         if count != T:
             raise _Skip(f"the Loop runs {count} times over {T} steps")
+        if short:
+            raise _Skip(f"the step reads {short[0]}, shorter than the {T} steps")
 
 
 # ------------------------------------------------------------------------------------------ rewriting
