@@ -160,11 +160,13 @@ def test_gru_ops_the_fused_op_cannot_express_stay():
 
 
 def unrolled_cell_model(T=5, I=3, H=4, masked=True, stacked=True, h0_input=True, tamper_step=None, kind="GRU",
-                        inverted=False):
+                        inverted=False, blend=None):
     """nn.GRUCell in a Python loop as the legacy exporter writes it: x_t = Gather(X, t, axis 1), Gemm per gate
     block, Split, torch gate order (r, z, n), state kept past the length with Where(mask[:, t:t+1]), states
     stacked with Unsqueeze + Concat; the last state is a graph output too. kind AUGRU: deepctr-torch's
-    AUGRUCell (u = a_t * sigmoid(..), h' = (1-u) h + u n); AIGRU: a GRUCell over a_t * x_t."""
+    AUGRUCell (u = a_t * sigmoid(..), h' = (1-u) h + u n); AIGRU: a GRUCell over a_t * x_t. blend (FuxiCTR's DIEN,
+    torch): the mask as float [B, T, 1] (blend="cast": Cast of the bool mask; "float": a float input),
+    m_t = Gather(M, t, axis 1) [B, 1], s_t = m_t * new + (1 - m_t) * s_{t-1}; a_t = Unsqueeze(Gather(att, t), -1)."""
     Wih = RNG.normal(size=(3 * H, I)).astype(np.float32) * 0.6
     Whh = RNG.normal(size=(3 * H, H)).astype(np.float32) * 0.6
     bih, bhh = (RNG.normal(size=3 * H).astype(np.float32) * 0.2 for _ in range(2))
@@ -172,8 +174,14 @@ def unrolled_cell_model(T=5, I=3, H=4, masked=True, stacked=True, h0_input=True,
              init("split", np.array([H, H, H])), init("ax1", np.array([1])), init("bhh_other", bhh + 0.5)]
     inputs = [vi("X", F, ["batch", T, I])]
     nodes = []
-    if masked:
+    if masked and blend == "float":
+        inputs.append(vi("mask", F, ["batch", T, 1]))
+        inits.append(init("ax2", np.array([-1])))
+    elif masked:
         inputs.append(vi("mask", TensorProto.BOOL, ["batch", T]))
+        if blend == "cast":
+            inits.append(init("ax2", np.array([-1])))
+            nodes += [node("Cast", ["mask"], ["maskf"], to=TensorProto.FLOAT), node("Unsqueeze", ["maskf", "ax2"], ["M"])]
     if kind != "GRU":
         inputs.append(vi("att", F, ["batch", T]))
     if h0_input:
@@ -191,7 +199,9 @@ def unrolled_cell_model(T=5, I=3, H=4, masked=True, stacked=True, h0_input=True,
         bias = "bhh_other" if t == tamper_step else "bhh"
         nodes.append(node("Gather", ["X", f"t{t}"], [p + "x"], axis=1))
         x = p + "x"
-        if kind != "GRU":
+        if kind != "GRU" and blend:
+            nodes += [node("Gather", ["att", f"t{t}"], [p + "a1"], axis=1), node("Unsqueeze", [p + "a1", "ax2"], [p + "a"])]
+        elif kind != "GRU":
             nodes.append(node("Slice", ["att", f"s{t}", f"e{t}", "ax1"], [p + "a"]))
         if kind == "AIGRU":
             nodes.append(node("Mul", [p + "x", p + "a"], [p + "ax"]))
@@ -212,7 +222,11 @@ def unrolled_cell_model(T=5, I=3, H=4, masked=True, stacked=True, h0_input=True,
             nodes += [node("Sub", ["one", p + "z"], [p + "u"]), node("Mul", [p + "u", p + "n"], [p + "un"]),
                       node("Mul", [p + "z", h], [p + "zh"]), node("Add", [p + "un", p + "zh"], [p + "new"])]
         out = "h_last" if t == T - 1 else p + "h"
-        if masked:
+        if masked and blend:
+            nodes += [node("Gather", ["M" if blend == "cast" else "mask", f"t{t}"], [p + "m"], axis=1),
+                      node("Mul", [p + "m", p + "new"], [p + "mn"]), node("Sub", ["one", p + "m"], [p + "km"]),
+                      node("Mul", [h, p + "km"], [p + "kmh"]), node("Add", [p + "mn", p + "kmh"], [out])]
+        elif masked:
             nodes.append(node("Slice", ["mask", f"s{t}", f"e{t}", "ax1"], [p + "m"]))
             if inverted:  # the mask marks the padding: Where(m, h, new)
                 nodes.append(node("Where", [p + "m", h, p + "new"], [out]))
@@ -274,6 +288,29 @@ def test_unrolled_attention_cells(kind):
     feeds = cell_feeds(model)
     assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
     assert_idempotent(fused)
+
+
+def test_unrolled_cells_with_a_blend_mask():
+    """FuxiCTR's DIEN (torch): the state kept by m_t * new + (1 - m_t) * s with m the bool mask cast to float
+    [B, T, 1], the [B] attention step unsqueezed in the cell → one AUGRUSequence with that mask."""
+    model = unrolled_cell_model(kind="AUGRU", blend="cast", stacked=False, h0_input=False)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "AUGRU cell unrolled over 5 steps" in done[0] and "blend mask → mask" in done[0]
+    assert sorted(ops(fused)) == ["AUGRUSequence", "Cast", "Squeeze", "Unsqueeze"]
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["att_keep"], _s(seq["padded_output"])) == ("AUGRU", 0, "state")
+    assert seq["inputs"]["att"] == "att" and seq["inputs"]["X"] == "X" and seq["inputs"]["mask"]
+    feeds = cell_feeds(model)  # rows of length 0, 1, 2, 5 and one masked in the middle
+    assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    assert_idempotent(fused)
+
+
+def test_a_blend_with_a_mask_that_may_not_be_0_or_1_stays():
+    model = unrolled_cell_model(kind="AUGRU", blend="float", stacked=False)
+    notes = []
+    graph = to_graph(model)
+    assert fuse_unrolled_cells(graph, onnx_opset(model), notes=notes) == []
+    assert any("nor a 0/1 one" in n for n in notes), notes
 
 
 def test_steps_with_other_weights_are_not_one_chain():

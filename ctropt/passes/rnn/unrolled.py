@@ -21,7 +21,8 @@ paddle2onnx):
    values) is compared op by op, attribute by attribute and constant by constant with step 1's; step 0 binds
    the initial state;
 4. *meaning*: the masking (``Where(m_t, h_new, s_{t-1})`` → ``mask`` = the mask's sequence tensor, padded output
-   "state") is peeled off and :func:`ctropt.passes.rnn.cell.identify_gru_cell` reads step 1's cell
+   "state"; or FuxiCTR's DIEN blend m_t * h_new + (1 - m_t) * s_{t-1} of a bool mask cast to float, [B, T, 1]) is
+   peeled off and :func:`ctropt.passes.rnn.cell.identify_gru_cell` reads step 1's cell
    (kind, linear_before_reset, att_keep, weights); a numeric check of the first steps (the exported nodes,
    slices included, against :func:`ctropt.ops.rnn.reference`, rows masked fully, partly and not at all) guards
    the rewrite.
@@ -452,6 +453,7 @@ class _Cell:
     invert: bool                # the mask is the negation of the Where's condition
     H: int
     I: int
+    mask_form: str = "Where"    # "Where", or "blend" (m * h_new + (1 - m) * h)
 
 
 class _Steps:
@@ -800,8 +802,8 @@ def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cel
     s = chain.states
     masking = _peel_mask(steps, shapes, s)
     if masking is None:
-        raise _Miss("the Where mask is not a [B, T] sequence")
-    mask_group, invert, h_new1 = masking
+        raise _Miss("the mask is not a [B, T] sequence (Where) nor a 0/1 one, a bool Cast to float (blend)")
+    mask_group, invert, h_new1, form = masking
     step_inputs = _step_inputs(steps, shapes, h_new1, s[0])
     if step_inputs is None:
         raise _Miss("the cell's step inputs are not x_t [B, I] (and a_t) of float32 sequences")
@@ -810,19 +812,22 @@ def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cel
     I = _last_dim(shapes.shape(x_group.source))
     if not H or not I:
         raise _Miss("hidden or input width unknown")
+    if att_group is not None and att_group.squeezed:
+        att1 = _att_column(chain.nodes[1], att1)
     found = _identify_cell(chain.nodes[1], h_new1, s[0], x1, att1, H, I, opset)
     if found is None or list(found.x_columns) != list(range(I)):
         raise _Miss("step 1 is not a GRU-family cell (identify_gru_cell)")
     if (found.attrs.kind == "GRU") != (att_group is None):
         raise _Miss(f"a {found.attrs.kind} cell {'without' if att_group is None else 'with'} an attention sequence")
     attrs = dataclasses.replace(found.attrs, padded_output="state" if mask_group is not None else "zero")
-    return _Cell(attrs, found, x_group, att_group, mask_group, invert, H, I)
+    return _Cell(attrs, found, x_group, att_group, mask_group, invert, H, I, form)
 
 
 def _peel_mask(steps: _Steps, shapes: Shapes, s: list) -> tuple | None:
-    """The masking s_t = Where(m_t, h_new, s_{t-1}) of step 1: (mask group or None, inverted, h_new), or None
-    if the mask is not a [B, T] sequence."""
-    mask_group, invert, h_new1 = None, False, s[1]
+    """The masking of step 1: s_t = Where(m_t, h_new, s_{t-1}), or the blend m_t * h_new + (1 - m_t) * s_{t-1}
+    of a 0/1 float mask (FuxiCTR's DIEN, torch). Returns (mask group or None, inverted, h_new, form), or None
+    if the mask is not a [B, T] (blend: [B, T] or [B, T, 1]) sequence."""
+    mask_group, invert, h_new1, form = None, False, s[1], "Where"
     p = s[1].inputs[0] if len(s[1].inputs) == 1 else None
     if p is not None and p.op == "Where" and len(p.inputs) == 3:
         cond, a, b_ = p.inputs
@@ -837,7 +842,52 @@ def _peel_mask(steps: _Steps, shapes: Shapes, s: list) -> tuple | None:
             invert = (a is s[0]) != (not_node is not None)
             if mask_group.squeezed or shapes.rank(mask_group.source) != 2:
                 return None
-    return mask_group, invert, h_new1
+    elif p is not None and p.op == "Add" and len(p.inputs) == 2:
+        blend = _blend(steps, s[0], p)
+        if blend is not None:
+            (mask_group, h_new1), form = blend, "blend"
+            if not _binary_mask(mask_group, shapes):
+                return None
+    return mask_group, invert, h_new1, form
+
+
+def _blend(steps: _Steps, s0: gs.Tensor, add: gs.Node) -> tuple | None:
+    """Add(Mul(m_1, h_new), Mul(Sub(1, m_1), s_0)) in any operand order, m_1 a step-1 slice: (its group, h_new)."""
+    muls = [i.inputs[0] if len(i.inputs) == 1 and i.inputs[0].op == "Mul" else None for i in add.inputs]
+    if any(m is None for m in muls):
+        return None
+    for keep, upd in (muls, muls[::-1]):
+        if not any(i is s0 for i in keep.inputs):
+            continue
+        one_minus = keep.inputs[1] if keep.inputs[0] is s0 else keep.inputs[0]
+        q = one_minus.inputs[0] if len(one_minus.inputs) == 1 else None
+        if q is None or q.op != "Sub" or not _is_one(q.inputs[0]):
+            continue
+        m = q.inputs[1]
+        st = steps.step_of.get(id(m))
+        if st is None or st[0] != 1 or not any(i is m for i in upd.inputs):
+            continue
+        return steps.groups[st[1]], upd.inputs[1] if upd.inputs[0] is m else upd.inputs[0]
+    return None
+
+
+def _is_one(t: gs.Tensor) -> bool:
+    v = const_value(t)
+    return v is not None and v.size == 1 and float(np.asarray(v).ravel()[0]) == 1.0
+
+
+def _binary_mask(g: _Group, shapes: Shapes) -> bool:
+    """The blend's mask sequence holds only 0 and 1: a bool Cast to float, maybe reshaped, [B, T] sliced to
+    [B, 1] or [B, T, 1] gathered to [B, 1]."""
+    rank = shapes.rank(g.source)
+    if not ((rank == 2 and not g.squeezed) or (rank == 3 and g.squeezed and _last_dim(shapes.shape(g.source)) == 1)):
+        return False
+    t = g.source
+    while len(t.inputs) == 1 and t.inputs[0].op in ("Unsqueeze", "Reshape", "Squeeze", "Identity"):
+        t = t.inputs[0].inputs[0]
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    return p is not None and p.op == "Cast" and shapes.dtype(p.inputs[0]) == np.bool_ \
+        and shapes.dtype(g.source) == np.float32
 
 
 def _step_inputs(steps: _Steps, shapes: Shapes, h_new1: gs.Tensor, s0: gs.Tensor) -> tuple | None:
@@ -874,6 +924,16 @@ def _identify_cell(step_nodes: list[gs.Node], h_new1: gs.Tensor, h: gs.Tensor, x
             if found is not None and found.attrs.kind == "GRU":
                 found = dataclasses.replace(found, attrs=dataclasses.replace(found.attrs, kind="AIGRU"))
     return found
+
+
+def _att_column(nodes: list[gs.Node], att: gs.Tensor) -> gs.Tensor:
+    """A [B] attention step a_t (Gather of [B, T] at t) that the step reads only as Unsqueeze(a_t, -1): that
+    [B, 1] column (torch's ``attn.unsqueeze(-1)``), else `att` as is."""
+    ids = {id(n) for n in nodes}
+    readers = [n for n in att.outputs if id(n) in ids]
+    if len(readers) == 1 and readers[0].op == "Unsqueeze" and _axes_of(readers[0]) in ([-1], [1]):
+        return readers[0].outputs[0]
+    return att
 
 
 def _scaled_input(nodes: list[gs.Node], x: gs.Tensor, att: gs.Tensor) -> gs.Tensor | None:
@@ -1025,7 +1085,8 @@ def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: Shapes, opset: int
         cond[1, 1:] = False          # length 1
         cond[3, 2:] = False          # partial
         dtype = shapes.dtype(mask_group.source) or np.bool_
-        feeds[id(mask_group.source)] = (mask_group.source, cond.astype(dtype))
+        shaped = cond.reshape(cond.shape + (1,) * ((shapes.rank(mask_group.source) or 2) - 2))
+        feeds[id(mask_group.source)] = (mask_group.source, shaped.astype(dtype))
         mask = ~cond if cell.invert else cond
     h0 = None if h0_zero else rng.normal(size=(batch, H)).astype(np.float32)
     if const_value(chain.h0) is None:
@@ -1072,6 +1133,8 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
         inputs["att"] = _time_prefix(b, shapes, cell.att_group.source, T)
     if cell.mask_group is not None:
         m = _time_prefix(b, shapes, cell.mask_group.source, T)
+        if shapes.rank(cell.mask_group.source) == 3:  # a blend's [B, T, 1] mask
+            m = b.axes_op("Squeeze", m, [2])
         if cell.invert:
             m = b.op("Not", [m], dtype=np.bool_)
         inputs["mask"] = m
@@ -1081,7 +1144,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
     if stacked:
         outputs["Y"] = _stacked_output(graph, b, stacked)
     add_sequence_node(graph, attrs, inputs, outputs, unique_name(graph, f"{b.prefix}/{attrs.op_type}"))
-    mask_note = "" if cell.mask_group is None else (", Where mask → mask" + (" (inverted)" if cell.invert else ""))
+    mask_note = "" if cell.mask_group is None else (f", {cell.mask_form} mask → mask" + (" (inverted)" if cell.invert else ""))
     outs = " and ".join(k for k in ("Y", "Y_h") if k in outputs)
     return (f"{attrs.kind} cell unrolled over {T} steps ({n_nodes} nodes) → {attrs.op_type} "
             f"(linear_before_reset={attrs.linear_before_reset}, att_keep={attrs.att_keep}{mask_note}; {outs})")
