@@ -65,6 +65,7 @@ def build(include: str | Path | None = None, compiler: str | None = None) -> Pat
     except FileNotFoundError:
         raise CtroptError(f"{compiler} not found: a C compiler is needed to build the kernels") from None
     if done.returncode:
+        part.unlink(missing_ok=True)
         raise CtroptError(f"building the kernels failed:\n{done.stderr.strip()[-2000:]}")
     os.replace(part, out)
     return out
