@@ -152,6 +152,62 @@ def test_attention_mlp_runs_on_valid_positions_only(dialect):
     assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
 
 
+def flat_din_attention(seed: int = 0):
+    """FuxiCTR's DIN attention: the MLP is Gemms over a [B*T, 4C] view, the scores [B*T, 1] are reshaped to [B, T]
+    (the shape computed from the keys') and multiplied by Cast(Not(Equal(ids, 0))): id 0 is the padding."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        node("Shape", ["keys"], ["kshape"]),
+        node("Unsqueeze", ["q", "ax1"], ["q1"]),
+        node("Expand", ["q1", "kshape"], ["qt"]),
+        node("Sub", ["qt", "keys"], ["d"]),
+        node("Mul", ["qt", "keys"], ["p"]),
+        node("Concat", ["qt", "keys", "d", "p"], ["cat"], axis=-1),
+        node("Reshape", ["cat", "rows"], ["flat"]),
+        node("Gemm", ["flat", "w1", "b1"], ["h1"], transB=1),
+        node("Sigmoid", ["h1"], ["a1"]),
+        node("Gemm", ["a1", "w2", "b2"], ["s_flat"], transB=1),
+        node("Gather", ["kshape", "one"], ["t"], axis=0),
+        node("Unsqueeze", ["t", "ax0"], ["t1"]),
+        node("Concat", ["minus_one", "t1"], ["bt"], axis=0),
+        node("Reshape", ["s_flat", "bt"], ["s2"]),
+        node("Equal", ["ids", "zero"], ["padded"]),
+        node("Not", ["padded"], ["valid"]),
+        node("Cast", ["valid"], ["validf"], to=F),
+        node("Mul", ["s2", "validf"], ["weights"]),
+        node("Unsqueeze", ["weights", "ax1"], ["w3"]),
+        node("MatMul", ["w3", "keys"], ["pooled"]),
+        node("Squeeze", ["pooled", "ax1"], ["out"]),
+    ]
+    inits = [init("ax0", np.array([0], np.int64)), init("ax1", np.array([1], np.int64)),
+             init("rows", np.array([-1, 4 * C], np.int64)), init("one", np.array(1, np.int64)),
+             init("minus_one", np.array([-1], np.int64)), init("zero", np.array(0, np.int64)),
+             init("w1", rng.normal(size=(H, 4 * C)).astype(np.float32)),
+             init("b1", rng.normal(size=H).astype(np.float32)),
+             init("w2", rng.normal(size=(1, H)).astype(np.float32)), init("b2", rng.normal(size=1).astype(np.float32))]
+    inputs = [vi("q", F, ["batch", C]), vi("keys", F, ["batch", "seq_len", C]), vi("ids", I64, ["batch", "seq_len"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", C])], inits)
+
+
+def test_flat_scores_reshaped_to_the_history_and_gemm_layers():
+    """FuxiCTR's form: the region ends at the reshape to [B, T]; the first Gemm's query part runs once per row."""
+    model = flat_din_attention()
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1, ctx.notes
+    assert "Expand" not in ops(once) and any("project_once" in n.name for n in once.graph.node)
+    assert any("projected once per row" in n for n in ctx.notes), ctx.notes
+    for lengths in ([7, 0, 3, 7, 1], [0], [7], [2, 5, 7, 0, 4, 4, 1, 6]):
+        feeds = _feeds(model, lengths)
+        feeds["ids"] = np.where(np.arange(7)[None, :] < np.asarray(lengths)[:, None], 5, 0).astype(np.int64)
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "remove-attention-padding")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
+    # the generated inputs pad the history with the id the graph masks (0), so the guard times real padding
+    ids = generate_inputs(model, batch=64)["ids"]
+    assert 0.2 < (ids == 0).mean() < 0.8 and (ids[1] == 0).all()
+
+
 def test_scores_normalized_over_the_history_are_left_alone():
     """s - mean over T of s is not position by position: the region check refuses it, saying why."""
     model = din_attention("torch")

@@ -1,6 +1,7 @@
 """Generated verification inputs: ids stay inside their tables, lengths and masks agree."""
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
 from ctropt.runtime import generate_inputs, run_model
@@ -65,6 +66,22 @@ def test_lengths_masks_and_padded_history_agree():
     assert np.array_equal(mask, np.arange(mask.shape[1])[None] < lengths[:, None])  # prefix masks
     assert np.all(hist[~mask] == 0) and hist.max() < 30
     assert lengths.max() == mask.shape[1] and lengths.min() == 0  # a full and an empty history
+
+
+@pytest.mark.parametrize("compare,zero_first", [("Equal", False), ("NotEqual", True), ("Greater", False)])
+def test_history_padded_with_the_id_the_graph_masks(compare, zero_first):
+    """No length or mask input, but the graph compares the history ids with 0 (FuxiCTR: Equal(ids, 0)): the
+    generated histories are prefixes padded with 0, a full and an empty one among them."""
+    operands = ["zero", "hist"] if zero_first else ["hist", "zero"]
+    model = make_model(
+        [node("Gather", ["items", "hist"], ["h"]), node(compare, operands, ["c"]),
+         node("Cast", ["c"], ["m"], to=TensorProto.FLOAT), node("Unsqueeze", ["m", "ax"], ["m3"]),
+         node("Mul", ["h", "m3"], ["y"])],
+        [vi("hist", I64, ["B", "T"])], [vi("y", F, None)],
+        [init("items", np.zeros((30, 4), np.float32)), init("ax", np.array([2])), init("zero", np.array(0))])
+    hist = generate_inputs(model, batch=64)["hist"]
+    assert (hist[1] == 0).all() and (hist[0] != 0).sum() >= hist.shape[1] - 2 and hist.max() < 30  # empty, full
+    assert 0.2 < (hist == 0).mean() < 0.8
 
 
 def test_dims_and_seed_are_honoured():

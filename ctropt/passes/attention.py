@@ -177,8 +177,26 @@ def _walk_region(scores: gs.Tensor, axes: _Axes, forced: set[int]) -> Region | N
     return Region(list(nodes.values()), list(entries.values()))
 
 
+def _light_shape(t: gs.Tensor, axes: _Axes, inside: set[int]) -> bool:
+    """A shape-like value made in the region without a heavy op: outside readers keep the original nodes."""
+    if not axes.probe.shape_like(t):
+        return False
+    stack, seen = [t], set()
+    while stack:
+        u = stack.pop()
+        n = u.inputs[0] if u.inputs else None
+        if n is None or id(n) not in inside or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op in HEAVY_OPS:
+            return False
+        stack.extend(x for x in n.inputs if n.op not in ("Shape", "Size"))
+    return True
+
+
 def find_region(scores: gs.Tensor, axes: _Axes, graph_outputs: set[int]) -> Region | None:
-    """The region, with every value it makes that something outside reads turned into an entry."""
+    """The region, with every value it makes that something outside reads turned into an entry (a light shape
+    computation is left to be computed twice)."""
     forced: set[int] = set()
     while True:
         region = _walk_region(scores, axes, forced)
@@ -186,7 +204,8 @@ def find_region(scores: gs.Tensor, axes: _Axes, graph_outputs: set[int]) -> Regi
             return None
         inside = {id(n) for n in region.nodes}
         leaks = {id(t) for n in region.nodes for t in n.outputs if t is not scores and
-                 (id(t) in graph_outputs or any(id(c) not in inside for c in t.outputs))}
+                 (id(t) in graph_outputs or any(id(c) not in inside for c in t.outputs)) and
+                 (id(t) in graph_outputs or not _light_shape(t, axes, inside))}
         if not leaks - forced:
             return region
         forced |= leaks
@@ -346,15 +365,29 @@ def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs
         reshape = readers[0] if len(readers) == 1 and readers[0].op == "Reshape" else None
         matmul = reshape.outputs[0].outputs[0] if reshape is not None and len(reshape.outputs[0].outputs) == 1 \
             else (readers[0] if len(readers) == 1 else None)
-        w = const_value(matmul.inputs[1]) if matmul is not None and matmul.op == "MatMul" else None
+        w, gemm_bias = _layer_weights(matmul)
         if w is None or w.ndim != 2 or w.shape[0] != sum(widths) or matmul.inputs[0] is not (reshape or cat).outputs[0]:
             continue
         terms = _weights_by_term(cat.inputs, widths, w)
         once = [t for k, t in terms.items() if k in row_of] if terms else []
         rest = [t for k, t in terms.items() if k not in row_of] if terms else []
         if once and rest:
-            _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, w.dtype)
+            _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, w.dtype, gemm_bias)
             b.split += 1
+
+
+def _layer_weights(node: gs.Node | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(W [K, H], bias or None) of a MatMul or a plain Gemm (alpha = beta = 1, A not transposed) by constants."""
+    if node is None or node.op not in ("MatMul", "Gemm"):
+        return None, None
+    w = const_value(node.inputs[1])
+    if node.op == "MatMul" or w is None:
+        return w, None
+    if node.attrs.get("alpha", 1.0) != 1.0 or node.attrs.get("beta", 1.0) != 1.0 or node.attrs.get("transA", 0):
+        return None, None
+    w = w.T if node.attrs.get("transB", 0) else w
+    bias = const_value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else np.zeros(w.shape[1])
+    return (w, bias) if bias is not None and bias.size in (1, w.shape[1]) else (None, None)
 
 
 def _weights_by_term(parts: list[gs.Tensor], widths: list[int], w: np.ndarray) -> dict[int, tuple] | None:
@@ -371,11 +404,13 @@ def _weights_by_term(parts: list[gs.Tensor], widths: list[int], w: np.ndarray) -
     return terms
 
 
-def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype) -> None:
-    """Build the split layer (see `_project_rows_once`) in place of `cat` → [reshape] → `matmul` (→ bias Add)."""
+def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype, gemm_bias=None) -> None:
+    """Build the split layer (see `_project_rows_once`) in place of `cat` → [reshape] → `matmul` (→ bias Add;
+    a Gemm's own bias)."""
     width = once[0][1].shape[1]
-    bias_add, bias = None, np.zeros(width)
-    for c in matmul.outputs[0].outputs:  # the layer's bias, folded into the per-row part (other readers: Shape)
+    bias_add, bias = None, (np.zeros(width) if gemm_bias is None else np.broadcast_to(gemm_bias.ravel(), (width,)))
+    readers = matmul.outputs[0].outputs if gemm_bias is None else []
+    for c in readers:  # the layer's bias, folded into the per-row part (other readers: Shape)
         v = next((v for v in map(const_value, c.inputs) if v is not None), None) if c.op == "Add" else None
         if v is not None and v.ndim and v.size == width and v.shape[-1] == width and c.outputs[0].outputs:
             bias_add, bias = c, v
@@ -435,6 +470,23 @@ def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, 
     return ""
 
 
+def _positional_scores(site: Site, probe: Probe) -> Site:
+    """The site with its scores moved along the layout chain to the first value shaped [B, T, ...] like the mask,
+    when the scores are computed flat ([B·T, ...], then reshaped: torch's Linear over a [B·T, C] view)."""
+    values = [site.scores] + [n.outputs[0] for n in site.chain]
+    for k, t in enumerate(values):
+        ok = True
+        for run in range(len(probe.runs)):
+            cond, value = probe.value(site.cond, run), probe.value(t, run)
+            if cond is None or value is None or cond.ndim < 2 or not cond.shape[0] or \
+                    tuple(value.shape[:2]) != (cond.shape[0], cond.size // cond.shape[0]):
+                ok = False
+                break
+        if ok:
+            return dataclasses.replace(site, scores=t, chain=site.chain[k:])
+    return site
+
+
 def _site_sizes(site: Site, probe: Probe) -> list[tuple[int, int]] | None:
     """(B, T) of each probe run, read off the mask; None when the mask is not [B, ...T...] like the scores."""
     sizes = []
@@ -489,6 +541,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
         if id(site.scores) in done:
             continue
         where = f"{site.mask_op.op} {site.mask_op.name}"
+        site = _positional_scores(site, probe)
         sizes = _site_sizes(site, probe)
         if sizes is None:
             continue  # not a mask over per-position scores

@@ -3,7 +3,7 @@
 Integer ids stay inside the table they index (the id is followed through Cast/Reshape/Slice/Squeeze/
 Add/... to its Gather, into Loop/Scan bodies too); ids stored as float columns of one matrix (as
 deepctr-torch does) get a range per column; sequence lengths and masks agree row by row, and padded
-history positions hold id 0.
+history positions hold id 0 (also where no length or mask is an input but the graph masks ids equal to 0).
 
 An optimized model keeps its raw model's facts in its metadata (`store_input_facts`): after a rewrite such as
 fuse-parallel-embeddings the ids reach one concatenated table through offsets, and the per-table bounds can no
@@ -46,6 +46,7 @@ class InputFacts:
     is_length: bool = False
     length_columns: set[int] = dataclasses.field(default_factory=set)
     is_mask: bool = False
+    padded: bool = False  # ids compared with 0 to mask a history (0 is its padding: FuxiCTR's Equal(ids, 0))
 
     def bound(self, bound: int, region: tuple[int, int] | None):
         bound = max(int(bound), 1)
@@ -76,7 +77,7 @@ class InputFacts:
     def from_json(cls, d: dict) -> "InputFacts":
         return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
                    {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
-                   set(d.get("length_columns", [])), bool(d.get("is_mask")))
+                   set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")))
 
 
 def store_input_facts(model: onnx.ModelProto, facts: dict[str, InputFacts]) -> None:
@@ -147,6 +148,8 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
                     _follow(node.outputs[0], offset + delta, region, facts, seen, None)
         elif op == "Slice" and pos == [0]:
             _follow(node.outputs[0], offset, _slice_region(node, region, shape), facts, seen, None)
+        elif _compares_with_zero(node, pos) and region is None and offset == 0:
+            facts.padded = True
         elif (op in _COMPARE and not _validity_check(node, pos)) or (op in ("GRU", "LSTM", "RNN") and 4 in pos):
             facts.length(region)
         elif op in ("Loop", "Scan"):
@@ -157,6 +160,15 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
         elif op in _PASS_THROUGH and (0 in pos or op in ("Concat", "Max", "Where")):
             for out in node.outputs:
                 _follow(out, offset, region if op != "Transpose" else None, facts, seen, None)
+
+
+def _compares_with_zero(node: gs.Node, pos: list[int]) -> bool:
+    """`id == 0`, `id != 0` or `id > 0`: the graph masks a history whose padding id is 0."""
+    if len(node.inputs) != 2 or len(pos) != 1:
+        return False
+    other = const_value(node.inputs[1 - pos[0]])
+    zero = other is not None and other.size == 1 and float(np.asarray(other).ravel()[0]) == 0
+    return zero and (node.op in ("Equal", "NotEqual") or (node.op, pos[0]) in (("Greater", 0), ("Less", 1)))
 
 
 def _validity_check(node: gs.Node, pos: list[int]) -> bool:
@@ -279,7 +291,7 @@ def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_l
     shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
     time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
     lengths = _history_lengths(rng, batch, time_len, fill, one_user)
-    has_lengths = any(f.is_length or f.is_mask for f in facts.values())
+    has_lengths = any(f.is_length or f.is_mask or f.padded for f in facts.values())
     feeds = {}
     jagged = dict(_jagged_values(graph, facts))
     for inp in sorted(graph.inputs, key=lambda i: i.name in jagged):  # lengths before the values they count
