@@ -208,6 +208,69 @@ def test_flat_scores_reshaped_to_the_history_and_gemm_layers():
     assert 0.2 < (ids == 0).mean() < 0.8 and (ids[1] == 0).all()
 
 
+def tensordot_din_attention(seed: int = 0):
+    """DeepRec's DIN attention through tf2onnx: tensordot writes each layer as Reshape to [1, B*T, K], Squeeze,
+    MatMul; the scores [B*T, 1] are reshaped to [B, 1, T] and masked by Cast(mask [B, 1, T])."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        node("Shape", ["keys"], ["kshape"]),
+        node("Unsqueeze", ["q", "ax1"], ["q1"]),
+        node("Expand", ["q1", "kshape"], ["qt"]),
+        node("Sub", ["qt", "keys"], ["d"]),
+        node("Mul", ["qt", "keys"], ["p"]),
+        node("Concat", ["qt", "keys", "d", "p"], ["cat"], axis=-1),
+        node("Reshape", ["cat", "one_rows"], ["cat1"]),
+        node("Squeeze", ["cat1", "ax0"], ["flat"]),
+        node("MatMul", ["flat", "w1"], ["h1"]),
+        node("Sigmoid", ["h1"], ["a1"]),
+        node("MatMul", ["a1", "w2"], ["s_flat"]),
+        node("Gather", ["kshape", "one"], ["t"], axis=0),
+        node("Unsqueeze", ["t", "ax0"], ["t1"]),
+        node("Concat", ["minus_one_one", "t1"], ["b1t"], axis=0),
+        node("Reshape", ["s_flat", "b1t"], ["s3"]),  # [B, 1, T]
+        node("Gather", ["kshape", "one"], ["t_again"], axis=0),
+        node("Range", ["zero", "t_again", "one"], ["steps"]),
+        node("Unsqueeze", ["hist_len", "ax1"], ["len1"]),
+        node("Less", ["steps", "len1"], ["valid"]),
+        node("Unsqueeze", ["valid", "ax1"], ["valid3"]),
+        node("Cast", ["valid3"], ["validf"], to=F),
+        node("Mul", ["validf", "s3"], ["weights"]),
+        node("MatMul", ["weights", "keys"], ["pooled"]),
+        node("Squeeze", ["pooled", "ax1"], ["out"]),
+    ]
+    inits = [init("ax0", np.array([0], np.int64)), init("ax1", np.array([1], np.int64)),
+             init("one_rows", np.array([1, -1, 4 * C], np.int64)), init("one", np.array(1, np.int64)),
+             init("zero", np.array(0, np.int64)), init("minus_one_one", np.array([-1, 1], np.int64)),
+             init("w1", rng.normal(size=(4 * C, H)).astype(np.float32)),
+             init("w2", rng.normal(size=(H, 1)).astype(np.float32))]
+    inputs = [vi("q", F, ["batch", C]), vi("keys", F, ["batch", "seq_len", C]), vi("hist_len", I64, ["batch"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", C])], inits)
+
+
+def test_tensordot_layers_and_scores_masked_as_b_1_t():
+    """DeepRec's form: positions flat ([1, B*T, K] and [B*T, K]); the scores scattered back flat."""
+    model = tensordot_din_attention()
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1, ctx.notes
+    assert "Expand" not in ops(once) and any("project_once" in n.name for n in once.graph.node)
+    for lengths in ([7, 0, 3, 7, 1], [0], [7], [2, 5, 7, 0, 4, 4, 1, 6]):
+        assert_same_outputs(model, once, _feeds(model, lengths), atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "remove-attention-padding")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
+def test_a_mask_built_from_the_scores_shape_is_left_alone():
+    """RecBole: the mask's batch is read off the scores' shape; scattering the scores would read the mask back."""
+    model = flat_din_attention()
+    g = model.graph
+    eq = next(n for n in g.node if n.op_type == "Equal")
+    g.node.extend([node("Shape", ["s2"], ["s2shape"]), node("Expand", ["ids", "s2shape"], ["ids_b"])])
+    eq.input[0] = "ids_b"
+    model = ctropt.graph.to_model(ctropt.graph.to_graph(model), like=model)
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(model))
+
+
 def test_scores_normalized_over_the_history_are_left_alone():
     """s - mean over T of s is not position by position: the region check refuses it, saying why."""
     model = din_attention("torch")

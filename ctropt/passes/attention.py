@@ -42,21 +42,22 @@ class Site:
     cond: gs.Tensor  # same shape as the masked value
     negate: bool  # valid positions are where cond is false (Where(padded, fill, s))
     chain: list[gs.Node]  # layout ops from S to the masked value
+    flat: bool = False  # S is [B·T, ...] (set once the probe has measured it)
 
 
 # ----------------------------------------------------------------------------------------- finding sites
 
 
-def _depends_on(t: gs.Tensor, targets: set[int], depth: int = 0) -> bool:
-    """Whether `t`'s values depend on any of `targets` (reading only a shape does not count)."""
+def _depends_on(t: gs.Tensor, targets: set[int], depth: int = 0, shapes: bool = False) -> bool:
+    """Whether `t`'s values depend on any of `targets` (reading only a shape counts only with `shapes`)."""
     if id(t) in targets:
         return True
     if depth > 40 or not t.inputs:
         return False
     n = t.inputs[0]
-    if n.op == "Shape" or n.op == "Size":
+    if (n.op == "Shape" or n.op == "Size") and not shapes:
         return False
-    return any(_depends_on(u, targets, depth + 1) for u in n.inputs)
+    return any(_depends_on(u, targets, depth + 1, shapes) for u in n.inputs)
 
 
 def _bool_mask(m: gs.Tensor, mask_inputs: set[str]) -> bool:
@@ -104,7 +105,7 @@ def find_sites(graph: gs.Graph) -> list[Site]:
             region_values = {id(scores)} | {id(c.outputs[0]) for c in chain}
             if fill is not None and _depends_on(fill, region_values):
                 continue
-            if _depends_on(cond, region_values):
+            if _depends_on(cond, region_values, shapes=True):  # even a shape: the scatter reads the mask (a cycle)
                 continue
             sites.append(Site(n, scores, cond, negate, chain))
     return sites
@@ -130,8 +131,10 @@ class _Axes:
         return shapes is not None and all(len(s) >= 2 and tuple(s[:2]) == bt for s, bt in zip(shapes, self.bt))
 
     def flat(self, t: gs.Tensor) -> bool:
+        """[B·T, ...], or [1, B·T, ...] (tf2onnx's tensordot)."""
         shapes = self.probe.shapes(t)
-        return shapes is not None and all(len(s) >= 1 and s[0] == b * t for s, (b, t) in zip(shapes, self.bt))
+        return shapes is not None and all(len(s) >= 1 and (s[0] == b * t or tuple(s[:2]) == (1, b * t))
+                                          for s, (b, t) in zip(shapes, self.bt))
 
 
 def _walk_region(scores: gs.Tensor, axes: _Axes, forced: set[int]) -> Region | None:
@@ -308,7 +311,8 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     origin = {id(swap[id(t)]): t for t in region.entries + [o for n in region.nodes for o in n.outputs]}
     if row_of:
         _project_rows_once(b, row_of, batch_rows, origin, probe)
-    scores_valid = b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
+    scores_valid = swap[id(site.scores)] if site.flat else \
+        b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
     if tail is None:  # the scores' dims after (B, T), when they are not the same at every size
         tail = b.op("Slice", [b.op("Shape", [scores_valid]), b.const("one", np.array([1], np.int64)),
                               b.const("end", np.array([np.iinfo(np.int64).max], np.int64))])
@@ -318,6 +322,9 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     dtype = np.dtype(site.scores.dtype or np.float32)
     zeros = b.op("ConstantOfShape", [full_shape], {"value": gs.Constant("zero", np.zeros(1, dtype))})
     scattered = b.op("ScatterND", [zeros, idx, scores_valid], name="scatter")
+    if site.flat:  # back to [B·T, ...]
+        scattered = b.op("Reshape", [scattered, b.op("Concat", [b.const("rows", np.array([-1], np.int64)), tail],
+                                                     {"axis": 0})], name="flat")
     scattered.dtype = site.scores.dtype
     b.scores_valid = scores_valid
     return b, valid, scattered
@@ -362,17 +369,17 @@ def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs
         if None in widths or cat.attrs.get("axis") not in (-1, (rank or 0) - 1):
             continue
         readers = [c for c in out.outputs if c.op != "Shape"]
-        reshape = readers[0] if len(readers) == 1 and readers[0].op == "Reshape" else None
-        matmul = reshape.outputs[0].outputs[0] if reshape is not None and len(reshape.outputs[0].outputs) == 1 \
-            else (readers[0] if len(readers) == 1 else None)
+        layout = _flattening(readers[0]) if len(readers) == 1 else []
+        last = layout[-1] if layout else cat
+        matmul = last.outputs[0].outputs[0] if len(last.outputs[0].outputs) == 1 else None
         w, gemm_bias = _layer_weights(matmul)
-        if w is None or w.ndim != 2 or w.shape[0] != sum(widths) or matmul.inputs[0] is not (reshape or cat).outputs[0]:
+        if w is None or w.ndim != 2 or w.shape[0] != sum(widths) or matmul.inputs[0] is not last.outputs[0]:
             continue
         terms = _weights_by_term(cat.inputs, widths, w)
         once = [t for k, t in terms.items() if k in row_of] if terms else []
         rest = [t for k, t in terms.items() if k not in row_of] if terms else []
         if once and rest:
-            _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, w.dtype, gemm_bias)
+            _split_layer(b, cat, layout, matmul, once, rest, row_of, batch_rows, w.dtype, gemm_bias)
             b.split += 1
 
 
@@ -404,8 +411,16 @@ def _weights_by_term(parts: list[gs.Tensor], widths: list[int], w: np.ndarray) -
     return terms
 
 
-def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype, gemm_bias=None) -> None:
-    """Build the split layer (see `_project_rows_once`) in place of `cat` → [reshape] → `matmul` (→ bias Add;
+def _flattening(node: gs.Node) -> list[gs.Node]:
+    """[Reshape] or [Reshape, Squeeze] (tf2onnx's tensordot: [1, N, K] squeezed) from a concatenation to its FC."""
+    if node.op != "Reshape":
+        return []
+    readers = node.outputs[0].outputs
+    return [node, readers[0]] if len(readers) == 1 and readers[0].op == "Squeeze" else [node]
+
+
+def _split_layer(b, cat, layout, matmul, once, rest, row_of, batch_rows, dtype, gemm_bias=None) -> None:
+    """Build the split layer (see `_project_rows_once`) in place of `cat` → [layout] → `matmul` (→ bias Add;
     a Gemm's own bias)."""
     width = once[0][1].shape[1]
     bias_add, bias = None, (np.zeros(width) if gemm_bias is None else np.broadcast_to(gemm_bias.ravel(), (width,)))
@@ -429,15 +444,15 @@ def _split_layer(b, cat, reshape, matmul, once, rest, row_of, batch_rows, dtype,
     if bias_add is not None:  # its readers read the layer (bias included) instead
         for c in list(bias_add.outputs[0].outputs):
             c.inputs[c.inputs.index(bias_add.outputs[0])] = end
-    if reshape is None:  # the layer was a MatMul over [1, N, K]
+    if not layout:  # the layer was a MatMul over [1, N, K]
         layer = b.op("Unsqueeze", [layer, b.const("axis0", np.array([0], np.int64))])
     for shape_reader in [c for c in cat.outputs[0].outputs if c.op == "Shape"]:
         shape_reader.inputs[0] = rest[0][0]  # leading dims only (the region check catches any other use)
     layer.inputs[0].outputs[0] = end  # the last new node writes the layer's value: its readers stay as they are
-    dead = {id(cat), id(matmul)} | ({id(reshape)} if reshape is not None else set()) | \
+    dead = {id(cat), id(matmul)} | {id(n) for n in layout} | \
         ({id(bias_add)} if bias_add is not None else set())
     b.nodes[:] = topological_order([n for n in b.nodes if id(n) not in dead])
-    for n in (cat, matmul, reshape, bias_add):
+    for n in (cat, matmul, *layout, bias_add):
         if n is not None:
             n.inputs.clear()
             n.outputs.clear()
@@ -464,7 +479,7 @@ def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, 
         except Exception as e:
             return f"the rebuilt region does not run: {str(e).splitlines()[0][:160]}"
         mask = mask != 0
-        want = full.reshape(mask.shape + full.shape[2:])[mask]
+        want = full.reshape(mask.shape + full.shape[1 if site.flat else 2:])[mask]
         if want.shape != got[:-1].shape or not np.allclose(want, got[:-1], rtol=1e-5, atol=1e-6):
             return "the region does not work position by position (scores differ when run on valid positions only)"
     return ""
@@ -504,10 +519,21 @@ def _site_sizes(site: Site, probe: Probe) -> list[tuple[int, int]] | None:
         if batch == 0 or cond.size % batch or scores.ndim < 2 or scores.size != cond.size:
             return None
         steps = cond.size // batch
-        if tuple(scores.shape[:2]) != (batch, steps):
+        if tuple(scores.shape[:2]) != (batch, steps) and not (site.flat and scores.shape[0] == batch * steps):
             return None
         sizes.append((batch, steps))
     return sizes
+
+
+def _flat_scores(site: Site, probe: Probe) -> Site:
+    """The site marked flat when its scores are [B·T, ...] and no value of its chain is [B, T, ...] (DeepRec's
+    attention: the MLP over [B·T, C] rows, the scores reshaped to [B, 1, T] for a mask of that shape)."""
+    cond, scores = probe.value(site.cond), probe.value(site.scores)
+    if cond is None or scores is None or cond.ndim < 2 or not cond.shape[0] or scores.ndim < 1:
+        return site
+    batch, steps = cond.shape[0], cond.size // cond.shape[0]
+    positional = scores.ndim >= 2 and tuple(scores.shape[:2]) == (batch, steps)
+    return dataclasses.replace(site, flat=not positional and scores.shape[0] == batch * steps)
 
 
 def _order_kept(chain: list[gs.Node], probe: Probe) -> bool:
@@ -541,7 +567,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
         if id(site.scores) in done:
             continue
         where = f"{site.mask_op.op} {site.mask_op.name}"
-        site = _positional_scores(site, probe)
+        site = _flat_scores(_positional_scores(site, probe), probe)
         sizes = _site_sizes(site, probe)
         if sizes is None:
             continue  # not a mask over per-position scores
@@ -552,7 +578,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
         if region is None or not any(n.op in HEAVY_OPS for n in region.nodes):
             ctx.note(f"left as is: {where}: no position-wise MLP computes the masked scores")
             continue
-        tails = {tuple(shape[2:]) for shape in probe.shapes(site.scores)}
+        tails = {tuple(shape[1 if site.flat else 2:]) for shape in probe.shapes(site.scores)}
         tail = tails.pop() if len(tails) == 1 else None
         built, valid, scattered = build_valid_region(graph, site, region, tail, row_constant_entries(region, probe),
                                                      probe)
