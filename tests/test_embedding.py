@@ -546,3 +546,83 @@ def test_zoo_deepfm_indicator_column():
     result = ctropt.optimize(model, speed=False)
     rec = next(r for r in result.records if r.name == "rewrite-indicator-columns")
     assert rec.status == "applied" and rec.rewrites == 1 and "OneHot" not in ops(result.model)
+
+
+# ----------------------------------------------------------------------------------------- TF sparse columns
+
+SPARSE_COLUMNS = Path(__file__).parent / "data" / "tf_sparse_columns.onnx"  # made by make_sparse_columns.py
+
+
+def ops_behind(model, output: str) -> set[str]:
+    """Op types of the main-graph nodes that `output` depends on."""
+    made = {o: n for n in model.graph.node for o in n.output}
+    seen, stack, found = set(), [output], set()
+    while stack:
+        t = stack.pop()
+        if t in seen or t not in made:
+            continue
+        seen.add(t)
+        found.add(made[t].op_type)
+        stack.extend(made[t].input)
+    return found
+
+
+def hostile_column_feeds(feeds, histories=(), seed=0):
+    """-1 and -2 anywhere, repeats, whole rows and a whole batch without ids, batch 1, other bag lengths. Each of
+    `histories` keeps an id last in row 0: the exports' sequence length is the max over rows, and their attention
+    masks expect it to be the history's width."""
+    rng = np.random.default_rng(seed)
+    empty = {k: np.full_like(v, -1) for k, v in feeds.items()}
+    out = [{k: np.where(rng.random(v.shape) < 0.5, rng.integers(-2, 0, v.shape), v) for k, v in feeds.items()},
+           empty, {k: v[1:2] for k, v in feeds.items()},
+           {k: np.concatenate([v, v[::-1]]) for k, v in feeds.items()}]
+    out.append({k: v if v.ndim == 1 or k == "bag_sum:0" else np.concatenate([v, v[:, :2]], axis=1)
+                for k, v in feeds.items()})  # longer bags and histories
+    for f in out:
+        for k in histories:
+            f[k] = f[k].copy()
+            f[k][0, -1] = 1
+    return out
+
+
+def test_feature_column_lookups_become_gathers():
+    """Identity columns → safe_embedding_lookup_sparse ([B] ids; [B, L] bags with sum, mean and sqrtn; a
+    sequence column [B, T] → [B, T, D]): no NonZero/Unique behind the lookups, TF's outputs, idempotent."""
+    model = load(SPARSE_COLUMNS)
+    once, ctx = run_pass(model, "rewrite-sparse-columns")
+    assert ctx.matches == ctx.rewrites == 5 and not ctx.notes
+    for out in ("pooled:0", "seq:0"):
+        assert not {"NonZero", "Unique", "ScatterND", "ScatterElements"} & ops_behind(once, out)
+    assert {"Sqrt", "Div"} <= ops_behind(once, "pooled:0") and len(ops(once)) < len(ops(model)) / 4
+    feeds = dict(np.load(SPARSE_COLUMNS.with_suffix(".npz")))
+    with np.load(SPARSE_COLUMNS.with_suffix(".ref.npz")) as ref:
+        got = ctropt.runtime.run_model(once, feeds)
+        for k in ("pooled:0", "seq:0"):  # seq_len: tf2onnx's SegmentMax gives int64 min for an empty row
+            np.testing.assert_allclose(got[k], ref[k], atol=1e-6)
+    for f in hostile_column_feeds(feeds, ["hist:0"]):
+        assert_same_outputs(model, once, f, atol=1e-6)
+    again, ctx = run_pass(once, "rewrite-sparse-columns")
+    assert ctx.rewrites == 0 and ops(again) == ops(once)
+
+
+def test_a_lookup_that_reads_negative_ids_from_the_end_is_no_sparse_column():
+    nodes = [node("Gather", ["table", "ids0"], ["g"]), node("Mul", ["g", "two"], ["y"])]
+    model = make_model(nodes, [vi("ids0", I64, ["B"])], [vi("y", F, ["B", 4])],
+                       [init("table", BAG_TABLE), init("two", np.array(2, np.float32))])
+    out, ctx = run_pass(model, "rewrite-sparse-columns")
+    assert ctx.rewrites == 0 and ops(out) == ops(model)
+
+
+@pytest.mark.parametrize("name", ["DIN", "MMoE", "DCNv2"])
+def test_deeprec_feature_columns_become_gathers(name):
+    """DeepRec's columns over merged shards: the Unique ops of every lookup go, outputs kept on hostile ids."""
+    path = DATA / f"deeprec_{name}_tf2onnx.onnx"
+    raw = load(path)
+    merged, _ = run_pass(raw, "merge-partitioned-embeddings")
+    once, ctx = run_pass(merged, "rewrite-sparse-columns")
+    assert ctx.rewrites == ctx.matches > 0 and ops(once).count("Unique") <= 1  # DIN: the history length's
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    ids = {k: v for k, v in feeds.items() if v.dtype.kind == "i"}
+    for f in hostile_column_feeds(ids, [k for k in ids if k.startswith("HISTORY")]):
+        batch = len(next(iter(f.values())))
+        assert_same_outputs(raw, once, {k: f.get(k, np.resize(v, (batch,) + v.shape[1:])) for k, v in feeds.items()})

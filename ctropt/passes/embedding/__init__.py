@@ -4,10 +4,12 @@ CTR models look up one table per feature (Wide&Deep: 26 deep + 26 wide lookups),
 bags of ids per sample and multi-hot indicator columns. `merge-partitioned-embeddings` joins the shards,
 `vectorize-embedding-bags` replaces per-sample bag loops by one scatter (one for all the tables of a bag
 collection) and segment-summed padded bags by a Gather + row sum, `rewrite-indicator-columns` replaces
-OneHot + ReduceSum by a scatter, and `fuse-parallel-embeddings` turns the lookups of one batch into tables of
-one width into a single Gather on the concatenated table (seed 003: 26 lookups → one gather).
+OneHot + ReduceSum by a scatter, `rewrite-sparse-columns` replaces TensorFlow feature-column lookups
+(NonZero, Unique, segment sums, empty rows zeroed) by a Gather on the table and a zero row, and
+`fuse-parallel-embeddings` turns the lookups of one batch into tables of one width into a single Gather on the
+concatenated table (seed 003: 26 lookups → one gather).
 
-One module per pass: `partitioned.py`, `bags.py`, `indicator.py`, `parallel.py`.
+One module per pass: `partitioned.py`, `bags.py`, `sparse_columns.py`, `indicator.py`, `parallel.py`.
 """
 
-from . import bags, indicator, parallel, partitioned  # noqa: F401  (registers the passes)
+from . import bags, indicator, parallel, partitioned, sparse_columns  # noqa: F401  (registers the passes)
