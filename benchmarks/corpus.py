@@ -37,7 +37,7 @@ from ctropt.runtime.bench import bench  # noqa: E402
 CTROPT = [sys.executable, "-m", "ctropt"]
 BEGIN, END = "<!-- corpus table: benchmarks/corpus.py writes it -->", "<!-- end of corpus table -->"
 LIBRARIES = {"deepctr_torch": "deepctr-torch", "deepctr": "DeepCTR", "fuxictr": "FuxiCTR", "paddlerec": "PaddleRec",
-             "deeprec": "DeepRec", "torchrec": "torchrec"}
+             "deeprec": "DeepRec", "torchrec": "torchrec", "recbole": "RecBole", "torch_rechub": "torch-rechub"}
 
 
 def exports(only: list[str]) -> list[Path]:
