@@ -23,14 +23,9 @@ def npz(path):
 
 
 # Exports of the corpus where a pass may still be rolled back (the manager's check catches it; the model stays
-# right), each with its cause. Any other rollback fails the test. None now (PaddleRec DIEN with dynamic history
-# length was the last: its Loop's carried shapes, see graph._forget_carried_shapes).
-# RecBole's SequenceAttLayer (DIN's attention) builds its padding mask as
-# mask_mat.repeat(scores.size(0), 1) >= item_length: the mask's batch size is read from Shape(scores), so
-# remove-attention-padding's valid-position rewrite makes a cycle (the scores' ScatterND -> Transpose -> Squeeze ->
-# Shape -> Gather -> Unsqueeze -> Concat -> Tile -> GreaterOrEqual -> Not -> valid -> ScatterND) and
-# onnx-graphsurgeon's toposort raises "Cycle detected in graph!"; the manager rejects the pass, the model stays right.
-KNOWN_ROLLBACKS: dict[str, set[str]] = {"recbole_DIN_legacy": {"remove-attention-padding"}}
+# right), each with its cause. Any other rollback fails the test. None now (RecBole DIN's mask built from the
+# scores' shape, which made remove-attention-padding's rewrite a cycle, is now left alone by the pass).
+KNOWN_ROLLBACKS: dict[str, set[str]] = {}
 
 
 def _like(values, model_outputs):

@@ -15,6 +15,7 @@ import numpy as np
 from ..graph import annotate_shapes
 from ..graph.edit import const_value, shape_of
 from ..patterns import P, Rewrite, Var
+from .cleanup import tidy
 from .registry import PassContext, register_pass
 
 
@@ -77,3 +78,5 @@ def weighted_sum_as_matmul(ctx: PassContext) -> None:
     if any(n.op == "ReduceSum" for n in ctx.graph.nodes):
         annotate_shapes(ctx.graph)
     ctx.apply(*POOLING_RULES)
+    if ctx.rewrites:
+        tidy(ctx)  # a Squeeze the sum's keepdims=0 needed may meet the Unsqueeze after it
