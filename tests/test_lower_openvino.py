@@ -274,6 +274,21 @@ def test_concat_into_if_branches(tmp_path, history):
     assert [b.node[-1].op_type for b in branches] == ["Concat", "Concat"]
 
 
+def test_an_if_whose_branches_differ_in_rank_keeps_its_concat():
+    """torch's squeeze(1) under tracing: If(dim 1 == 1, Squeeze, Identity); the branch never taken keeps rank 3, and
+    a Concat with rank-2 values moved into it would not load (RecBole DIEN)."""
+    sq = helper.make_graph([node("Squeeze", ["x", "one"], ["s"])], "then", [], [vi("s", F, ["B", 4])])
+    keep = helper.make_graph([node("Identity", ["x"], ["k"])], "else", [], [vi("k", F, ["B", 1, 4])])
+    model = make_model(
+        [node("Shape", ["x"], ["shape"]), node("Gather", ["shape", "one"], ["d"], axis=0),
+         node("Equal", ["d", "one"], ["c1"]), node("Squeeze", ["c1", "z1"], ["c"]),
+         node("If", ["c"], ["h"], then_branch=sq, else_branch=keep), node("Concat", ["h", "y"], ["out"], axis=1)],
+        [vi("x", F, ["B", 1, 4]), vi("y", F, ["B", 4])], [vi("out", F, ["B", 8])],
+        [init("one", np.array([1], np.int64)), init("z1", np.zeros(1, np.int64))])
+    once, ctx = run_pass(model, "concat-into-if-branches", target="openvino")
+    assert ctx.rewrites == 0 and ops(once) == ops(model)
+
+
 def _gru_with_lengths(initial_h: bool):
     T, H, I = 4, 3, 2
     rng = np.random.default_rng(4)

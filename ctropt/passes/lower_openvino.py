@@ -371,6 +371,10 @@ def _read_by_one_concat(m: Match) -> bool | str:
         return "its output is a graph output"
     if len(out.outputs) != 1 or out.outputs[0].op != "Concat":
         return "its output is not read by one Concat only"
+    ranks = {rank_of(t) for t in out.outputs[0].inputs if t is not out}
+    ranks |= {rank_of(m.root.attrs[b].outputs[0]) for b in ("then_branch", "else_branch")}
+    if len(ranks - {None}) > 1:  # RecBole DIEN: squeeze(1) exported as If(dim == 1, Squeeze, Identity)
+        return "a branch gives another rank than the Concat's other inputs (a Concat there would not load)"
     return True
 
 

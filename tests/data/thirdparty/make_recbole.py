@@ -42,12 +42,10 @@ What differs, and why:
     refuses pack_padded_sequence (data-dependent lengths). Not patched here: no AUGRU export is kept (the error is
     printed). gru_type="GRU" (interest extractor and evolution both nn.GRU on packed sequences, attention over the
     evolution GRU's outputs with softmax) exports with the legacy exporter as ONNX GRU ops with sequence_lens
-    (packing becomes TopK sort + Gather + ScatterElements unsort): the script keeps recbole_DIEN_GRU_legacy, but it
-    is NOT committed: tests/test_thirdparty.py fails on it because ctropt's openvino target makes a model OpenVINO
-    refuses (concat-into-if-branches moves the DNN input Concat into both branches of the exporter's
-    squeeze-If from `att_outputs.squeeze(1)`; the else branch concatenates [?, 1, 16] with rank-2 tensors: "Argument
-    shapes are inconsistent; they must have the same rank"), and remove-attention-padding raises on its
-    SequenceAttLayer as on DIN's (see KNOWN_ROLLBACKS there). Add it once those are fixed. Its dynamo
+    (packing becomes TopK sort + Gather + ScatterElements unsort): kept as recbole_DIEN_GRU_legacy (ctropt's
+    openvino target first moved the DNN input Concat into both branches of the exporter's squeeze-If from
+    `att_outputs.squeeze(1)`, whose else branch is rank 3, and OpenVINO refused the model; concat-into-if-branches now
+    declines an If whose branches differ in rank). Its dynamo
     export fails in torch.export at InterestExtractorNetwork's pack_padded_sequence (TypeError: "zeros(): argument
     'size' failed to unpack the object at pos 2 ... got FakeTensor"; printed). (gru_type="AIGRU" fails inside the legacy exporter's ONNX
     peephole pass: "vector::_M_range_check".)
