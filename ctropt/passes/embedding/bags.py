@@ -270,7 +270,7 @@ def _probe_ids(rows: int, batch: int, length: int, dtype, seed: int) -> np.ndarr
     return ids.astype(dtype)
 
 
-def _input_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
+def input_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
     """Names of the graph inputs whose values `t` depends on ("" for control flow on the way), and of those it
     reads only the shape of (TF's tf.shape(x)[0])."""
     inputs = {id(x) for x in graph.inputs}
@@ -289,7 +289,7 @@ def _input_sources(t: gs.Tensor, graph: gs.Graph) -> tuple[set[str], set[str]]:
     return values, shapes - values
 
 
-def _region_nodes(t: gs.Tensor, stop: gs.Tensor) -> int:
+def region_nodes(t: gs.Tensor, stop: gs.Tensor) -> int:
     seen, stack = set(), [t]
     while stack:
         x = stack.pop()
@@ -310,7 +310,7 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor,
     """(ids input, pooled tensor, combiner) of a padded bag ending in a lookup of `gather`'s table; a reason
     when it looked like one but did not evaluate as one; None when it is no bag."""
     table = const_value(gather.inputs[0])
-    values, _ = _input_sources(gather.inputs[1], graph)
+    values, _ = input_sources(gather.inputs[1], graph)
     by_name = {x.name: x for x in graph.inputs}
     ids = by_name.get(next(iter(values))) if len(values) == 1 else None
     if (ids is None or ids.shape is None or len(ids.shape) != 2 or not isinstance(ids.shape[1], int)
@@ -318,8 +318,8 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor,
         return None
     candidates = []
     for t in _bag_candidates(gather, table.shape[1]):
-        t_values, t_shapes = _input_sources(t, graph)
-        if t_values == {ids.name} and _region_nodes(t, ids) >= MIN_BAG_REGION:
+        t_values, t_shapes = input_sources(t, graph)
+        if t_values == {ids.name} and region_nodes(t, ids) >= MIN_BAG_REGION:
             candidates.append((t, t_shapes))
     if not candidates:
         return None
@@ -338,7 +338,7 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor,
     for t, _ in reversed(candidates):  # the farthest pooled tensor: mean's division included
         for combiner, pool in COMBINERS.items():
             if all(_pools(table, probe, out[t.name], pool) for probe, out in results):
-                return (ids, t, combiner) if _region_nodes(t, ids) > REWRITTEN_NODES[combiner] else None
+                return (ids, t, combiner) if region_nodes(t, ids) > REWRITTEN_NODES[combiner] else None
     return f"{gather.name}: no tensor downstream pools the bag ({', '.join(COMBINERS)})"
 
 

@@ -26,7 +26,7 @@ from ...graph.edit import Builder, const_value, redirect_consumers, replace_outp
 from ...runtime.subgraph import Subgraph
 from ..cleanup import tidy
 from ..registry import PassContext, register_pass
-from .bags import COMBINERS, _input_sources, _region_nodes
+from .bags import COMBINERS, input_sources, region_nodes
 
 FORMS = ("rows", *COMBINERS)  # rows: W[id] per position ([B] ids → [B, D], [B, T] → [B, T, D])
 REWRITTEN_NODES = {"rows": 3, "sum": 4, "mean": 9, "sqrtn": 10}  # what _dense_lookup makes of each
@@ -47,12 +47,12 @@ class Column:
 
 def _ids_input(graph: gs.Graph, gather: gs.Node) -> gs.Tensor | None:
     """The one int graph input ([B] or [B, L]) the lookup's ids come from, when a few nodes derive them."""
-    values, _ = _input_sources(gather.inputs[1], graph)
+    values, _ = input_sources(gather.inputs[1], graph)
     by_name = {x.name: x for x in graph.inputs}
     ids = by_name.get(next(iter(values))) if len(values) == 1 else None
     if ids is None or ids.shape is None or len(ids.shape) not in (1, 2):
         return None
-    if _region_nodes(gather.inputs[1], ids) < MIN_ID_NODES:
+    if region_nodes(gather.inputs[1], ids) < MIN_ID_NODES:
         return None  # ids read (nearly) as they come: a plain lookup
     return ids if ids.dtype is not None and np.issubdtype(np.dtype(ids.dtype), np.integer) else None
 
@@ -71,7 +71,7 @@ def _candidates(graph: gs.Graph, gather: gs.Node, ids: gs.Tensor, width: int) ->
             if shape is not None and (len(shape) not in (2, 3) or shape[-1] not in (width, None)
                                       and not isinstance(shape[-1], str)):
                 continue
-            values, shapes = _input_sources(t, graph)
+            values, shapes = input_sources(t, graph)
             if values == {ids.name}:
                 found.append((t, shapes))
     return found
@@ -162,8 +162,8 @@ def _identify(graph: gs.Graph, gather: gs.Node) -> Column | str | None:
                for form in FORMS[:1 if len(ids.shape) == 1 else None]
                if all(_matches(v, _meaning(table, probe[0], form)) for probe, v in got)]
     if matches:  # the one that computes the most: a mean's division and the empty rows' zeros included
-        out, form = max(matches, key=lambda m: _region_nodes(m[0], ids))  # ties: the first form (fewest nodes)
-        return Column(gather, ids, out, form) if _region_nodes(out, ids) > REWRITTEN_NODES[form] else None
+        out, form = max(matches, key=lambda m: region_nodes(m[0], ids))  # ties: the first form (fewest nodes)
+        return Column(gather, ids, out, form) if region_nodes(out, ids) > REWRITTEN_NODES[form] else None
     return f"{gather.name}: no value downstream of the lookup combines its valid ids ({', '.join(FORMS)})"
 
 
