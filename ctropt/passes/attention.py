@@ -5,7 +5,9 @@ The pass starts at the masking, in the exporters' forms:
 - ``Where(valid, s, fill)`` (or ``Where(padded, fill, s)``) with a fill that does not depend on the scores'
   values (zeros_like, ones_like * -2^32+1, a constant);
 - ``Mul(s, mask)`` with the mask a Cast of booleans or a mask input (tf2onnx writes ``tf.where`` this way).
-From the scores it walks back over the nodes that work position by position. Which axis is the batch and which
+Scores computed flat ([B·T, ...]: FuxiCTR's Gemms over a view, tf2onnx's tensordot in DeepRec) end the region at the
+reshape that makes them [B, T], or are scattered back flat when the mask is [B, 1, T]. From the scores it walks
+back over the nodes that work position by position. Which axis is the batch and which
 the history is measured, not guessed: the graph is run at two sizes (``runtime.probe``). The walk stops at the
 region's entries: values of shape [B, T, ...] made outside it (history embeddings, the tiled query, the GRU's
 outputs). The region is then rebuilt over the valid positions: each entry gathered (GatherND) to [1, N, ...], the
