@@ -84,6 +84,20 @@ def test_history_padded_with_the_id_the_graph_masks(compare, zero_first):
     assert 0.2 < (hist == 0).mean() < 0.8
 
 
+def test_a_mask_added_to_the_scores_is_zero_or_minus_1e9():
+    """PaddleRec's readers feed DIN's mask as 0 (valid) / -1e9 (padded), added to the attention scores."""
+    model = make_model(
+        [node("Gather", ["items", "hist"], ["h"]), node("ReduceSum", ["h", "ax"], ["s"], keepdims=1),
+         node("Cast", ["mask"], ["m"], to=TensorProto.FLOAT), node("Add", ["s", "m"], ["masked"]),
+         node("Softmax", ["masked"], ["y"], axis=1)],
+        [vi("hist", I64, ["B", "T"]), vi("mask", I64, ["B", "T", 1])], [vi("y", F, None)],
+        [init("items", np.ones((30, 4), np.float32)), init("ax", np.array([2]))])
+    feeds = generate_inputs(model, batch=32)
+    mask, hist = feeds["mask"][..., 0], feeds["hist"]
+    assert set(np.unique(mask)) == {0, -1000000000}
+    assert np.all(hist[mask != 0] == 0) and (mask[1] != 0).all() and (mask[0] == 0).all()
+
+
 def test_dims_and_seed_are_honoured():
     model = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, ["batch", "T", 3])], [vi("y", F, None)])
     a = generate_inputs(model, batch=5, seq_len=7)

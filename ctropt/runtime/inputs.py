@@ -47,6 +47,7 @@ class InputFacts:
     length_columns: set[int] = dataclasses.field(default_factory=set)
     is_mask: bool = False
     padded: bool = False  # ids compared with 0 to mask a history (0 is its padding: FuxiCTR's Equal(ids, 0))
+    additive: bool = False  # a mask added to the scores: 0 where valid, -1e9 where padded (PaddleRec's readers)
 
     def bound(self, bound: int, region: tuple[int, int] | None):
         bound = max(int(bound), 1)
@@ -77,7 +78,8 @@ class InputFacts:
     def from_json(cls, d: dict) -> "InputFacts":
         return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
                    {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
-                   set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")))
+                   set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")),
+                   bool(d.get("additive")))
 
 
 def store_input_facts(model: onnx.ModelProto, facts: dict[str, InputFacts]) -> None:
@@ -118,6 +120,7 @@ def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
             f.is_length = True
         if "mask" in inp.name.lower() and f.upper is None and not f.columns:
             f.is_mask = True
+            f.additive = _added(inp)
         facts[inp.name] = f
     return facts
 
@@ -160,6 +163,19 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
         elif op in _PASS_THROUGH and (0 in pos or op in ("Concat", "Max", "Where")):
             for out in node.outputs:
                 _follow(out, offset, region if op != "Transpose" else None, facts, seen, None)
+
+
+_CARRY = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Transpose", "Expand", "Tile", "Identity", "Flatten"}
+
+
+def _added(t: gs.Tensor, depth: int = 0) -> bool:
+    """The mask reaches the scores through an Add (after casts and layout ops): an additive mask."""
+    readers = [n for n in t.outputs if n.op not in ("Shape", "Size")]
+    if depth > 8 or not readers:
+        return False
+    if all(n.op == "Add" for n in readers):
+        return True
+    return all(n.op in _CARRY and n.inputs[0] is t and _added(n.outputs[0], depth + 1) for n in readers)
 
 
 def _compares_with_zero(node: gs.Node, pos: list[int]) -> bool:
@@ -347,7 +363,8 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths,
         counts[: max(1, shape[0] // 5)] = 0
         return rng.permutation(counts).astype(dtype)
     if f.is_mask and prefix is not None:
-        return np.broadcast_to(prefix, shape).astype(dtype)
+        mask = np.where(prefix, 0, -1e9) if f.additive else prefix
+        return np.broadcast_to(mask, shape).astype(dtype)
     if dtype == np.bool_:
         return rng.random(shape) < 0.5
     if dtype.kind in "OUS":
