@@ -5,7 +5,8 @@
     python benchmarks/corpus.py --only fuxictr,paddle # stems containing one of these (table printed, not written)
     python benchmarks/corpus.py --twice              # optimize twice: do the speed guard's decisions repeat?
     python benchmarks/corpus.py --log run.jsonl      # also keep each export's measurements, a JSON line each
-    python benchmarks/corpus.py --from-log run.jsonl # the table from a kept run, without measuring
+    python benchmarks/corpus.py --from-log run.jsonl # the table from a kept run (each export's last line), without
+                                                     # measuring: `--only X --log run.jsonl` re-measures X into it
 
 Per export: `ctropt optimize RAW -o OPT --json` (exit code, wall time, the guard's keep/rollback decisions),
 `ctropt optimize RAW --target openvino`; both saved models through onnx's full checker; the interface against
@@ -192,7 +193,14 @@ def main() -> None:
     args = ap.parse_args()
     only = [o for o in args.only.split(",") if o]
     if args.from_log:
-        rows = [json.loads(line) for line in args.from_log.read_text().splitlines() if line.strip()]
+        kept = {}  # the last measurement of each export: re-measure with --only and --log into the same file
+        for line in args.from_log.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                kept.pop(row["model"], None)
+                kept[row["model"]] = row
+        order = {p.stem: i for i, p in enumerate(exports([]))}
+        rows = sorted(kept.values(), key=lambda r: order.get(r["model"], len(order)))
         cmd = f"python benchmarks/corpus.py{' --twice' if 'decisions_again' in rows[0] else ''} --log {args.from_log.name}"
         args.twice = "decisions_again" in rows[0]
     else:
