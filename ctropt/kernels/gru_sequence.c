@@ -305,7 +305,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (in[6] && (rank[6] != 2 || d[6][0] != B || d[6][1] != T)) return error("GRUScan: f must be [B, T]");
     if (in[7] && (rank[7] != 1 || d[7][0] != B)) return error("GRUScan: lengths must be [B]");
     if (in[8] && (rank[8] != 2 || d[8][0] != B || d[8][1] != T)) return error("GRUScan: mask must be [B, T]");
-    if (k->mode > 0 && !in[6]) return error("GRUScan: this mode needs f");
+    /* an empty tensor's data is NULL too: with no rows (all of them filtered out before the layer) f is
+       [0, T] and may read as absent */
+    if (k->mode > 0 && !in[6] && B > 0) return error("GRUScan: this mode needs f");
 
     size_t n_out;
     TRY(ort->KernelContext_GetOutputCount(ctx, &n_out));
