@@ -391,6 +391,71 @@ def test_chain_left_as_is_says_why():
     assert len(notes) == 1 and "unrolled over 5 steps" in notes[0] and "reads the chain other than" in notes[0]
 
 
+def selected_rows_augru_model(T=4, I=3, H=4, unsqueezed=True):
+    """torch-rechub's DIEN AUGRU as the legacy exporter writes it: the rows with a history are selected first
+    (NonZero(keep) → GatherND), so every step reads a Gather of [N, T, I] (x_t) and of [N, T, 1] (a_t, the
+    attention unsqueezed) with N data-dependent; a MatMul per gate and operand (u, r, candidate: six weights, three
+    biases), no mask in the recurrence; the last state is written back into zeros [B, H] with ScatterND.
+    unsqueezed=False: the attention is a [B, T, 1] input, its rows gathered as they are."""
+    w = {k: RNG.normal(size=(I if k[0] == "W" else H, H)).astype(np.float32) * 0.6
+         for k in ("Wu", "Uu", "Wr", "Ur", "Wh", "Uh")}
+    inits = [init(k, v) for k, v in w.items()] + [
+        init(f"b{g}", RNG.normal(size=H).astype(np.float32) * 0.2) for g in "urh"] + [
+        init("one", np.float32(1.0)), init("ax_last", np.array([-1])), init("hdim", np.array([H])),
+        init("zero_f", np.zeros(1, np.float32))]
+    inputs = [vi("X", F, ["batch", T, I]), vi("att", F, ["batch", T] + ([] if unsqueezed else [1])),
+              vi("keep", TensorProto.BOOL, ["batch"])]
+    nodes = [node("NonZero", ["keep"], ["nz"]), node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+             node("GatherND", ["X", "idx"], ["Xs"]), node("GatherND", ["att", "idx"], ["As"]),
+             node("Unsqueeze" if unsqueezed else "Identity", ["As", "ax_last"][:2 if unsqueezed else 1], ["A3"]),
+             node("Shape", ["Xs"], ["n"], start=0, end=1), node("Concat", ["n", "hdim"], ["nh"], axis=0),
+             node("ConstantOfShape", ["nh"], ["h0"])]
+    h = "h0"
+    for t in range(T):
+        inits.append(init(f"t{t}", np.array(t)))
+        p = f"c{t}_"
+        nodes += [node("Gather", ["Xs", f"t{t}"], [p + "x"], axis=1),
+                  node("Gather", ["A3", f"t{t}"], [p + "a"], axis=1)]
+        for g in "ur":
+            nodes += [node("MatMul", [p + "x", f"W{g}"], [p + g + "x"]), node("MatMul", [h, f"U{g}"], [p + g + "h"]),
+                      node("Add", [p + g + "x", p + g + "h"], [p + g + "s"]),
+                      node("Add", [p + g + "s", f"b{g}"], [p + g + "b"]), node("Sigmoid", [p + g + "b"], [p + g])]
+        nodes += [node("MatMul", [p + "x", "Wh"], [p + "hx"]), node("MatMul", [h, "Uh"], [p + "hh"]),
+                  node("Mul", [p + "r", p + "hh"], [p + "q"]), node("Add", [p + "hx", p + "q"], [p + "hs"]),
+                  node("Add", [p + "hs", "bh"], [p + "hb"]), node("Tanh", [p + "hb"], [p + "n"]),
+                  node("Mul", [p + "a", p + "u"], [p + "ua"]), node("Sub", ["one", p + "ua"], [p + "k"]),
+                  node("Mul", [p + "k", h], [p + "kh"]), node("Mul", [p + "ua", p + "n"], [p + "un"]),
+                  node("Add", [p + "kh", p + "un"], [p + "new"])]
+        h = p + "new"
+    nodes += [node("Shape", ["X"], ["b"], start=0, end=1), node("Concat", ["b", "hdim"], ["bh_shape"], axis=0),
+              node("Expand", ["zero_f", "bh_shape"], ["zeros"]), node("ScatterND", ["zeros", "idx", h], ["out"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", H])], inits)
+
+
+@pytest.mark.parametrize("unsqueezed", [True, False])
+def test_augru_over_selected_rows_with_a_weight_per_gate(unsqueezed):
+    """torch-rechub's DIEN: the steps slice sequences of the N selected rows (not the batch), the gates have a
+    weight each: one AUGRUSequence over the selected [N, T, I] sequence and [N, T] attention, packed weights."""
+    model = selected_rows_augru_model(unsqueezed=unsqueezed)
+    fused, done = fuse(model)
+    assert len(done) == 1 and "AUGRU cell unrolled over 4 steps" in done[0], done
+    assert not {"Tanh", "Sigmoid", "MatMul"} & set(ops(fused))
+    att_glue = [] if unsqueezed else ["Identity", "Squeeze"]  # [N, T] read before its Unsqueeze, else squeezed
+    assert sorted(ops(fused)) == sorted(["NonZero", "Transpose", "GatherND", "GatherND", "AUGRUSequence", "Shape",
+                                         "Concat", "Expand", "ScatterND"] + att_glue)
+    (seq,) = sequence_nodes(fused)
+    assert (_s(seq["kind"]), seq["att_keep"], _s(seq["padded_output"])) == ("AUGRU", 0, "zero")
+    assert seq["inputs"]["X"] == "Xs" and not seq["inputs"]["mask"] and not seq["inputs"]["initial_h"]
+    assert seq["inputs"]["att"] == "As" or not unsqueezed
+    raw, new = Runner(model), Runner(fused)
+    for keep in ([True, False, True, True, False], [False] * 3, [True] * 2):
+        feeds = {"X": RNG.normal(size=(len(keep), 4, 3)).astype(np.float32),
+                 "att": RNG.uniform(0, 1, size=(len(keep), 4) + (() if unsqueezed else (1,))).astype(np.float32),
+                 "keep": np.array(keep)}
+        assert_close(raw.run(feeds), new.run(feeds))
+    assert_idempotent(fused)
+
+
 # ----------------------------------------------------------------------------------------- exporters' models
 
 
@@ -462,6 +527,19 @@ def test_third_party_dien(name, expected):
         if _s(s["kind"]) in ("AUGRU", "AGRU"):
             assert s["inputs"]["att"] and s["inputs"]["mask"] and not s["inputs"]["sequence_lens"]
 
+
+def test_torch_rechub_dien():
+    """torch-rechub's DIEN (legacy): per feature, a GRU op over the packed rows with a history and an AUGRU
+    unrolled over 30 steps of the rows NonZero → GatherND selected, a weight per gate: four sequence ops."""
+    path = DATA / "torch_rechub_DIEN_legacy.onnx"
+    model = load(path)
+    fused, done = fuse(model)
+    assert kinds(fused) == sorted([GRU, GRU, ("AUGRU", 1, 0, "zero"), ("AUGRU", 1, 0, "zero")]), done
+    assert "Tanh" not in ops(fused) and len(fused.graph.node) < len(model.graph.node) // 3
+    with np.load(path.with_suffix(".npz")) as data, np.load(str(path).replace(".onnx", ".ref.npz")) as ref:
+        feeds, refs = {k: data[k] for k in data.files}, {k: ref[k] for k in ref.files}
+    assert_close(refs, Runner(fused).run(feeds))
+    assert_idempotent(fused)
 
 def test_packed_gru_over_fewer_rows_than_the_batch():
     """pack_padded_sequence: rows sorted by length, empty ones dropped, the GRUs run over B' < B rows and

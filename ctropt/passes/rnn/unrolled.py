@@ -14,7 +14,9 @@ paddle2onnx):
 1. *step slices*: Gather(S, t, axis=1), Slice(S, t, t+1, axis 1) (+ Squeeze) or Split(S, axis 1) over every
    t in 0..T-1 of a sequence tensor S; each slice is a step input (x_t, the attention a_t, the mask m_t); x_t
    may also be a time-major step, the same ops along axis 0 of S [T, B, I] with the time axis dropped
-   (paddle2onnx transposes the sequence, then slices and squeezes);
+   (paddle2onnx transposes the sequence, then slices and squeezes); a_t may be a step of a [B, T, 1] sequence
+   (torch-rechub's DIEN: ``att.unsqueeze(-1)``). B is whatever rows S holds: torch-rechub selects the rows with a
+   history first (NonZero → GatherND), so its steps run over N data-dependent rows, and so does the fused op;
 2. *levels*: each value gets the highest step whose slices it depends on; the state s_t that the cells pass on
    is the one level-t value every level-t value that step t+2 reads derives from (the dominator of the chain);
 3. *same cell every step*: each step's subgraph (from s_t back to s_{t-1}, its step slices, constants and shared
@@ -806,13 +808,13 @@ def _read_cell(steps: _Steps, shapes: Shapes, opset: int, chain: _Chain) -> _Cel
     mask_group, invert, h_new1, form = masking
     step_inputs = _step_inputs(steps, shapes, h_new1, s[0])
     if step_inputs is None:
-        raise _Miss("the cell's step inputs are not x_t [B, I] (and a_t) of float32 sequences")
+        raise _Miss("the cell's step inputs are not x_t [B, I] (and a_t [B] or [B, 1]) of float32 sequences")
     x_group, x1, att_group, att1 = step_inputs
     H = _last_dim(shapes.shape(s[0])) or _last_dim(shapes.shape(s[1]))
     I = _last_dim(shapes.shape(x_group.source))
     if not H or not I:
         raise _Miss("hidden or input width unknown")
-    if att_group is not None and att_group.squeezed:
+    if att_group is not None and att_group.squeezed and shapes.rank(att_group.source) == 2:
         att1 = _att_column(chain.nodes[1], att1)
     found = _identify_cell(chain.nodes[1], h_new1, s[0], x1, att1, H, I, opset)
     if found is None or list(found.x_columns) != list(range(I)):
@@ -892,21 +894,26 @@ def _binary_mask(g: _Group, shapes: Shapes) -> bool:
 
 def _step_inputs(steps: _Steps, shapes: Shapes, h_new1: gs.Tensor, s0: gs.Tensor) -> tuple | None:
     """The step slices step 1's cell reads: (x group, x_1, attention group, a_1), the attention ones None if
-    there is none; None if it reads others or not in float32."""
+    there is none; None if it reads others or not in float32. x_t is a step of a [B, T, I] sequence; a_t one
+    of a [B, T] sequence, or of a [B, T, 1] one (torch-rechub's ``att.unsqueeze(-1)`` sliced to [B, 1]) beside
+    a wider x. B is whatever rows the sequences hold (rows the graph selected, not necessarily its batch)."""
     cell_leaves = steps.leaves(h_new1, s0, step=1)
     if cell_leaves is None:
         return None
-    x_group = att_group = x1 = att1 = None
-    for gi, leaf in cell_leaves.items():
-        g = steps.groups[gi]
-        rank = shapes.rank(g.source)
-        if rank == 3 and g.squeezed and x_group is None:
-            x_group, x1 = g, leaf
-        elif rank == 2 and att_group is None:
-            att_group, att1 = g, leaf
-        else:
+    seqs = [(steps.groups[gi], leaf) for gi, leaf in cell_leaves.items()]
+    flat = [p for p in seqs if shapes.rank(p[0].source) == 2]                      # a_t of [B, T]
+    wide = [p for p in seqs if shapes.rank(p[0].source) == 3 and p[0].squeezed]   # x_t, or a_t of [B, T, 1]
+    if len(flat) + len(wide) != len(seqs):
+        return None
+    if len(wide) == 2 and not flat:  # x_t beside a_t of [B, T, 1]: the attention is the one a column wide
+        columns = [p for p in wide if _last_dim(shapes.shape(p[0].source)) == 1]
+        if len(columns) != 1:
             return None
-    if x_group is None or any(g is not None and shapes.dtype(g.source) != np.float32 for g in (x_group, att_group)):
+        flat, wide = columns, [p for p in wide if p is not columns[0]]
+    if len(wide) != 1 or len(flat) > 1:
+        return None
+    (x_group, x1), (att_group, att1) = wide[0], flat[0] if flat else (None, None)
+    if any(g is not None and shapes.dtype(g.source) != np.float32 for g in (x_group, att_group)):
         return None  # the fused op computes in float32
     return x_group, x1, att_group, att1
 
@@ -1078,7 +1085,8 @@ def _check(chain: _Chain, cell: _Cell, h0_zero: bool, shapes: Shapes, opset: int
     if att_group is not None:
         att = rng.uniform(0.05, 1.0, size=(batch, T)).astype(np.float32)
         dtype = shapes.dtype(att_group.source) or np.float32
-        feeds[id(att_group.source)] = (att_group.source, att.astype(dtype))
+        shaped = att.reshape(att.shape + (1,) * ((shapes.rank(att_group.source) or 2) - 2))
+        feeds[id(att_group.source)] = (att_group.source, shaped.astype(dtype))
     if mask_group is not None:
         cond = np.ones((batch, T), bool)
         cond[0, :] = False           # an empty row
@@ -1130,7 +1138,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
     if not h0_zero:
         inputs["initial_h"] = chain.h0
     if cell.att_group is not None:
-        inputs["att"] = _time_prefix(b, shapes, cell.att_group.source, T)
+        inputs["att"] = _att_sequence(b, shapes, cell.att_group.source, T)
     if cell.mask_group is not None:
         m = _time_prefix(b, shapes, cell.mask_group.source, T)
         if shapes.rank(cell.mask_group.source) == 3:  # a blend's [B, T, 1] mask
@@ -1180,6 +1188,17 @@ def _batch_major(b: _Builder, shapes: Shapes, g: _Group, T: int) -> gs.Tensor:
     if axis == 0:
         X = b.op("Transpose", [X], {"perm": [1, 0, 2]}, dtype=np.float32)
     return X
+
+
+def _att_sequence(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
+    """The attention [B, T] of an attention sequence `src`, [B, T'] or [B, T', 1]: for the latter the [B, T'] value
+    it unsqueezes (torch-rechub's ``att.unsqueeze(-1)``), else `src` squeezed; cut to its first T steps."""
+    if shapes.rank(src) != 3:
+        return _time_prefix(b, shapes, src, T)
+    p = src.inputs[0] if len(src.inputs) == 1 else None
+    if p is not None and p.op == "Unsqueeze" and _axes_of(p) in ([2], [-1]) and shapes.rank(p.inputs[0]) == 2:
+        return _time_prefix(b, shapes, p.inputs[0], T)
+    return b.axes_op("Squeeze", _time_prefix(b, shapes, src, T), [2])
 
 
 def _time_prefix(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
