@@ -88,7 +88,7 @@ typedef struct {
     const int64_t *lens;
     int64_t *steps;               /* per row: 1 + its last valid step (no step after it changes the state) */
     int64_t *order;               /* rows by steps, most first */
-    float *Wp, *Rp, *Rnp, *yh, *y; /* W, R with columns padded to HP; R's n columns padded to NP */
+    float *Wp, *Rp, *Rnp, *Bp, *yh, *y; /* W, R, bias with columns padded to HP; R's n columns to NP */
     float *scratch;
     int64_t scratch_floats;       /* per block */
 } Job;
@@ -117,9 +117,12 @@ static inline vec load(const float *p) {
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* out[r][0:P] = v[r][0:K] · M (M: [K, P], P a multiple of 2 LANES) for ROWS rows: 2 x ROWS vector accumulators. */
-static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, float *out) {
+static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, float *out,
+                       const float *init) {
     for (int64_t j = 0; j < P; j += 2 * LANES) {
         vec a[ROWS][2] = {{{0}}};
+        if (init)
+            for (int r = 0; r < ROWS; ++r) a[r][0] = load(init + j), a[r][1] = load(init + j + LANES);
         for (int64_t k = 0; k < K; ++k) {
             vec w0 = load(M + k * P + j), w1 = load(M + k * P + j + LANES);
             for (int r = 0; r < ROWS; ++r) {
@@ -137,10 +140,12 @@ static void rows_times(const float *const v[ROWS], int64_t K, const float *M, in
 
 /* The same for the first n < ROWS rows of a block (small batches, the last block): row by row, two chains over k
  * so that four accumulators hide the FMA latency. */
-static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out) {
+static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out,
+                           const float *init) {
     for (int r = 0; r < n; ++r)
         for (int64_t j = 0; j < P; j += 2 * LANES) {
             vec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
+            if (init) a0 = load(init + j), a1 = load(init + j + LANES);
             int64_t k = 0;
             for (; k + 1 < K; k += 2) {
                 a0 += v[r][k] * load(M + k * P + j);
@@ -157,9 +162,10 @@ static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const f
         }
 }
 
-static void times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out) {
-    if (n == ROWS) rows_times(v, K, M, P, out);
-    else few_rows_times(v, n, K, M, P, out);
+static void times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out,
+                  const float *init) {
+    if (n == ROWS) rows_times(v, K, M, P, out, init);
+    else few_rows_times(v, n, K, M, P, out, init);
 }
 
 /* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
@@ -206,23 +212,21 @@ static void run_block(void *data, size_t block) {
     for (int64_t t = 0; t < last; ++t) {
         for (int r = 0; r < ROWS; ++r)
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
-        times(xs, n, I, j->Wp, HP, gx);
-        times(hs, n, H, j->Rp, HP, acc);
+        times(xs, n, I, j->Wp, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
+        times(hs, n, H, j->Rp, HP, acc, NULL);
         for (int r = 0; r < ROWS; ++r) {
             if (rows[r] < 0) continue;
             float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
             if (mode == 4) {
                 float f = j->f[rows[r] * T + t];
                 for (int64_t c = 0; c < 3 * H; ++c) x[c] = x[c] * f + j->bias[c];
-            } else {
-                for (int64_t c = 0; c < 3 * H; ++c) x[c] += j->bias[c];
             }
             for (int64_t c = 0; c < 2 * H; ++c) gr[c] = x[c] + a[c];
             tanh_all(gr, 2 * H, 1);
             if (!lbr)
                 for (int64_t c = 0; c < H; ++c) rh[r * H + c] = gr[H + c] * h[r * H + c];
         }
-        if (!lbr) times(rhs, n, H, j->Rnp, NP, accn);   /* the candidate reads (r * h) · Rn */
+        if (!lbr) times(rhs, n, H, j->Rnp, NP, accn, NULL);   /* the candidate reads (r * h) · Rn */
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
@@ -327,7 +331,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (B == 0) return NULL;
     size_t blocks = (size_t)((B + ROWS - 1) / ROWS);
     j.scratch_floats = ROWS * (2 * H + j.NP + 2 * j.HP + 3 * H);
-    float *weights = calloc((size_t)((I + H) * j.HP + H * j.NP) + blocks * (size_t)j.scratch_floats, sizeof(float));
+    float *weights = calloc((size_t)((I + H + 1) * j.HP + H * j.NP) + blocks * (size_t)j.scratch_floats, sizeof(float));
     int64_t *order = malloc((2 * (size_t)B + (size_t)T + 2) * sizeof(int64_t));
     if (!weights || !order) {
         free(weights);
@@ -337,7 +341,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.Wp = weights;
     j.Rp = j.Wp + I * j.HP;
     j.Rnp = j.Rp + H * j.HP;
-    j.scratch = j.Rnp + H * j.NP;
+    j.Bp = j.Rnp + H * j.NP;   /* the bias padded to HP */
+    j.scratch = j.Bp + j.HP;
+    memcpy(j.Bp, in[3], (size_t)(3 * H) * sizeof(float));
     pad_columns(j.Wp, in[1], I, 3 * H, 0, 3 * H, j.HP);
     pad_columns(j.Rp, in[2], H, 3 * H, 0, 3 * H, j.HP);
     pad_columns(j.Rnp, in[2], H, 3 * H, 2 * H, H, j.NP);
