@@ -77,6 +77,24 @@ def test_kernel_form_matches_the_reference(kind, lbr, keep, pad):
                 np.testing.assert_allclose(a, b[rows], atol=2e-6)
 
 
+@pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AGRU"])
+def test_kernel_one_pass_update_matches_the_reference(kind, monkeypatch):
+    """H a multiple of the vector width, linear_before_reset: the gates, candidate and blend in one pass per row
+    (update_lbr); lengths, a mask or neither, padded outputs zero or kept."""
+    import tests.test_rnn_op as rnn_op
+
+    monkeypatch.setattr(rnn_op, "H", 16)
+    rng = np.random.default_rng(2)
+    keeps = (0, 1) if kind == "AUGRU" else (0,)  # att_keep: AUGRU's gate scaling (mode 1 or 2)
+    for (with_lens, with_mask), keep, pad in itertools.product(MASKING, keeps, ("zero", "state")):
+        g, n, feeds, want = _layer(SequenceAttrs(kind, 16, 1, keep, pad), with_lens, with_mask, 1, 1, rng)
+        lower_sequence_node(g, n, "kernel")
+        g.cleanup()
+        got = _session(to_model(g, make_model([], [], []))).run(None, feeds)
+        for a, b in zip(got, want):  # sums of 16 terms: float32 rounding reaches 2e-6
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_of_every_length_in_one_batch(threads):
     """Rows run sorted by their number of steps, in blocks spread over the threads: a shuffled batch with every

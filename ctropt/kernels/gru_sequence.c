@@ -187,10 +187,29 @@ static void update(const Job *j, const float *restrict gx, const float *restrict
     for (int64_t c = 0; c < H; ++c) h[c] += g[c] * (n[c] - h[c]);
 }
 
+/* The same for linear_before_reset, H a multiple of LANES, modes 0-3, in one pass over the row's columns:
+ * g = sigmoid(gx_g + a_g), r = sigmoid(gx_r + a_r), n = tanh(gx_n + r (a_n + Rn_bias)), h += c(g) (n - h). */
+static void update_lbr(const Job *j, const float *restrict gx, const float *restrict a, float f, float *restrict h) {
+    const int64_t H = j->H;
+    const int mode = (int)j->k->mode;
+    const vec fv = (vec){0} + f;
+    for (int64_t c = 0; c < H; c += LANES) {
+        vec g = activate(load(gx + c) + load(a + c), 1);
+        vec r = activate(load(gx + H + c) + load(a + H + c), 1);
+        vec n = activate(load(gx + 2 * H + c) + r * (load(a + 2 * H + c) + load(j->rbn + c)), 0);
+        if (mode == 1) g = g * fv;
+        else if (mode == 2) g = 1.0f - g * fv;
+        else if (mode == 3) g = fv;
+        vec hv = load(h + c);
+        store(h + c, hv + g * (n - hv));
+    }
+}
+
 static void run_block(void *data, size_t block) {
     const Job *j = data;
     const int64_t H = j->H, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
     const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
+    const int one_pass = lbr && mode != 4 && H % LANES == 0;   /* update_lbr: no separate gate pass */
     int64_t rows[ROWS];
     static const float zeros[MAX_I] = {0};
     float *h = j->scratch + block * j->scratch_floats;   /* this block's: [ROWS] each of h, rh, accn, gx, acc, g */
@@ -214,7 +233,7 @@ static void run_block(void *data, size_t block) {
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
         times(xs, n, I, j->Wp, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
         times(hs, n, H, j->Rp, HP, acc, NULL);
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < ROWS && !one_pass; ++r) {
             if (rows[r] < 0) continue;
             float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
             if (mode == 4) {
@@ -230,6 +249,10 @@ static void run_block(void *data, size_t block) {
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
+            if (one_pass) {
+                update_lbr(j, gx + r * HP, acc + r * HP, j->f ? j->f[b * T + t] : 1.0f, h + r * H);
+                continue;
+            }
             update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f,
                    h + r * H);
         }
