@@ -116,10 +116,11 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* out[r][0:P] = v[r][0:K] · M (M: [K, P], P a multiple of 2 LANES) for ROWS rows: 2 x ROWS vector accumulators. */
-static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, float *out,
+/* out[r][0:width] = v[r][0:K] · M[:, 0:width] (M: [K, P], out rows P apart; width a multiple of 2 LANES, at most P)
+ * for ROWS rows: 2 x ROWS vector accumulators, started at init[0:width] when given (the bias). */
+static void rows_times(const float *const v[ROWS], int64_t K, const float *M, int64_t P, int64_t width, float *out,
                        const float *init) {
-    for (int64_t j = 0; j < P; j += 2 * LANES) {
+    for (int64_t j = 0; j < width; j += 2 * LANES) {
         vec a[ROWS][2] = {{{0}}};
         if (init)
             for (int r = 0; r < ROWS; ++r) a[r][0] = load(init + j), a[r][1] = load(init + j + LANES);
@@ -140,10 +141,10 @@ static void rows_times(const float *const v[ROWS], int64_t K, const float *M, in
 
 /* The same for the first n < ROWS rows of a block (small batches, the last block): row by row, two chains over k
  * so that four accumulators hide the FMA latency. */
-static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out,
-                           const float *init) {
+static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, int64_t width,
+                           float *out, const float *init) {
     for (int r = 0; r < n; ++r)
-        for (int64_t j = 0; j < P; j += 2 * LANES) {
+        for (int64_t j = 0; j < width; j += 2 * LANES) {
             vec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};
             if (init) a0 = load(init + j), a1 = load(init + j + LANES);
             int64_t k = 0;
@@ -162,10 +163,10 @@ static void few_rows_times(const float *const v[ROWS], int n, int64_t K, const f
         }
 }
 
-static void times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, float *out,
+static void times(const float *const v[ROWS], int n, int64_t K, const float *M, int64_t P, int64_t width, float *out,
                   const float *init) {
-    if (n == ROWS) rows_times(v, K, M, P, out, init);
-    else few_rows_times(v, n, K, M, P, out, init);
+    if (n == ROWS) rows_times(v, K, M, P, width, out, init);
+    else few_rows_times(v, n, K, M, P, width, out, init);
 }
 
 /* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
@@ -210,6 +211,7 @@ static void run_block(void *data, size_t block) {
     const int64_t H = j->H, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
     const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
     const int one_pass = lbr && mode != 4 && H % LANES == 0;   /* update_lbr: no separate gate pass */
+    const int64_t GP = (2 * H + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);   /* the gates' columns, padded */
     int64_t rows[ROWS];
     static const float zeros[MAX_I] = {0};
     float *h = j->scratch + block * j->scratch_floats;   /* this block's: [ROWS] each of h, rh, accn, gx, acc, g */
@@ -231,8 +233,8 @@ static void run_block(void *data, size_t block) {
     for (int64_t t = 0; t < last; ++t) {
         for (int r = 0; r < ROWS; ++r)
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
-        times(xs, n, I, j->Wp, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
-        times(hs, n, H, j->Rp, HP, acc, NULL);
+        times(xs, n, I, j->Wp, HP, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
+        times(hs, n, H, j->Rp, HP, lbr ? HP : GP, acc, NULL);   /* without lbr, h·R_n is not read */
         for (int r = 0; r < ROWS && !one_pass; ++r) {
             if (rows[r] < 0) continue;
             float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
@@ -245,7 +247,7 @@ static void run_block(void *data, size_t block) {
             if (!lbr)
                 for (int64_t c = 0; c < H; ++c) rh[r * H + c] = gr[H + c] * h[r * H + c];
         }
-        if (!lbr) times(rhs, n, H, j->Rnp, NP, accn, NULL);   /* the candidate reads (r * h) · Rn */
+        if (!lbr) times(rhs, n, H, j->Rnp, NP, NP, accn, NULL);   /* the candidate reads (r * h) · Rn */
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
