@@ -77,17 +77,19 @@ def test_kernel_form_matches_the_reference(kind, lbr, keep, pad):
                 np.testing.assert_allclose(a, b[rows], atol=2e-6)
 
 
+@pytest.mark.parametrize("lbr", [0, 1])
 @pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AGRU"])
-def test_kernel_one_pass_update_matches_the_reference(kind, monkeypatch):
-    """H a multiple of the vector width, linear_before_reset: the gates, candidate and blend in one pass per row
-    (update_lbr); lengths, a mask or neither, padded outputs zero or kept."""
+def test_kernel_vector_update_matches_the_reference(kind, lbr, monkeypatch):
+    """H a multiple of the vector width: each row's update in vector passes (linear_before_reset: gates, candidate
+    and blend in one, update_lbr; else gates and r·h, then candidate and blend: gates_r_h, update_rn); lengths, a
+    mask or neither, padded outputs zero or kept."""
     import tests.test_rnn_op as rnn_op
 
     monkeypatch.setattr(rnn_op, "H", 16)
     rng = np.random.default_rng(2)
     keeps = (0, 1) if kind == "AUGRU" else (0,)  # att_keep: AUGRU's gate scaling (mode 1 or 2)
     for (with_lens, with_mask), keep, pad in itertools.product(MASKING, keeps, ("zero", "state")):
-        g, n, feeds, want = _layer(SequenceAttrs(kind, 16, 1, keep, pad), with_lens, with_mask, 1, 1, rng)
+        g, n, feeds, want = _layer(SequenceAttrs(kind, 16, lbr, keep, pad), with_lens, with_mask, 1, 1, rng)
         lower_sequence_node(g, n, "kernel")
         g.cleanup()
         got = _session(to_model(g, make_model([], [], []))).run(None, feeds)

@@ -206,11 +206,38 @@ static void update_lbr(const Job *j, const float *restrict gx, const float *rest
     }
 }
 
+/* Without linear_before_reset, H a multiple of LANES, modes 0-3: the gates and r h in one pass (before (r h)·Rn),
+ * then the candidate and the blend in one pass. */
+static void gates_r_h(const Job *j, const float *restrict gx, const float *restrict a, float *restrict g,
+                      const float *restrict h, float *restrict rh) {
+    const int64_t H = j->H;
+    for (int64_t c = 0; c < H; c += LANES) {
+        store(g + c, activate(load(gx + c) + load(a + c), 1));
+        store(rh + c, activate(load(gx + H + c) + load(a + H + c), 1) * load(h + c));
+    }
+}
+
+static void update_rn(const Job *j, const float *restrict gx, const float *restrict an, const float *restrict g,
+                      float f, float *restrict h) {
+    const int64_t H = j->H;
+    const int mode = (int)j->k->mode;
+    const vec fv = (vec){0} + f;
+    for (int64_t c = 0; c < H; c += LANES) {
+        vec n = activate(load(gx + 2 * H + c) + load(an + c), 0), gv = load(g + c);
+        if (mode == 1) gv = gv * fv;
+        else if (mode == 2) gv = 1.0f - gv * fv;
+        else if (mode == 3) gv = fv;
+        vec hv = load(h + c);
+        store(h + c, hv + gv * (n - hv));
+    }
+}
+
 static void run_block(void *data, size_t block) {
     const Job *j = data;
     const int64_t H = j->H, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
     const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
     const int one_pass = lbr && mode != 4 && H % LANES == 0;   /* update_lbr: no separate gate pass */
+    const int two_pass = !lbr && mode != 4 && H % LANES == 0;  /* gates_r_h, then update_rn */
     const int64_t GP = (2 * H + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);   /* the gates' columns, padded */
     int64_t rows[ROWS];
     static const float zeros[MAX_I] = {0};
@@ -238,6 +265,10 @@ static void run_block(void *data, size_t block) {
         for (int r = 0; r < ROWS && !one_pass; ++r) {
             if (rows[r] < 0) continue;
             float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
+            if (two_pass) {
+                gates_r_h(j, x, a, gr, h + r * H, rh + r * H);
+                continue;
+            }
             if (mode == 4) {
                 float f = j->f[rows[r] * T + t];
                 for (int64_t c = 0; c < 3 * H; ++c) x[c] = x[c] * f + j->bias[c];
@@ -253,6 +284,10 @@ static void run_block(void *data, size_t block) {
             if (b < 0 || !valid(j, b, t)) continue;
             if (one_pass) {
                 update_lbr(j, gx + r * HP, acc + r * HP, j->f ? j->f[b * T + t] : 1.0f, h + r * H);
+                continue;
+            }
+            if (two_pass) {
+                update_rn(j, gx + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f, h + r * H);
                 continue;
             }
             update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f,
