@@ -20,6 +20,8 @@
  * Rows are independent over the whole sequence, so the kernel runs blocks of ROWS rows from the first step to
  * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
  * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection.
+ * Each gate's columns start at a multiple of LANES (G = H rounded up, zero weights in between), so a row's update
+ * runs LANES columns at a time (modes 0-3; AIGRU scales x·W first and keeps the scalar passes).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,13 +84,15 @@ static void tanh_all(float *v, int64_t n, int sigmoid) {
 
 typedef struct {
     const Kernel *k;
-    int64_t B, T, H, HP, NP;      /* HP, NP: 3H and H rounded up to 2 LANES */
+    int64_t B, T, H, G, HP, NP;   /* G: H rounded up to LANES (each gate's columns); HP, NP: 3G and H rounded up to
+                                   * 2 LANES */
     int64_t I;
     const float *x, *bias, *rbn, *h0, *f, *mask;
     const int64_t *lens;
     int64_t *steps;               /* per row: 1 + its last valid step (no step after it changes the state) */
     int64_t *order;               /* rows by steps, most first */
-    float *Wp, *Rp, *Rnp, *Bp, *yh, *y; /* W, R, bias with columns padded to HP; R's n columns to NP */
+    float *Wp, *Rp, *Rnp, *Bp, *rbnp, *yh, *y; /* W, R, bias: each gate's columns at k G, rows of HP; R's n columns
+                                               * in rows of NP; Rn_bias padded to G */
     float *scratch;
     int64_t scratch_floats;       /* per block */
 } Job;
@@ -172,12 +176,12 @@ static void times(const float *const v[ROWS], int n, int64_t K, const float *M, 
 /* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
 static void update(const Job *j, const float *restrict gx, const float *restrict a, const float *restrict an,
                    float *restrict g, float f, float *restrict h) {
-    const int64_t H = j->H;
-    float *restrict n = g + 2 * H;
+    const int64_t H = j->H, G = j->G;
+    float *restrict n = g + 2 * G;
     if (j->k->lbr)
-        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * H + c] + g[H + c] * (a[2 * H + c] + j->rbn[c]);
+        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * G + c] + g[G + c] * (a[2 * G + c] + j->rbn[c]);
     else
-        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * H + c] + an[c];
+        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * G + c] + an[c];
     tanh_all(n, H, 0);
     switch (j->k->mode) {
     case 1: for (int64_t c = 0; c < H; ++c) g[c] *= f; break;
@@ -188,16 +192,16 @@ static void update(const Job *j, const float *restrict gx, const float *restrict
     for (int64_t c = 0; c < H; ++c) h[c] += g[c] * (n[c] - h[c]);
 }
 
-/* The same for linear_before_reset, H a multiple of LANES, modes 0-3, in one pass over the row's columns:
+/* The same for linear_before_reset, modes 0-3, in one pass over the row's G columns (padding lanes stay 0):
  * g = sigmoid(gx_g + a_g), r = sigmoid(gx_r + a_r), n = tanh(gx_n + r (a_n + Rn_bias)), h += c(g) (n - h). */
 static void update_lbr(const Job *j, const float *restrict gx, const float *restrict a, float f, float *restrict h) {
-    const int64_t H = j->H;
+    const int64_t G = j->G;
     const int mode = (int)j->k->mode;
     const vec fv = (vec){0} + f;
-    for (int64_t c = 0; c < H; c += LANES) {
+    for (int64_t c = 0; c < G; c += LANES) {
         vec g = activate(load(gx + c) + load(a + c), 1);
-        vec r = activate(load(gx + H + c) + load(a + H + c), 1);
-        vec n = activate(load(gx + 2 * H + c) + r * (load(a + 2 * H + c) + load(j->rbn + c)), 0);
+        vec r = activate(load(gx + G + c) + load(a + G + c), 1);
+        vec n = activate(load(gx + 2 * G + c) + r * (load(a + 2 * G + c) + load(j->rbnp + c)), 0);
         if (mode == 1) g = g * fv;
         else if (mode == 2) g = 1.0f - g * fv;
         else if (mode == 3) g = fv;
@@ -206,24 +210,24 @@ static void update_lbr(const Job *j, const float *restrict gx, const float *rest
     }
 }
 
-/* Without linear_before_reset, H a multiple of LANES, modes 0-3: the gates and r h in one pass (before (r h)·Rn),
+/* Without linear_before_reset, modes 0-3: the gates and r h in one pass (before (r h)·Rn),
  * then the candidate and the blend in one pass. */
 static void gates_r_h(const Job *j, const float *restrict gx, const float *restrict a, float *restrict g,
                       const float *restrict h, float *restrict rh) {
-    const int64_t H = j->H;
-    for (int64_t c = 0; c < H; c += LANES) {
+    const int64_t G = j->G;
+    for (int64_t c = 0; c < G; c += LANES) {
         store(g + c, activate(load(gx + c) + load(a + c), 1));
-        store(rh + c, activate(load(gx + H + c) + load(a + H + c), 1) * load(h + c));
+        store(rh + c, activate(load(gx + G + c) + load(a + G + c), 1) * load(h + c));
     }
 }
 
 static void update_rn(const Job *j, const float *restrict gx, const float *restrict an, const float *restrict g,
                       float f, float *restrict h) {
-    const int64_t H = j->H;
+    const int64_t G = j->G;
     const int mode = (int)j->k->mode;
     const vec fv = (vec){0} + f;
-    for (int64_t c = 0; c < H; c += LANES) {
-        vec n = activate(load(gx + 2 * H + c) + load(an + c), 0), gv = load(g + c);
+    for (int64_t c = 0; c < G; c += LANES) {
+        vec n = activate(load(gx + 2 * G + c) + load(an + c), 0), gv = load(g + c);
         if (mode == 1) gv = gv * fv;
         else if (mode == 2) gv = 1.0f - gv * fv;
         else if (mode == 3) gv = fv;
@@ -234,26 +238,26 @@ static void update_rn(const Job *j, const float *restrict gx, const float *restr
 
 static void run_block(void *data, size_t block) {
     const Job *j = data;
-    const int64_t H = j->H, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
+    const int64_t H = j->H, G = j->G, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
     const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
-    const int one_pass = lbr && mode != 4 && H % LANES == 0;   /* update_lbr: no separate gate pass */
-    const int two_pass = !lbr && mode != 4 && H % LANES == 0;  /* gates_r_h, then update_rn */
-    const int64_t GP = (2 * H + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);   /* the gates' columns, padded */
+    const int one_pass = lbr && mode != 4;    /* update_lbr: no separate gate pass */
+    const int two_pass = !lbr && mode != 4;   /* gates_r_h, then update_rn */
+    const int64_t GP = (2 * G + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);   /* the gates' columns, padded */
     int64_t rows[ROWS];
     static const float zeros[MAX_I] = {0};
     float *h = j->scratch + block * j->scratch_floats;   /* this block's: [ROWS] each of h, rh, accn, gx, acc, g */
-    float *rh = h + ROWS * H, *accn = rh + ROWS * H, *gx = accn + ROWS * NP, *acc = gx + ROWS * HP, *g = acc + ROWS * HP;
+    float *rh = h + ROWS * G, *accn = rh + ROWS * G, *gx = accn + ROWS * NP, *acc = gx + ROWS * HP, *g = acc + ROWS * HP;
     const float *xs[ROWS], *hs[ROWS], *rhs[ROWS];
     int n = 0;   /* the block's rows: the first n of rows[] (only the last block has fewer than ROWS) */
     for (int r = 0; r < ROWS; ++r) {
         int64_t i = (int64_t)block * ROWS + r;
         rows[r] = i < B ? j->order[i] : -1;
         n += i < B;
-        if (rows[r] >= 0 && j->h0) memcpy(h + r * H, j->h0 + rows[r] * H, H * sizeof(float));
-        else memset(h + r * H, 0, H * sizeof(float));
-        memset(rh + r * H, 0, H * sizeof(float));
-        hs[r] = h + r * H;
-        rhs[r] = rh + r * H;
+        memset(h + r * G, 0, G * sizeof(float));
+        if (rows[r] >= 0 && j->h0) memcpy(h + r * G, j->h0 + rows[r] * H, H * sizeof(float));
+        memset(rh + r * G, 0, G * sizeof(float));
+        hs[r] = h + r * G;
+        rhs[r] = rh + r * G;
         xs[r] = zeros;
     }
     const int64_t last = rows[0] >= 0 ? j->steps[rows[0]] : 0;   /* the block's most (rows are sorted) */
@@ -264,41 +268,41 @@ static void run_block(void *data, size_t block) {
         times(hs, n, H, j->Rp, HP, lbr ? HP : GP, acc, NULL);   /* without lbr, h·R_n is not read */
         for (int r = 0; r < ROWS && !one_pass; ++r) {
             if (rows[r] < 0) continue;
-            float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * H;
+            float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * G;
             if (two_pass) {
-                gates_r_h(j, x, a, gr, h + r * H, rh + r * H);
+                gates_r_h(j, x, a, gr, h + r * G, rh + r * G);
                 continue;
             }
             if (mode == 4) {
                 float f = j->f[rows[r] * T + t];
-                for (int64_t c = 0; c < 3 * H; ++c) x[c] = x[c] * f + j->bias[c];
+                for (int64_t c = 0; c < 3 * G; ++c) x[c] = x[c] * f + j->Bp[c];
             }
-            for (int64_t c = 0; c < 2 * H; ++c) gr[c] = x[c] + a[c];
-            tanh_all(gr, 2 * H, 1);
+            for (int64_t c = 0; c < 2 * G; ++c) gr[c] = x[c] + a[c];
+            tanh_all(gr, 2 * G, 1);
             if (!lbr)
-                for (int64_t c = 0; c < H; ++c) rh[r * H + c] = gr[H + c] * h[r * H + c];
+                for (int64_t c = 0; c < H; ++c) rh[r * G + c] = gr[G + c] * h[r * G + c];
         }
         if (!lbr) times(rhs, n, H, j->Rnp, NP, NP, accn, NULL);   /* the candidate reads (r * h) · Rn */
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
             if (one_pass) {
-                update_lbr(j, gx + r * HP, acc + r * HP, j->f ? j->f[b * T + t] : 1.0f, h + r * H);
+                update_lbr(j, gx + r * HP, acc + r * HP, j->f ? j->f[b * T + t] : 1.0f, h + r * G);
                 continue;
             }
             if (two_pass) {
-                update_rn(j, gx + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f, h + r * H);
+                update_rn(j, gx + r * HP, accn + r * NP, g + r * 3 * G, j->f ? j->f[b * T + t] : 1.0f, h + r * G);
                 continue;
             }
-            update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * H, j->f ? j->f[b * T + t] : 1.0f,
-                   h + r * H);
+            update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * G, j->f ? j->f[b * T + t] : 1.0f,
+                   h + r * G);
         }
         if (j->y) {
             for (int r = 0; r < ROWS; ++r) {
                 int64_t b = rows[r];
                 if (b < 0) continue;
                 float *yt = j->y + (b * T + t) * H;
-                if (valid(j, b, t) || !j->k->zero_pad) memcpy(yt, h + r * H, H * sizeof(float));
+                if (valid(j, b, t) || !j->k->zero_pad) memcpy(yt, h + r * G, H * sizeof(float));
                 else memset(yt, 0, H * sizeof(float));
             }
         }
@@ -306,12 +310,12 @@ static void run_block(void *data, size_t block) {
     for (int r = 0; r < ROWS; ++r) {
         int64_t b = rows[r];
         if (b < 0) continue;
-        memcpy(j->yh + b * H, h + r * H, H * sizeof(float));
+        memcpy(j->yh + b * H, h + r * G, H * sizeof(float));
         if (j->y)
             for (int64_t t = last; t < T; ++t) {
                 float *yt = j->y + (b * T + t) * H;
                 if (j->k->zero_pad) memset(yt, 0, H * sizeof(float));
-                else memcpy(yt, h + r * H, H * sizeof(float));
+                else memcpy(yt, h + r * G, H * sizeof(float));
             }
     }
 }
@@ -378,7 +382,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     OrtValue *out;
     int64_t yh_dims[2] = {B, H}, y_dims[3] = {B, T, H};
     const int64_t pad = 2 * LANES;
-    Job j = {.k = k, .B = B, .T = T, .H = H, .HP = (3 * H + pad - 1) / pad * pad, .NP = (H + pad - 1) / pad * pad,
+    const int64_t G = (H + LANES - 1) / LANES * LANES;
+    Job j = {.k = k, .B = B, .T = T, .H = H, .G = G, .HP = (3 * G + pad - 1) / pad * pad, .NP = (H + pad - 1) / pad * pad,
              .I = I, .x = in[0], .bias = in[3], .rbn = in[4], .h0 = in[5], .f = in[6], .mask = in[8],
              .lens = (const int64_t *)in[7]};
     TRY(ort->KernelContext_GetOutput(ctx, 0, yh_dims, 2, &out));
@@ -390,8 +395,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     }
     if (B == 0) return NULL;
     size_t blocks = (size_t)((B + ROWS - 1) / ROWS);
-    j.scratch_floats = ROWS * (2 * H + j.NP + 2 * j.HP + 3 * H);
-    float *weights = calloc((size_t)((I + H + 1) * j.HP + H * j.NP) + blocks * (size_t)j.scratch_floats, sizeof(float));
+    j.scratch_floats = ROWS * (2 * G + j.NP + 2 * j.HP + 3 * G);
+    float *weights = calloc((size_t)((I + H + 1) * j.HP + H * j.NP + G) + blocks * (size_t)j.scratch_floats,
+                            sizeof(float));
     int64_t *order = malloc((2 * (size_t)B + (size_t)T + 2) * sizeof(int64_t));
     if (!weights || !order) {
         free(weights);
@@ -401,11 +407,15 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.Wp = weights;
     j.Rp = j.Wp + I * j.HP;
     j.Rnp = j.Rp + H * j.HP;
-    j.Bp = j.Rnp + H * j.NP;   /* the bias padded to HP */
-    j.scratch = j.Bp + j.HP;
-    memcpy(j.Bp, in[3], (size_t)(3 * H) * sizeof(float));
-    pad_columns(j.Wp, in[1], I, 3 * H, 0, 3 * H, j.HP);
-    pad_columns(j.Rp, in[2], H, 3 * H, 0, 3 * H, j.HP);
+    j.Bp = j.Rnp + H * j.NP;
+    j.rbnp = j.Bp + j.HP;
+    j.scratch = j.rbnp + G;
+    for (int64_t g = 0; g < 3; ++g) {   /* gate g's columns at g G */
+        memcpy(j.Bp + g * G, in[3] + g * H, (size_t)H * sizeof(float));
+        pad_columns(j.Wp + g * G, in[1], I, 3 * H, g * H, H, j.HP);
+        pad_columns(j.Rp + g * G, in[2], H, 3 * H, g * H, H, j.HP);
+    }
+    if (in[4]) memcpy(j.rbnp, in[4], (size_t)H * sizeof(float));
     pad_columns(j.Rnp, in[2], H, 3 * H, 2 * H, H, j.NP);
     /* rows by their number of steps, most first (a counting sort): first[T - n] = where rows of n steps start */
     int64_t *steps = order + B, *first = steps + B;
