@@ -152,17 +152,21 @@ def test_attention_mlp_runs_on_valid_positions_only(dialect):
     assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
 
 
+def _tiled_query_features() -> list:
+    """q [B, C] tiled over the keys' T by Expand, then cat [B, T, 4C] = concat[q, k, q - k, q * k]."""
+    return [node("Shape", ["keys"], ["kshape"]),
+            node("Unsqueeze", ["q", "ax1"], ["q1"]),
+            node("Expand", ["q1", "kshape"], ["qt"]),
+            node("Sub", ["qt", "keys"], ["d"]),
+            node("Mul", ["qt", "keys"], ["p"]),
+            node("Concat", ["qt", "keys", "d", "p"], ["cat"], axis=-1)]
+
+
 def flat_din_attention(seed: int = 0):
     """FuxiCTR's DIN attention: the MLP is Gemms over a [B*T, 4C] view, the scores [B*T, 1] are reshaped to [B, T]
     (the shape computed from the keys') and multiplied by Cast(Not(Equal(ids, 0))): id 0 is the padding."""
     rng = np.random.default_rng(seed)
-    nodes = [
-        node("Shape", ["keys"], ["kshape"]),
-        node("Unsqueeze", ["q", "ax1"], ["q1"]),
-        node("Expand", ["q1", "kshape"], ["qt"]),
-        node("Sub", ["qt", "keys"], ["d"]),
-        node("Mul", ["qt", "keys"], ["p"]),
-        node("Concat", ["qt", "keys", "d", "p"], ["cat"], axis=-1),
+    nodes = _tiled_query_features() + [
         node("Reshape", ["cat", "rows"], ["flat"]),
         node("Gemm", ["flat", "w1", "b1"], ["h1"], transB=1),
         node("Sigmoid", ["h1"], ["a1"]),
@@ -212,13 +216,7 @@ def tensordot_din_attention(seed: int = 0):
     """DeepRec's DIN attention through tf2onnx: tensordot writes each layer as Reshape to [1, B*T, K], Squeeze,
     MatMul; the scores [B*T, 1] are reshaped to [B, 1, T] and masked by Cast(mask [B, 1, T])."""
     rng = np.random.default_rng(seed)
-    nodes = [
-        node("Shape", ["keys"], ["kshape"]),
-        node("Unsqueeze", ["q", "ax1"], ["q1"]),
-        node("Expand", ["q1", "kshape"], ["qt"]),
-        node("Sub", ["qt", "keys"], ["d"]),
-        node("Mul", ["qt", "keys"], ["p"]),
-        node("Concat", ["qt", "keys", "d", "p"], ["cat"], axis=-1),
+    nodes = _tiled_query_features() + [
         node("Reshape", ["cat", "one_rows"], ["cat1"]),
         node("Squeeze", ["cat1", "ax0"], ["flat"]),
         node("MatMul", ["flat", "w1"], ["h1"]),

@@ -258,7 +258,7 @@ COMBINERS = {
     "sqrtn": lambda total, count: total / np.sqrt(np.maximum(count, 1)),
 }
 MIN_BAG_REGION = 6  # nodes: a bag pooled in fewer is as vectorized as the rewrite would make it
-REWRITTEN_NODES = {"sum": 4, "mean": 9, "sqrtn": 10}  # what _pooled_lookup makes of each
+REWRITTEN_NODES = {"rows": 3, "sum": 4, "mean": 9, "sqrtn": 10}  # what pooled_lookup makes of each
 
 
 def _probe_ids(rows: int, batch: int, length: int, dtype, seed: int) -> np.ndarray:
@@ -336,14 +336,15 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor,
     except Exception as e:  # the region does not evaluate on its own: leave it
         return f"{gather.name}: not evaluated ({type(e).__name__})"
     for t, _ in reversed(candidates):  # the farthest pooled tensor: mean's division included
-        for combiner, pool in COMBINERS.items():
-            if all(_pools(table, probe, out[t.name], pool) for probe, out in results):
+        for combiner in COMBINERS:
+            if all(same_values(out[t.name], lookup_values(table, probe, combiner)) for probe, out in results):
                 return (ids, t, combiner) if region_nodes(t, ids) > REWRITTEN_NODES[combiner] else None
     return f"{gather.name}: no tensor downstream pools the bag ({', '.join(COMBINERS)})"
 
 
-def _padded_bags(graph: gs.Graph):
-    """(table lookup, what _padded_bag found) for every lookup that may end a padded bag in the main graph."""
+def table_lookups(graph: gs.Graph, identify):
+    """(lookup, what `identify(graph, lookup)` found, when not None) for every Gather of a constant [rows, D] table
+    in the main graph whose rows something reads; shapes annotated once, before the first."""
     annotated = False
     for gather in [n for n in graph.nodes if n.op == "Gather"]:
         table = const_value(gather.inputs[0])
@@ -352,9 +353,14 @@ def _padded_bags(graph: gs.Graph):
         if not annotated:
             annotate_shapes(graph)
             annotated = True
-        found = _padded_bag(graph, gather)
+        found = identify(graph, gather)
         if found is not None:
             yield gather, found
+
+
+def _padded_bags(graph: gs.Graph):
+    """(table lookup, what _padded_bag found) for every lookup that may end a padded bag in the main graph."""
+    return table_lookups(graph, _padded_bag)
 
 
 def padded_bag_tables(graph: gs.Graph) -> set[str]:
@@ -363,15 +369,24 @@ def padded_bag_tables(graph: gs.Graph) -> set[str]:
     return {g.inputs[0].name for g, found in _padded_bags(graph) if not isinstance(found, str)}
 
 
-def _pools(table: np.ndarray, ids: np.ndarray, got: np.ndarray, pool) -> bool:
+def lookup_values(table: np.ndarray, ids: np.ndarray, combiner: str) -> np.ndarray | None:
+    """What pooled_lookup computes for `ids` (None: a combiner over ids that are not [B, L])."""
     valid = ids >= 0
-    total = (table[np.where(valid, ids, 0)] * valid[..., None]).sum(axis=1)
-    want = pool(total, valid.sum(axis=1, keepdims=True))
-    return got.shape == want.shape and np.allclose(got, want, rtol=1e-5, atol=1e-6)
+    rows = table[np.where(valid, ids, 0)] * valid[..., None]
+    if combiner == "rows":
+        return rows
+    if ids.ndim != 2:
+        return None
+    return COMBINERS[combiner](rows.sum(axis=1), valid.sum(axis=1, keepdims=True).astype(table.dtype))
 
 
-def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: str, name: str) -> gs.Tensor:
-    """Gather on the table and a zero row that negative ids (padding) read, summed over L; ÷ count for mean."""
+def same_values(got: np.ndarray, want: np.ndarray | None) -> bool:
+    return want is not None and got.shape == want.shape and np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: str, name: str) -> gs.Tensor:
+    """Gather on the table and a zero row that negative ids (padding) read (combiner "rows": that is all), summed
+    over L; ÷ count for mean, ÷ √count for sqrtn (the count at least 1: a row without ids gives zeros)."""
     rows = table.shape[0]
     id_dtype = np.dtype(ids.dtype)
     padded = add_constant(graph, f"{name}/table", np.concatenate([table, np.zeros_like(table[:1])]))
@@ -388,7 +403,10 @@ def _pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner:
         return op("ReduceSum", [x, add_constant(graph, f"{name}/axis", np.array([1], dtype=np.int64))],
                   {"keepdims": keepdims})
 
-    pooled = row_sum(op("Gather", [padded, safe], {"axis": 0}), 0)
+    rows = op("Gather", [padded, safe], {"axis": 0})
+    if combiner == "rows":
+        return rows
+    pooled = row_sum(rows, 0)
     if combiner == "sum":
         return pooled
     to = onnx.helper.np_dtype_to_tensor_dtype(table.dtype)
@@ -430,7 +448,7 @@ def vectorize_embedding_bags(ctx: PassContext) -> None:
             continue
         ids, pooled, combiner = found
         table = const_value(gather.inputs[0])
-        out = _pooled_lookup(graph, table, ids, combiner, unique_name(graph, f"{gather.name}/bag"))
+        out = pooled_lookup(graph, table, ids, combiner, unique_name(graph, f"{gather.name}/bag"))
         replace_outputs(graph, pooled.inputs[0], [out if o is pooled else None for o in pooled.inputs[0].outputs])
         ctx.rewrites += 1
     if ctx.rewrites:

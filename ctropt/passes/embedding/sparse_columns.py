@@ -18,18 +18,17 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from ...graph import annotate_shapes, nodes_near
-from ...graph.edit import Builder, const_value, redirect_consumers, replace_outputs, unique_name
+from ...graph.edit import const_value, redirect_consumers, replace_outputs, unique_name
 from ...runtime.subgraph import Subgraph
 from ..cleanup import tidy
 from ..registry import PassContext, register_pass
-from .bags import COMBINERS, input_sources, region_nodes
+from .bags import (COMBINERS, REWRITTEN_NODES, input_sources, lookup_values, pooled_lookup, region_nodes,
+                   same_values, table_lookups)
 
 FORMS = ("rows", *COMBINERS)  # rows: W[id] per position ([B] ids → [B, D], [B, T] → [B, T, D])
-REWRITTEN_NODES = {"rows": 3, "sum": 4, "mean": 9, "sqrtn": 10}  # what _dense_lookup makes of each
 MIN_ID_NODES = 6  # between the input and the table's Gather (tf2onnx's to_sparse_input + pruning: 20 and more)
 HOPS = 48  # how far downstream of the table's Gather the combined rows may be (tf2onnx: about 30 nodes)
 PROBE_SIZES = ((7, 5), (1, 4), (16, 3))  # (batch, ids per row when the input does not fix it)
@@ -94,21 +93,6 @@ def _probe_ids(rows: int, batch: int, length: int | None, dtype, seed: int) -> n
     return ids.astype(dtype)
 
 
-def _meaning(table: np.ndarray, ids: np.ndarray, form: str) -> np.ndarray | None:
-    """What a sparse-column lookup of `form` gives for `ids`."""
-    valid = ids >= 0
-    rows = table[np.where(valid, ids, 0)] * valid[..., None]
-    if form == "rows":
-        return rows
-    if ids.ndim != 2:
-        return None
-    return COMBINERS[form](rows.sum(axis=1), valid.sum(axis=1, keepdims=True).astype(table.dtype))
-
-
-def _matches(got: np.ndarray, want: np.ndarray | None) -> bool:
-    return want is not None and got.shape == want.shape and np.allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 def _probe_feeds(ids: gs.Tensor, shape_only: list[gs.Tensor], rows: int) -> list[list[np.ndarray]]:
     """Leaf values per probe: ids, then zeros shaped like each input read for its shape only."""
     length = None if len(ids.shape) == 1 else ids.shape[1]
@@ -160,47 +144,11 @@ def _identify(graph: gs.Graph, gather: gs.Node) -> Column | str | None:
         return f"{gather.name}: not evaluated"
     matches = [(t, form) for t, got in zip(outs, results) if got is not None
                for form in FORMS[:1 if len(ids.shape) == 1 else None]
-               if all(_matches(v, _meaning(table, probe[0], form)) for probe, v in got)]
+               if all(same_values(v, lookup_values(table, probe[0], form)) for probe, v in got)]
     if matches:  # the one that computes the most: a mean's division and the empty rows' zeros included
         out, form = max(matches, key=lambda m: region_nodes(m[0], ids))  # ties: the first form (fewest nodes)
         return Column(gather, ids, out, form) if region_nodes(out, ids) > REWRITTEN_NODES[form] else None
     return f"{gather.name}: no value downstream of the lookup combines its valid ids ({', '.join(FORMS)})"
-
-
-def _dense_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, form: str, name: str) -> gs.Tensor:
-    """Gather on the table and a zero row that ids < 0 read; summed over the ids of a row (÷ count for mean,
-    ÷ sqrt(count) for sqrtn, the count at least 1 so that a row without ids gives zeros)."""
-    id_dtype = np.dtype(ids.dtype)
-    b = Builder(graph, name, table.dtype)
-    c, op = b.const, b.op
-    padded = c("table", np.concatenate([table, np.zeros_like(table[:1])]))
-    invalid = op("Less", [ids, c("zero", 0, id_dtype)], dtype=np.bool_)
-    safe = op("Where", [invalid, c("zero_row", table.shape[0], id_dtype), ids], dtype=id_dtype)
-    rows = op("Gather", [padded, safe], {"axis": 0})
-    if form == "rows":
-        return rows
-    axis = c("axis", [1], np.int64)
-    pooled = op("ReduceSum", [rows, axis], {"keepdims": 0})
-    if form == "sum":
-        return pooled
-    valid = op("Cast", [op("Not", [invalid], dtype=np.bool_)], {"to": onnx.helper.np_dtype_to_tensor_dtype(table.dtype)})
-    count = op("Max", [op("ReduceSum", [valid, axis], {"keepdims": 1}), c("one", 1, table.dtype)])
-    return op("Div", [pooled, count if form == "mean" else op("Sqrt", [count])])
-
-
-def sparse_columns(graph: gs.Graph):
-    """(table lookup, what _identify found) for every lookup of a constant table in the main graph."""
-    annotated = False
-    for gather in [n for n in graph.nodes if n.op == "Gather"]:
-        table = const_value(gather.inputs[0])
-        if table is None or table.ndim != 2 or gather.attrs.get("axis", 0) != 0 or not gather.outputs[0].outputs:
-            continue
-        if not annotated:
-            annotate_shapes(graph)
-            annotated = True
-        found = _identify(graph, gather)
-        if found is not None:
-            yield gather, found
 
 
 @register_pass("rewrite-sparse-columns", group="fusion")
@@ -208,13 +156,13 @@ def rewrite_sparse_columns(ctx: PassContext) -> None:
     """TF feature-column lookups (identity column → safe_embedding_lookup_sparse: NonZero, Unique, segment
     sums, empty rows zeroed; sequence columns) → Gather on the table and a zero row (+ ReduceSum, ÷ count)."""
     graph = ctx.graph
-    for gather, found in list(sparse_columns(graph)):
+    for gather, found in list(table_lookups(graph, _identify)):
         ctx.matches += 1
         if isinstance(found, str):
             ctx.note(found)
             continue
         table = const_value(gather.inputs[0])
-        out = _dense_lookup(graph, table, found.ids, found.form, unique_name(graph, f"{gather.name}/column"))
+        out = pooled_lookup(graph, table, found.ids, found.form, unique_name(graph, f"{gather.name}/column"))
         producer = found.out.inputs[0]
         if len(producer.outputs) == 1:
             replace_outputs(graph, producer, [out])
