@@ -9,6 +9,16 @@ import onnx_graphsurgeon as gs
 from . import iter_graphs
 
 
+def axes_of(node: gs.Node) -> list[int] | None:
+    """The axes of a Squeeze/Unsqueeze/ReduceSum: a constant input from opset 13, the attribute before; None when
+    not constant (or absent)."""
+    if len(node.inputs) > 1 and node.inputs[1].name:
+        value = const_value(node.inputs[1])
+    else:
+        value = node.attrs.get("axes")
+    return None if value is None else [int(a) for a in np.ravel(value)]
+
+
 def const_value(t: gs.Tensor) -> np.ndarray | None:
     """The value of a constant tensor: an initializer or the output of a Constant node, in any scope."""
     if isinstance(t, gs.Constant):
@@ -85,12 +95,14 @@ class Builder:
     `graph`); outputs of `dtype` unless told. In a gs.Function constants are Constant nodes. `share`: small
     constants shared by value within `graph`; `reuse`: a node that a Builder of the same `reuse` made before in
     `graph` (same op, inputs and attributes) is reused instead of made again; `fold(op, inputs, attrs)`: the
-    outputs' values if known (no node)."""
+    outputs' values if known (no node); `opset`: the one `axes_op` writes for (default: the root graph's)."""
 
     def __init__(self, graph: gs.Graph, prefix: str = "", dtype=None, *, root: gs.Graph | None = None,
-                 nodes: list | None = None, share: str | None = None, reuse: str | None = None, fold=None):
+                 nodes: list | None = None, share: str | None = None, reuse: str | None = None, fold=None,
+                 opset: int | None = None):
         self.graph, self.prefix, self.dtype, self.share, self.reuse, self.fold = graph, prefix, dtype, share, reuse, fold
         self.root = graph if root is None else root
+        self.opset = opset if opset is not None else int(getattr(self.root, "opset", None) or 13)
         self._nodes = nodes
 
     @property
@@ -133,6 +145,12 @@ class Builder:
         if made is not None:
             made[key] = result
         return result
+
+    def axes_op(self, op: str, x: gs.Tensor, axes: list[int], attrs: dict | None = None, **kw):
+        """Squeeze/Unsqueeze/ReduceSum of `x` over `axes`: a constant input from opset 13, the attribute before."""
+        if self.opset >= 13:
+            return self.op(op, [x, self.const("axes", np.array(axes, np.int64))], attrs, **kw)
+        return self.op(op, [x], {**(attrs or {}), "axes": list(axes)}, **kw)
 
     def const(self, name: str, value, dtype=None) -> gs.Tensor:
         """A constant named `prefix/name` (0-d values stay 0-d)."""

@@ -391,17 +391,15 @@ def pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: 
     id_dtype = np.dtype(ids.dtype)
     padded = add_constant(graph, f"{name}/table", np.concatenate([table, np.zeros_like(table[:1])]))
 
-    op = Builder(graph, name, table.dtype).op
+    b = Builder(graph, name, table.dtype)
+    op = b.op
 
     padding = op("Less", [ids, add_constant(graph, f"{name}/zero", np.array(0, dtype=id_dtype))], dtype=np.bool_)
     safe = op("Where", [padding, add_constant(graph, f"{name}/pad_row", np.array(rows, dtype=id_dtype)), ids],
               dtype=id_dtype)
 
     def row_sum(x, keepdims):
-        if graph.opset < 13:
-            return op("ReduceSum", [x], {"axes": [1], "keepdims": keepdims})
-        return op("ReduceSum", [x, add_constant(graph, f"{name}/axis", np.array([1], dtype=np.int64))],
-                  {"keepdims": keepdims})
+        return b.axes_op("ReduceSum", x, [1], {"keepdims": keepdims})
 
     rows = op("Gather", [padded, safe], {"axis": 0})
     if combiner == "rows":

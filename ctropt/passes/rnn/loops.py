@@ -39,7 +39,8 @@ import onnx_graphsurgeon as gs
 from ...graph import strip_identity
 from ...ops.rnn import add_sequence_node, is_sequence_node
 from .cell import CellMatch, identify_gru_cell
-from ...graph.edit import Builder, const_value, is_all_zeros, redirect_consumers, replace_outputs, unique_name
+from ...graph.edit import (Builder, axes_of, const_value, is_all_zeros, redirect_consumers, replace_outputs,
+                           unique_name)
 from ...graph.shapes import Shapes
 from ...runtime.subgraph import Subgraph
 
@@ -130,8 +131,8 @@ def _dim_chain(t: gs.Tensor, axis: int, shapes: Shapes | None = None) -> list[tu
         elif n.op == "Gather" and int(n.attrs.get("axis", 0)) == 0 and const_value(n.inputs[0]) is not None \
                 and rank(n.inputs[1]) is not None and 0 <= axis < rank(n.inputs[1]):
             t = n.inputs[1]     # an embedding lookup: ids [...] -> [..., D]
-        elif n.op in ("Unsqueeze", "Squeeze") and _axes(n) is not None and rank(n.inputs[0]) is not None:
-            r_in, axes = rank(n.inputs[0]), _axes(n)
+        elif n.op in ("Unsqueeze", "Squeeze") and axes_of(n) is not None and rank(n.inputs[0]) is not None:
+            r_in, axes = rank(n.inputs[0]), axes_of(n)
             if n.op == "Unsqueeze":
                 r_out = r_in + len(axes)
                 axes, axis = sorted(a % r_out for a in axes), axis % r_out
@@ -156,11 +157,6 @@ def _scalar(t: gs.Tensor) -> bool:
     """A constant that broadcasts without changing the other operand's shape."""
     v = const_value(t)
     return v is not None and v.size == 1 and v.ndim <= 1
-
-
-def _axes(n: gs.Node) -> list[int] | None:
-    v = const_value(n.inputs[1]) if len(n.inputs) > 1 and n.inputs[1].name else n.attrs.get("axes")
-    return None if v is None else [int(a) for a in np.ravel(v)]
 
 
 def _dim_key(t: gs.Tensor, axis: int, shapes: Shapes | None = None):
@@ -945,7 +941,7 @@ def _as_bt(graph: gs.Graph, t: gs.Tensor, shapes: Shapes, name: str) -> gs.Tenso
     if s is not None and len(s) == 2:
         return t
     p = t.inputs[0] if len(t.inputs) == 1 else None
-    if p is not None and p.op == "Unsqueeze" and _axes(p) in ([2], [-1]) and \
+    if p is not None and p.op == "Unsqueeze" and axes_of(p) in ([2], [-1]) and \
             len(shapes.shape(p.inputs[0]) or [0, 0, 0]) == 2:
         return p.inputs[0]
     b = Builder(graph, name)

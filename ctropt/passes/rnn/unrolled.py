@@ -46,7 +46,7 @@ import onnx_graphsurgeon as gs
 from ...graph import topological_order
 from ...ops.rnn import SequenceAttrs, add_sequence_node, reference
 from .cell import CellMatch, identify_gru_cell
-from ...graph.edit import Builder, const_value, is_all_zeros, unique_name
+from ...graph.edit import Builder, axes_of, const_value, is_all_zeros, unique_name
 from ...graph.shapes import Shapes
 from ...runtime.subgraph import Subgraph
 
@@ -68,29 +68,8 @@ def _ints(t: gs.Tensor | None) -> list[int] | None:
     return [int(x) for x in np.asarray(v).ravel()]
 
 
-def _axes_of(node: gs.Node) -> list[int] | None:
-    """The axes of a Squeeze/Unsqueeze (input from opset 13, attribute before)."""
-    if len(node.inputs) > 1 and node.inputs[1].name:
-        return _ints(node.inputs[1])
-    axes = node.attrs.get("axes")
-    return None if axes is None else [int(a) for a in axes]
-
-
 def _present(t: gs.Tensor | None) -> bool:
     return t is not None and bool(t.name)
-
-
-class _Builder(Builder):
-    """Appends glue nodes to the graph."""
-
-    def __init__(self, graph: gs.Graph, opset: int, prefix: str):
-        super().__init__(graph, prefix)
-        self.opset = opset
-
-    def axes_op(self, op: str, x: gs.Tensor, axes: list[int], out: gs.Tensor | None = None, **kw) -> gs.Tensor:
-        if self.opset >= 13:
-            return self.op(op, [x, self.const("axes", np.array(axes, np.int64))], out=out, **kw)
-        return self.op(op, [x], {"axes": list(axes)}, out=out, **kw)
 
 
 def _take_over(t: gs.Tensor) -> gs.Tensor:
@@ -159,7 +138,7 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: Shapes) -> 
     used = [_present(t) and (bool(t.outputs) or id(t) in graph_outputs) for t in outs]
     if not any(used):
         return None
-    b = _Builder(graph, opset, node.name or "gru")
+    b = Builder(graph, node.name or "gru", opset=opset)
 
     # X, batch-major
     if layout == 1:
@@ -173,7 +152,7 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: Shapes) -> 
     if _present(h0) and not is_all_zeros(h0):
         axis = 0 if layout == 0 else 1
         p = h0.inputs[0] if len(h0.inputs) == 1 else None
-        if p is not None and p.op == "Unsqueeze" and _axes_of(p) in ([axis], [axis - 3]):
+        if p is not None and p.op == "Unsqueeze" and axes_of(p) in ([axis], [axis - 3]):
             hb = p.inputs[0]
         else:
             hb = b.axes_op("Squeeze", h0, [axis], dtype=np.float32)
@@ -245,7 +224,7 @@ def _follow_layout(graph: gs.Graph, t: gs.Tensor, labels: list[str], shapes: Sha
             break
         new = None
         if u.op == "Squeeze":
-            axes = _axes_of(u)
+            axes = axes_of(u)
             if axes is not None and len(axes) == 1 and "D" in labels and axes[0] % len(labels) == labels.index("D"):
                 new = [x for x in labels if x != "D"]
         elif u.op == "Transpose":
@@ -325,7 +304,7 @@ def _only_feed(nodes: list[gs.Node], target: gs.Node, index: int) -> bool:
     return True
 
 
-def _make_layout(b: _Builder, src: gs.Tensor, src_labels: list[str], out: gs.Tensor, labels: list[str]) -> None:
+def _make_layout(b: Builder, src: gs.Tensor, src_labels: list[str], out: gs.Tensor, labels: list[str]) -> None:
     """Write `out` (axes `labels`, maybe with a size-1 direction axis D) from `src` (axes `src_labels`)."""
     core = [x for x in labels if x != "D"]
     perm = [src_labels.index(x) for x in core]
@@ -369,9 +348,9 @@ def _step_slices(graph: gs.Graph, shapes: Shapes) -> list[_Group]:
     def add(source, axis, t, out, squeezed, nodes):
         if squeezed is False and len(out.outputs) == 1:
             u = out.outputs[0]
-            if u.op == "Squeeze" and u.inputs[0] is out and _axes_of(u) is not None:
+            if u.op == "Squeeze" and u.inputs[0] is out and axes_of(u) is not None:
                 rank = shapes.rank(source)
-                axes = _axes_of(u)
+                axes = axes_of(u)
                 if len(axes) == 1 and (axes[0] == axis or (rank is not None and axes[0] % rank == axis)):
                     out, squeezed, nodes = u.outputs[0], True, nodes + [u]
         if axis == 0 and not squeezed:
@@ -938,7 +917,7 @@ def _att_column(nodes: list[gs.Node], att: gs.Tensor) -> gs.Tensor:
     [B, 1] column (torch's ``attn.unsqueeze(-1)``), else `att` as is."""
     ids = {id(n) for n in nodes}
     readers = [n for n in att.outputs if id(n) in ids]
-    if len(readers) == 1 and readers[0].op == "Unsqueeze" and _axes_of(readers[0]) in ([-1], [1]):
+    if len(readers) == 1 and readers[0].op == "Unsqueeze" and axes_of(readers[0]) in ([-1], [1]):
         return readers[0].outputs[0]
     return att
 
@@ -1007,13 +986,13 @@ def _stacked(chain: _Chain, region: dict):
                 or int(cfs[0].attrs.get("new_axis", 0)) != 1 or int(cfs[0].attrs.get("axis", 0)) not in (1, -2)):
             return False
         return cfs[0].outputs[0], [first, cfs[0]], 1
-    axis = {(1,): 1, (-2,): 1, (0,): 0, (-3,): 0}.get(tuple(_axes_of(first) or ())) if first.op == "Unsqueeze" else None
+    axis = {(1,): 1, (-2,): 1, (0,): 0, (-3,): 0}.get(tuple(axes_of(first) or ())) if first.op == "Unsqueeze" else None
     if axis is None:
         return False
     unsq = []
     for t, st in enumerate(s):
         us = [u for u in outside[t] if u.op == "Unsqueeze"]
-        if len(us) != 1 or _axes_of(us[0]) not in ([axis], [axis - 3]) or len(us[0].outputs[0].outputs) != 1:
+        if len(us) != 1 or axes_of(us[0]) not in ([axis], [axis - 3]) or len(us[0].outputs[0].outputs) != 1:
             return False
         unsq.append(us[0])
     concats = _concat_steps([u.outputs[0] for u in unsq], axis)
@@ -1132,7 +1111,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
     """One sequence node over the slices' sources in place of the chain: it writes the last state (Y_h) and the
     stacked states (Y) the graph reads. Returns its description."""
     T, attrs, found = chain.T, cell.attrs, cell.match
-    b = _Builder(graph, opset, unique_name(graph, f"rnn_{attrs.kind.lower()}"))
+    b = Builder(graph, unique_name(graph, f"rnn_{attrs.kind.lower()}"), opset=opset)
     X = _batch_major(b, shapes, cell.x_group, T)
     inputs = {"X": X, "W": b.const("W", found.W), "R": b.const("R", found.R), "B": b.const("B", found.B)}
     if not h0_zero:
@@ -1158,7 +1137,7 @@ def _replace_chain(graph: gs.Graph, opset: int, shapes: Shapes, chain: _Chain, c
             f"(linear_before_reset={attrs.linear_before_reset}, att_keep={attrs.att_keep}{mask_note}; {outs})")
 
 
-def _stacked_output(graph: gs.Graph, b: _Builder, stacked) -> gs.Tensor:
+def _stacked_output(graph: gs.Graph, b: Builder, stacked) -> gs.Tensor:
     """The value the node's Y [B, T, H] writes: the stack itself, or for a time-major stack [T, B, H] the
     Transpose back that reads it (or a fresh Y with a Transpose to the stack)."""
     Y, _, axis = stacked
@@ -1173,7 +1152,7 @@ def _stacked_output(graph: gs.Graph, b: _Builder, stacked) -> gs.Tensor:
     return fresh
 
 
-def _batch_major(b: _Builder, shapes: Shapes, g: _Group, T: int) -> gs.Tensor:
+def _batch_major(b: Builder, shapes: Shapes, g: _Group, T: int) -> gs.Tensor:
     """The steps' sequence as X [B, T, I]: a time-major source [T', B, I] transposed back (the Transpose that made
     it, where there is one), then cut to its first T steps."""
     X, axis = g.source, g.axis
@@ -1190,18 +1169,18 @@ def _batch_major(b: _Builder, shapes: Shapes, g: _Group, T: int) -> gs.Tensor:
     return X
 
 
-def _att_sequence(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
+def _att_sequence(b: Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
     """The attention [B, T] of an attention sequence `src`, [B, T'] or [B, T', 1]: for the latter the [B, T'] value
     it unsqueezes (torch-rechub's ``att.unsqueeze(-1)``), else `src` squeezed; cut to its first T steps."""
     if shapes.rank(src) != 3:
         return _time_prefix(b, shapes, src, T)
     p = src.inputs[0] if len(src.inputs) == 1 else None
-    if p is not None and p.op == "Unsqueeze" and _axes_of(p) in ([2], [-1]) and shapes.rank(p.inputs[0]) == 2:
+    if p is not None and p.op == "Unsqueeze" and axes_of(p) in ([2], [-1]) and shapes.rank(p.inputs[0]) == 2:
         return _time_prefix(b, shapes, p.inputs[0], T)
     return b.axes_op("Squeeze", _time_prefix(b, shapes, src, T), [2])
 
 
-def _time_prefix(b: _Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
+def _time_prefix(b: Builder, shapes: Shapes, src: gs.Tensor, T: int) -> gs.Tensor:
     """`src` [B, T', ...] cut to its first T steps (as is when T' is T)."""
     shape = shapes.shape(src)
     if shape is not None and len(shape) > 1 and shape[1] == T:
