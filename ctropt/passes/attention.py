@@ -28,6 +28,7 @@ from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
+from .query_once import bias_after, layer_weights, weights_by_term
 from .registry import PassContext, register_pass
 
 LAYOUT_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
@@ -347,17 +348,6 @@ def _before_broadcast(e: gs.Tensor, probe: Probe) -> gs.Tensor:
     return n.inputs[0]
 
 
-def _linear_parts(t: gs.Tensor) -> dict[int, tuple[gs.Tensor, float]]:
-    """`t` as a sum of (value, coefficient): a - b, a + b and -a are split, anything else is one term."""
-    n = t.inputs[0] if t.inputs else None
-    signs = {"Sub": (1.0, -1.0), "Add": (1.0, 1.0), "Neg": (-1.0,)}.get(n.op if n is not None else "")
-    if signs is None or len(n.inputs) != len(signs) or any(const_value(u) is not None for u in n.inputs):
-        return {id(t): (t, 1.0)}
-    terms: dict[int, tuple[gs.Tensor, float]] = {}
-    for u, sign in zip(n.inputs, signs):
-        terms[id(u)] = (u, terms.get(id(u), (u, 0.0))[1] + sign)
-    return terms
-
 
 def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs.Tensor, origin: dict,
                        probe: Probe) -> None:
@@ -374,10 +364,10 @@ def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs
         layout = _flattening(readers[0]) if len(readers) == 1 else []
         last = layout[-1] if layout else cat
         matmul = last.outputs[0].outputs[0] if len(last.outputs[0].outputs) == 1 else None
-        w, gemm_bias = _layer_weights(matmul)
+        w, gemm_bias = layer_weights(matmul)
         if w is None or w.ndim != 2 or w.shape[0] != sum(widths) or matmul.inputs[0] is not last.outputs[0]:
             continue
-        terms = _weights_by_term(cat.inputs, widths, w)
+        terms = weights_by_term(cat.inputs, widths, w)
         once = [t for k, t in terms.items() if k in row_of] if terms else []
         rest = [t for k, t in terms.items() if k not in row_of] if terms else []
         if once and rest:
@@ -385,32 +375,6 @@ def _project_rows_once(b: _Builder, row_of: dict[int, gs.Tensor], batch_rows: gs
             b.split += 1
 
 
-def _layer_weights(node: gs.Node | None) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(W [K, H], bias or None) of a MatMul or a plain Gemm (alpha = beta = 1, A not transposed) by constants."""
-    if node is None or node.op not in ("MatMul", "Gemm"):
-        return None, None
-    w = const_value(node.inputs[1])
-    if node.op == "MatMul" or w is None:
-        return w, None
-    if node.attrs.get("alpha", 1.0) != 1.0 or node.attrs.get("beta", 1.0) != 1.0 or node.attrs.get("transA", 0):
-        return None, None
-    w = w.T if node.attrs.get("transB", 0) else w
-    bias = const_value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else np.zeros(w.shape[1])
-    return (w, bias) if bias is not None and bias.size in (1, w.shape[1]) else (None, None)
-
-
-def _weights_by_term(parts: list[gs.Tensor], widths: list[int], w: np.ndarray) -> dict[int, tuple] | None:
-    """concat(parts)·W as Σ value·W_value over the distinct values the parts mix linearly; None when a value
-    appears in parts of different widths."""
-    terms: dict[int, tuple] = {}  # id(value) -> (value, the rows of W it is multiplied by, summed)
-    offsets = np.cumsum([0] + widths)
-    for part, lo, hi in zip(parts, offsets[:-1], offsets[1:]):
-        for key, (value, coef) in _linear_parts(part).items():
-            rows = terms.get(key, (value, np.zeros((hi - lo, w.shape[1]), np.float64)))[1]
-            if rows.shape[0] != hi - lo:
-                return None
-            terms[key] = (value, rows + coef * w[lo:hi])
-    return terms
 
 
 def _flattening(node: gs.Node) -> list[gs.Node]:
@@ -426,12 +390,9 @@ def _split_layer(b, cat, layout, matmul, once, rest, row_of, batch_rows, dtype, 
     a Gemm's own bias)."""
     width = once[0][1].shape[1]
     bias_add, bias = None, (np.zeros(width) if gemm_bias is None else np.broadcast_to(gemm_bias.ravel(), (width,)))
-    readers = matmul.outputs[0].outputs if gemm_bias is None else []
-    for c in readers:  # the layer's bias, folded into the per-row part (other readers: Shape)
-        v = next((v for v in map(const_value, c.inputs) if v is not None), None) if c.op == "Add" else None
-        if v is not None and v.ndim and v.size == width and v.shape[-1] == width and c.outputs[0].outputs:
-            bias_add, bias = c, v
-            break
+    if gemm_bias is None:  # the layer's bias, folded into the per-row part
+        bias_add, found = bias_after(matmul, width)
+        bias = bias if found is None else found
     projected = None
     for value, rows_w in once:
         p = b.op("MatMul", [row_of[id(value)], b.const("w_once", rows_w.astype(dtype))], name="project_once")

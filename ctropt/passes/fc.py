@@ -144,7 +144,7 @@ def fuse_fc(ctx: PassContext) -> None:
     ctx.note(f"{ctx.rewrites} FC layer(s) → Gemm" if ctx.rewrites else "no MatMul+Add/activation to fuse")
 
 
-def _per_column(t: gs.Tensor, width: int) -> np.ndarray | None:
+def per_column(t: gs.Tensor, width: int) -> np.ndarray | None:
     """A constant that acts per column of a [M, width] value ([width], [1, width], a scalar), as [width]."""
     v = const_value(t)
     if v is None or v.ndim > 2 or (v.size != width and v.size != 1) or (v.ndim and v.shape[-1] != v.size):
@@ -185,13 +185,13 @@ def _affine_foldable(m: Match) -> bool | str:
     width = _fc_width(m)
     if isinstance(width, str):
         return width
-    if _per_column(m["s"], width) is None:
+    if per_column(m["s"], width) is None:
         return "the scale is not per column"
-    if "t" in m.values and _per_column(m["t"], width) is None:
+    if "t" in m.values and per_column(m["t"], width) is None:
         return "the shift is not per column"
     readers = m.root.outputs[0].outputs
     if "t" not in m.values and len(readers) == 1 and readers[0].op == "Add" and any(
-            u is not m.root.outputs[0] and _per_column(u, width) is not None for u in readers[0].inputs):
+            u is not m.root.outputs[0] and per_column(u, width) is not None for u in readers[0].inputs):
         return "the per-column Add after it folds with it"
     fc = m.node("fc")
     inside = {id(n) for n in m.nodes}
@@ -212,8 +212,8 @@ def _fold_affine(m: Match) -> list:
     """``Gemm(a, W, c) · s (+ t)`` → ``Gemm(a, W·s, c·s + t)``; a gathered projection bias is scaled at its source."""
     fc, w, x = m.node("fc"), m.const("W"), m.node("fc").outputs[0]
     width = _fc_width(m)
-    s = _per_column(m["s"], width)
-    t = _per_column(m["t"], width) if "t" in m.values else np.zeros(width)
+    s = per_column(m["s"], width)
+    t = per_column(m["t"], width) if "t" in m.values else np.zeros(width)
     c = fc.inputs[2] if len(fc.inputs) > 2 else None
     c_value = const_value(c) if c is not None else np.zeros(width)
     w_s = w * (s[:, None] if fc.attrs.get("transB", 0) else s[None, :])
