@@ -184,3 +184,51 @@ def test_masked_select_of_a_mask_that_is_not_per_row_is_kept():
     model.graph.input[1].CopyFrom(vi("lens_bt", I64, ["batch", 4]))
     once, ctx = run_pass(model, "select-masked-rows")
     assert ctx.rewrites == 0 and "GatherND" in ops(once)
+
+
+def masked_scatter(mask_shape=(-1, 1, 1)):
+    """torch-rechub DIEN's unpacking of the GRU outputs of the users that have a history: out = zeros [B, T, E];
+    out[(lens > 0) viewed [B, 1, 1] expanded] = packed.view(-1)[:count] (legacy exporter: one ScatterND index per
+    element, the source sliced to the number of indices, read off their Shape)."""
+    nodes = [
+        node("Shape", ["emb"], ["s0"]), node("ConstantOfShape", ["s0"], ["zeros"]),
+        node("Greater", ["lens", "zero"], ["has"]), node("Reshape", ["has", "mask_shape"], ["m"]),
+        node("Shape", ["zeros"], ["s"]), node("Expand", ["m", "s"], ["full"]),
+        node("NonZero", ["full"], ["nz"]), node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+        node("Shape", ["idx"], ["idx_shape"]), node("Gather", ["idx_shape", "zero"], ["count"], axis=0),
+        node("Unsqueeze", ["count", "axis0"], ["end"]),
+        node("Reshape", ["packed", "flat"], ["packed_flat"]), node("Slice", ["packed_flat", "start", "end"], ["src"]),
+        node("ScatterND", ["zeros", "idx", "src"], ["out"]),
+    ]
+    inits = [init("zero", np.array(0, np.int64)), init("axis0", np.array([0], np.int64)),
+             init("start", np.array([0], np.int64)), init("flat", np.array([-1], np.int64)),
+             init("mask_shape", np.array(mask_shape, np.int64))]
+    return make_model(nodes, [vi("emb", F, ["batch", 4, 3]), vi("lens", I64, ["batch"]),
+                              vi("packed", F, ["rows", 4, 3])], [vi("out", F, ["batch", 4, 3])], inits)
+
+
+def test_masked_scatter_over_rows_writes_rows():
+    """The scatter writes whole rows and the count of indices is computed from the flags: no NonZero over
+    elements is left (B·T·E flags scanned, K indices written) and the scatter reads R row indices."""
+    model = masked_scatter()
+    once, ctx = run_pass(model, "select-masked-rows")
+    assert ctx.rewrites == 2, ctx.notes
+    nonzero = [n for n in once.graph.node if n.op_type == "NonZero"]
+    assert len(nonzero) == 1 and "Expand" in ops(once)
+    assert any(n.op_type == "ReduceSum" for n in once.graph.node)  # the count of flagged rows × T·E
+    rng = np.random.default_rng(1)
+    for lens in ([0, 3, 0, 4, 1], [2, 2], [0, 0, 0], [5]):
+        rows = sum(x > 0 for x in lens) + 1  # the source may hold more rows than are written
+        feeds = {"emb": np.zeros((len(lens), 4, 3), np.float32), "lens": np.array(lens, np.int64),
+                 "packed": rng.normal(size=(rows, 4, 3)).astype(np.float32)}
+        assert_same_outputs(model, once, feeds, atol=1e-12, rtol=0)
+    twice, ctx2 = run_pass(once, "select-masked-rows")
+    assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+
+
+def test_masked_scatter_of_a_mask_that_is_not_per_row_is_kept():
+    model = masked_scatter(mask_shape=(-1, 4, 1))
+    model.graph.node[2].input[0] = "lens_bt"
+    model.graph.input[1].CopyFrom(vi("lens_bt", I64, ["batch", 4]))
+    once, ctx = run_pass(model, "select-masked-rows")
+    assert ctx.rewrites == 0 and ops(once).count("NonZero") == 1 and "ScatterND" in ops(once)

@@ -231,7 +231,16 @@ def _rows_mask(m: Match) -> bool | str:
 
 def _compress_rows(m: Match) -> list:
     """The rows whose flag is set, Compressed and flattened (what GatherND of the element indices gives)."""
-    data, mask, out, name = m["data"], m["mask"], m.root.outputs[0], m.root.name
+    data, out, name = m["data"], m.root.outputs[0], m.root.name
+    cond, _ = _row_flags(m, name)
+    (kept,) = m.op("Compress", [data, cond], {"axis": 0}, name=f"{name}/Compress", dtype=data.dtype)
+    return m.op("Reshape", [kept, m.constant(f"{name}/flatten_shape", np.array([-1], np.int64))],
+                name=f"{name}/flatten", dtype=out.dtype, shape=out.shape)
+
+
+def _row_flags(m: Match, name: str) -> tuple:
+    """(the mask as one flag per row [B], the data's shape) for a row mask expanded to the data."""
+    data, mask = m["data"], m["mask"]
     rank = len(shape_of(data))
     (shape,) = m.op("Shape", [data], name=f"{name}/shape", dtype=np.int64)
     (rows,) = m.op("Gather", [shape, m.constant(f"{name}/axis0", np.array([0], np.int64))], {"axis": 0},
@@ -239,26 +248,64 @@ def _compress_rows(m: Match) -> list:
     (target,) = m.op("Concat", [rows, m.constant(f"{name}/ones", np.ones(rank - 1, np.int64))], {"axis": 0},
                      name=f"{name}/row_shape", dtype=np.int64)
     (per_row,) = m.op("Expand", [mask, target], name=f"{name}/row_mask", dtype=mask.dtype)
-    flat_shape = m.constant(f"{name}/flat", np.array([-1], np.int64))
-    (cond,) = m.op("Reshape", [per_row, flat_shape], name=f"{name}/condition", dtype=mask.dtype)
-    (kept,) = m.op("Compress", [data, cond], {"axis": 0}, name=f"{name}/Compress", dtype=data.dtype)
-    return m.op("Reshape", [kept, flat_shape], name=f"{name}/flatten", dtype=out.dtype, shape=out.shape)
+    (flags,) = m.op("Reshape", [per_row, m.constant(f"{name}/flat", np.array([-1], np.int64))],
+                    name=f"{name}/condition", dtype=mask.dtype)
+    return flags, shape
 
 
-# torch's masked_select with a bool mask broadcast over all but the first axis: one index per element
+def _scatter_rows(m: Match) -> list:
+    """torch's masked_scatter over whole rows (ScatterND at one index per element of the flagged rows) → the
+    same elements written a row at a time: ScatterND at the flagged rows of the updates viewed as rows."""
+    data, name = m["data"], m.root.name
+    flags, shape = _row_flags(m, name)
+    (nonzero,) = m.op("NonZero", [flags], name=f"{name}/flagged", dtype=np.int64)
+    (rows,) = m.op("Transpose", [nonzero], {"perm": [1, 0]}, name=f"{name}/row_indices", dtype=np.int64)
+    (inner,) = m.op("Slice", [shape, m.constant(f"{name}/one", np.array([1], np.int64)),
+                              m.constant(f"{name}/end", np.array([len(shape_of(data))], np.int64))],
+                    name=f"{name}/inner", dtype=np.int64)
+    (view,) = m.op("Concat", [m.constant(f"{name}/minus_one", np.array([-1], np.int64)), inner], {"axis": 0},
+                   name=f"{name}/view", dtype=np.int64)
+    (updates,) = m.op("Reshape", [m["updates"], view], name=f"{name}/updates_rows", dtype=data.dtype)
+    out = m.root.outputs[0]
+    return m.op("ScatterND", [data, rows, updates], name=f"{name}/rows", dtype=out.dtype, shape=out.shape)
+
+
+def _element_count(m: Match) -> list:
+    """The shape [K, rank] of the element indices of flagged rows: K = flagged rows × elements per row."""
+    name = m.root.name
+    flags, shape = _row_flags(m, name)
+    (count,) = m.op("ReduceSum", [m.op("Cast", [flags], {"to": 7}, name=f"{name}/as_int", dtype=np.int64)[0]],
+                    {"keepdims": 1}, name=f"{name}/flagged", dtype=np.int64)
+    (inner,) = m.op("Slice", [shape, m.constant(f"{name}/one", np.array([1], np.int64)),
+                              m.constant(f"{name}/end", np.array([len(shape_of(m["data"]))], np.int64))],
+                    name=f"{name}/inner", dtype=np.int64)
+    (per_row,) = m.op("ReduceProd", [inner], {"keepdims": 1}, name=f"{name}/per_row", dtype=np.int64)
+    (elements,) = m.op("Mul", [count, per_row], name=f"{name}/elements", dtype=np.int64)
+    rank = m.constant(f"{name}/rank", np.array([len(shape_of(m["data"]))], np.int64))
+    return m.op("Concat", [elements, rank], {"axis": 0}, name=f"{name}/indices_shape", dtype=np.int64)
+
+
+# torch's masked_select / masked_scatter with a bool mask broadcast over all but the first axis: one index per
+# element (the indices may also be counted, by a Shape: masked_scatter's source is sliced to that many)
 _DATA_SHAPE = P.Shape(Var("data"), _shared=True, start=lambda v: not v, end=lambda v: v is None)
-_ELEMENT_INDICES = P.Transpose(P.NonZero(P.Expand(Var("mask"), _DATA_SHAPE)),
-                               perm=lambda p: p is None or list(p) == [1, 0])
+_ELEMENT_INDICES = P.Transpose(P.NonZero(P.Expand(Var("mask"), _DATA_SHAPE), _shared=True),
+                               perm=lambda p: p is None or list(p) == [1, 0], _shared=True)
 MASKED_ROWS_RULES = (
     Rewrite("masked-rows-as-compress", P.GatherND(Var("data"), _ELEMENT_INDICES, batch_dims=lambda v: not v),
             _compress_rows, _rows_mask, subgraphs=False),
+    Rewrite("masked-scatter-by-rows", P.ScatterND(Var("data"), _ELEMENT_INDICES, Var("updates"),
+                                                  reduction=lambda v: v in (None, "none", b"none")),
+            _scatter_rows, _rows_mask, subgraphs=False),
+    Rewrite("masked-rows-element-count", P.Shape(_ELEMENT_INDICES, start=lambda v: not v, end=lambda v: v is None),
+            _element_count, _rows_mask, subgraphs=False),
 )
 
 
 @register_pass("select-masked-rows", group="cleanup", speed=True, rules=MASKED_ROWS_RULES)
 def select_masked_rows(ctx: PassContext) -> None:
-    """torch's masked_select over whole rows (GatherND of the NonZero of a row mask expanded to the data: one
-    index per element) → the rows Compressed, flattened (deepctr-torch DIEN packs histories this way)."""
+    """torch's masked_select and masked_scatter over whole rows (GatherND / ScatterND at the NonZero of a row mask
+    expanded to the data: one index per element) → the rows Compressed, flattened, or written a row at a time
+    (deepctr-torch DIEN packs histories this way, torch-rechub's DIEN unpacks its GRU outputs)."""
     if any(n.op == "NonZero" for n in ctx.graph.nodes):
         annotate_shapes(ctx.graph)  # the mask's rank and unit dims are read from shapes
     ctx.apply(*MASKED_ROWS_RULES)
