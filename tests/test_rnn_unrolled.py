@@ -156,6 +156,64 @@ def test_gru_ops_the_fused_op_cannot_express_stay():
     assert fuse(bidi)[1] == []
 
 
+def masked_gru_op_model(compare: str = "Less", positions=None, last_state: bool = False, T=5):
+    """deepctr-torch DIEN's plain GRU over padded histories: nn.GRU over all T steps, then its outputs times
+    ``arange(T) < length`` (the legacy and dynamo exporters write a [1, T] constant; `positions` replaces it)."""
+    model = gru_op_model(1, lens=False, h0=False, T=T)
+    graph = model.graph
+    pos = np.arange(T, dtype=np.int64)[None] if positions is None else np.asarray(positions, np.int64)[None]
+    a, b = ("pos", "len2") if compare in ("Less", "LessOrEqual") else ("len2", "pos")
+    graph.initializer.extend([init("pos", pos), init("col", np.array([-1, 1], np.int64)),
+                              init("ax2", np.array([2], np.int64))])
+    graph.input.append(vi("length", TensorProto.INT64, ["batch"]))
+    y = next(n for n in graph.node if n.output[0] == "Y")
+    y.output[0] = "Y_all"
+    graph.node.extend([node("Reshape", ["length", "col"], ["len2"]), node(compare, [a, b], ["valid"]),
+                       node("Cast", ["valid"], ["valid_f"], to=TensorProto.FLOAT),
+                       node("Unsqueeze", ["valid_f", "ax2"], ["valid3"]), node("Mul", ["Y_all", "valid3"], ["Y"])])
+    if not last_state:
+        graph.output.remove(next(o for o in graph.output if o.name == "Yh"))
+    return model
+
+
+def _fused_with_lengths(model):
+    from ctropt.passes.rnn.prefix import lengths_from_output_masks
+    graph = to_graph(model)
+    done = fuse_gru_ops(graph, 17)
+    notes = lengths_from_output_masks(graph)
+    graph.cleanup()
+    return to_model(graph, like=model), done, notes
+
+
+@pytest.mark.parametrize("compare", ["Less", "Greater"])
+def test_gru_outputs_zeroed_past_the_length_become_sequence_lens(compare):
+    """The multiply goes and the layer gets the count of valid steps as sequence_lens (padded steps skipped)."""
+    model = masked_gru_op_model(compare)
+    fused, done, notes = _fused_with_lengths(model)
+    assert len(done) == 1 and len(notes) == 1 and "sequence_lens" in notes[0], notes
+    assert "Mul" not in ops(fused)
+    (seq,) = sequence_nodes(fused)
+    assert seq["inputs"]["sequence_lens"] and _s(seq["padded_output"]) == "zero"
+    for lengths in ([0, 5, 2, 1], [7, -1, 3, 4], [5, 5, 5, 5]):  # empty, longer than T, negative, full
+        feeds = {"X": RNG.normal(size=(4, 5, 3)).astype(np.float32), "length": np.array(lengths, np.int64)}
+        assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    again, _, notes2 = _fused_with_lengths(fused)
+    assert notes2 == [] and sorted(ops(again)) == sorted(ops(fused))
+
+
+@pytest.mark.parametrize("why", ["suffix mask", "positions not in order", "last state read"])
+def test_gru_outputs_masked_otherwise_keep_the_multiply(why):
+    """A mask that is not a prefix of every row (valid steps after padded ones), or a last state that would
+    change (it would stop at the length), leaves the layer running every step."""
+    model = masked_gru_op_model("Less", positions=[0, 3, 1, 2, 4] if why == "positions not in order" else None,
+                                last_state=why == "last state read")
+    if why == "suffix mask":  # arange(T) > length: the valid steps are the last ones
+        cmp = next(n for n in model.graph.node if n.op_type == "Less")
+        cmp.op_type = "Greater"
+    _, done, notes = _fused_with_lengths(model)
+    assert len(done) == 1 and notes == []
+
+
 # ----------------------------------------------------------------------------------------- hand-built unrolled cell
 
 
