@@ -212,6 +212,41 @@ def test_flat_scores_reshaped_to_the_history_and_gemm_layers():
     assert 0.2 < (ids == 0).mean() < 0.8 and (ids[1] == 0).all()
 
 
+def recbole_din_attention(seed: int = 0):
+    """RecBole's SequenceAttLayer: the padded positions are ``arange(T).repeat(scores.size(0), 1) >= length`` (the
+    batch size read off the scores' own shape), masked_fill with 0 (Where(padded, 0, s))."""
+    model = din_attention("torch", seed)
+    g = model.graph
+    where = next(n for n in g.node if n.op_type == "Where")
+    keep = [n for n in g.node if n.op_type not in ("Less", "Where", "ConstantOfShape") and n.output[0] != "s2shape"]
+    del g.node[:]
+    g.node.extend(keep)
+    g.node.extend([node("Shape", ["s2"], ["s2shape"]), node("Gather", ["s2shape", "zero"], ["n_rows"], axis=0),
+                   node("Unsqueeze", ["n_rows", "ax0"], ["n_rows1"]), node("Concat", ["n_rows1", "one1"], ["reps"], axis=0),
+                   node("Unsqueeze", ["steps", "ax0"], ["steps2"]), node("Tile", ["steps2", "reps"], ["tiled"]),
+                   node("GreaterOrEqual", ["tiled", "len1"], ["padded"]),
+                   node("Where", ["padded", "fill", "s2"], ["masked"])])
+    g.initializer.extend([init("ax0", np.array([0], np.int64)), init("one1", np.array([1], np.int64)),
+                          init("fill", np.array(0.0, np.float32))])
+    assert where.output[0] == "masked"
+    return ctropt.graph.to_model(ctropt.graph.to_graph(model), like=model)  # nodes in topological order
+
+
+def test_mask_that_reads_the_batch_size_off_the_scores():
+    """The Shape that gives the mask its rows reads a graph input's first dim instead (measured equal to the
+    batch at both probe sizes), so the scatter does not read back what it writes, and the region runs."""
+    model = recbole_din_attention()
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1, ctx.notes
+    shape = next(n for n in once.graph.node if n.op_type == "Shape" and n.output[0] == "s2shape")
+    assert shape.input[0] in {i.name for i in model.graph.input}
+    for lengths in ([7, 0, 3, 7, 1], [0], [7], [2, 5, 7, 0, 4, 4, 1, 6]):
+        assert_same_outputs(model, once, _feeds(model, lengths), atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "remove-attention-padding")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
+
+
 def tensordot_din_attention(seed: int = 0):
     """DeepRec's DIN attention through tf2onnx: tensordot writes each layer as Reshape to [1, B*T, K], Squeeze,
     MatMul; the scores [B*T, 1] are reshaped to [B, 1, T] and masked by Cast(mask [B, 1, T])."""

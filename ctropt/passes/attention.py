@@ -46,6 +46,7 @@ class Site:
     negate: bool  # valid positions are where cond is false (Where(padded, fill, s))
     chain: list[gs.Node]  # layout ops from S to the masked value
     flat: bool = False  # S is [B·T, ...] (set once the probe has measured it)
+    shape_reads: bool = False  # the mask reads a shape off the scores (`_batch_read_elsewhere` fixes that)
 
 
 # ----------------------------------------------------------------------------------------- finding sites
@@ -108,10 +109,55 @@ def find_sites(graph: gs.Graph) -> list[Site]:
             region_values = {id(scores)} | {id(c.outputs[0]) for c in chain}
             if fill is not None and _depends_on(fill, region_values):
                 continue
-            if _depends_on(cond, region_values, shapes=True):  # even a shape: the scatter reads the mask (a cycle)
+            if _depends_on(cond, region_values):
                 continue
-            sites.append(Site(n, scores, cond, negate, chain))
+            # even a shape read off the scores would be a cycle (the scatter reads the mask): fixed once probed
+            sites.append(Site(n, scores, cond, negate, chain, shape_reads=_depends_on(cond, region_values, shapes=True)))
     return sites
+
+
+def _first_dim_only(shape: gs.Node) -> bool:
+    """The Shape node's value is read only for its first dim (Gather of index 0, Slice [0:1], or start 0 end 1)."""
+    if shape.attrs.get("start", 0) == 0 and shape.attrs.get("end") == 1:
+        return True
+    for c in shape.outputs[0].outputs:
+        args = [const_value(u) for u in c.inputs[1:]]
+        if c.op == "Gather" and c.attrs.get("axis", 0) == 0 and args[0] is not None and args[0].size == 1 and \
+                int(args[0].ravel()[0]) == 0:
+            continue
+        if c.op == "Slice" and len(args) >= 2 and all(a is not None and a.size == 1 for a in args[:2]) and \
+                (int(args[0].ravel()[0]), int(args[1].ravel()[0])) == (0, 1) and (len(args) < 3 or args[2] is None
+                                                                             or args[2].ravel().tolist() == [0]):
+            continue
+        return False
+    return True
+
+
+def _batch_read_elsewhere(graph: gs.Graph, site: Site, probe: Probe) -> bool:
+    """Shapes that the mask reads off the scores (RecBole: ``mask.repeat(scores.size(0), 1)``), only for the
+    batch size, read it off a graph input with that first dim in every probe run instead; whether the mask is then
+    free of the scores."""
+    region_values = {id(site.scores)} | {id(c.outputs[0]) for c in site.chain}
+    reads, stack, seen = [], [site.cond], set()
+    while stack:
+        t = stack.pop()
+        n = t.inputs[0] if t.inputs else None
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op == "Shape" and id(n.inputs[0]) in region_values:
+            reads.append(n)
+        else:
+            stack.extend(u for u in n.inputs if u.name)
+    batch = [probe.value(site.scores, run).shape[0] for run in range(len(probe.runs))]
+    source = next((x for x in graph.inputs if all(
+        probe.value(x, run) is not None and probe.value(x, run).ndim and probe.value(x, run).shape[0] == b
+        for run, b in enumerate(batch))), None)
+    if source is None or len(set(batch)) < 2 or not all(_first_dim_only(n) for n in reads):
+        return False
+    for n in reads:
+        n.inputs[0] = source
+    return not _depends_on(site.cond, region_values, shapes=True)
 
 
 # ----------------------------------------------------------------------------------------- the region
@@ -534,6 +580,9 @@ def remove_attention_padding(ctx: PassContext) -> None:
         sizes = _site_sizes(site, probe)
         if sizes is None:
             continue  # not a mask over per-position scores
+        if site.shape_reads and not _batch_read_elsewhere(graph, site, probe):
+            ctx.note(f"left as is: {where}: the mask reads the scores' shape")
+            continue
         if not _order_kept(site.chain, probe):
             ctx.note(f"left as is: {where}: the scores reach the mask transposed")
             continue
