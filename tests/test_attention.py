@@ -108,11 +108,13 @@ def _feeds(model, lengths, T=7, seed=1):
     return feeds
 
 
-REWRITTEN_EXTRA = ["Reshape", "NonZero", "Transpose", "Concat",  # the valid positions
-                   "GatherND", "Unsqueeze",  # the keys at those positions
-                   "Gather", "Gather", "Gather", "Unsqueeze",  # the query: once per row, gathered by row
+REWRITTEN_EXTRA = ["Reshape", "Size", "Range", "Reshape", "Compress", "Concat",  # the valid positions, flat (b·T + t)
+                   "Reshape", "Gather", "Unsqueeze",  # the keys at those positions, read as [B·T, C] rows
+                   "Shape", "Gather", "Div",  # the row of each position: position // T
+                   "Gather", "Gather", "Unsqueeze",  # the query: once per row, gathered by row
                    "Gather", "Concat", "Reshape", "Gemm", "Unsqueeze",  # first layer: query part gathered, [k, q*k]·W'
-                   "Squeeze", "Shape", "Concat", "ConstantOfShape", "ScatterND"]  # the scores scattered back
+                   "Squeeze", "Reshape", "Concat", "ConstantOfShape", "Unsqueeze", "ScatterND",  # scattered back flat
+                   "Concat", "Reshape"]  # viewed [B, T] again
 REWRITTEN_GONE = ["Expand", "Sub"]  # the tiled query; q - k, now in the weights
 
 
@@ -135,7 +137,7 @@ def test_attention_mlp_runs_on_valid_positions_only(dialect):
     # The MLP's ops are the same, now over [1, N, ...]; around them: positions, the keys gathered, the query read
     # once per row, one scatter. The first layer's query part is computed once per row: concat[q, k, q-k, q*k]·W
     # = Gather(q·(W_q + W_d) + b, row) + concat[k, q*k]·[W_k - W_d; W_p].
-    want = ops(model) + REWRITTEN_EXTRA
+    want = ops(model) + REWRITTEN_EXTRA + ["Cast"] * (dialect == "mask")  # a float mask input made bool
     gone = REWRITTEN_GONE + ["Shape"] * (dialect == "mask")  # there, the keys' shape was the Expand's only
     for op in gone + ["Concat", "MatMul", "Add"]:  # and the first layer's Concat, MatMul, bias Add
         want.remove(op)

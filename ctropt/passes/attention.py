@@ -10,8 +10,8 @@ reshape that makes them [B, T], or are scattered back flat when the mask is [B, 
 back over the nodes that work position by position. Which axis is the batch and which
 the history is measured, not guessed: the graph is run at two sizes (``runtime.probe``). The walk stops at the
 region's entries: values of shape [B, T, ...] made outside it (history embeddings, the tiled query, the GRU's
-outputs). The region is then rebuilt over the valid positions: each entry gathered (GatherND) to [1, N, ...], the
-same ops, the scores scattered back into zeros of [B, T, ...]. The masking op writes what it wrote before at
+outputs). The region is then rebuilt over the valid positions (flat, b·T + t, found by Compress): each entry read
+as [B·T, ...] rows and gathered to [1, N, ...], the same ops, the scores scattered back into zeros of [B, T, ...]. The masking op writes what it wrote before at
 padded positions, so the outputs are unchanged exactly. Each region is checked numerically before it is replaced.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import topological_order
@@ -273,6 +274,8 @@ class _Builder(Builder):
         super().__init__(graph, base, nodes=[])
         self.leaves: list[gs.Tensor] = []  # values made outside that the nodes read, besides the region's entries
         self.per_row = self.split = 0  # entries read once per row; layers whose per-row part is projected once
+        self.batch_rows: gs.Tensor | None = None  # [N]: the row of each valid position (made when first needed)
+        self.scores_valid: gs.Tensor | None = None
 
     def discard(self) -> None:
         """Unhook the nodes from the values they read (graphsurgeon lists a node among its inputs' readers)."""
@@ -320,35 +323,28 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
                        per_row: set[int] = frozenset(), probe: Probe | None = None
                        ) -> tuple[_Builder, gs.Tensor, gs.Tensor]:
     """Nodes computing the scores at the valid positions (and (0, 0), last) and scattering them back; returns
-    (builder, valid [B, T] tensor, scattered scores [B, T, ...]). Entries in `per_row` (equal along T) are read
-    once per row and gathered by row; an MLP layer over a concatenation that includes them then projects them
-    once per row (`_project_rows_once`)."""
+    (builder, valid [B, T] tensor, scattered scores [B, T, ...]). Positions are flat (b·T + t, found by Compress:
+    onnxruntime's NonZero and GatherND cost twice as much) and entries are read as [B·T, ...] rows. Entries in
+    `per_row` (equal along T) are read once per row and gathered by row; an MLP layer over a concatenation that
+    includes them then projects them once per row (`_project_rows_once`)."""
     b = _Builder(graph, f"{site.scores.name}/valid")
     cond = b.op("Not", [site.cond]) if site.negate else site.cond
     valid = b.op("Reshape", [cond, b.const("bt", np.array([0, -1], np.int64))], name="valid")  # [B, T]
-    nonzero = b.op("Transpose", [b.op("NonZero", [valid])], {"perm": [1, 0]})
-    # Position (0, 0) is always added, so the region never runs on zero rows (a Reshape to [-1, C] cannot infer
+    count = b.op("Size", [valid], name="count")
+    everywhere = b.op("Range", [b.const("start", np.array(0, np.int64)), count,
+                                b.const("step", np.array(1, np.int64))], name="everywhere")
+    made = cond.inputs[0] if cond.inputs else None
+    bools = made.inputs[0] if made is not None and made.op == "Cast" and _is_bool(made.inputs[0], probe) else cond
+    if bools is not cond:
+        b.leaves.append(bools)
+    flags = b.op("Reshape", [bools, b.const("flat", np.array([-1], np.int64))], name="flags")
+    if not _is_bool(bools, probe):  # a float mask: its nonzero entries are the valid positions
+        flags = b.op("Cast", [flags], {"to": onnx.TensorProto.BOOL}, name="nonzero")
+    # Position 0 is always added, so the region never runs on zero rows (a Reshape to [-1, C] cannot infer
     # -1 from zero elements); when it is padded the masking overwrites it, when valid it is written twice alike.
-    idx = b.op("Concat", [nonzero, b.const("origin", np.zeros((1, 2), np.int64))], {"axis": 0}, name="positions")
-    zero_axis = b.const("axis0", np.array([0], np.int64))
-    swap, row_of, batch_rows = {}, {}, None
-    for e in region.entries:
-        once = None
-        if id(e) in per_row:
-            if batch_rows is None:
-                batch_rows = b.op("Gather", [idx, b.const("batch_column", np.array(0, np.int64))], {"axis": 1},
-                                  name="batch_rows")  # [N]: the row of each valid position
-            source = _before_broadcast(e, probe)
-            if source is not e:
-                b.leaves.append(source)
-            once = b.op("Gather", [source, b.const("first", np.array(0, np.int64))], {"axis": 1}, name="per_row")
-            rows = b.op("Gather", [once, batch_rows], {"axis": 0}, name="gather_rows")
-            b.per_row += 1
-        else:
-            rows = b.op("GatherND", [e, idx], name="gather")
-        swap[id(e)] = b.op("Unsqueeze", [rows, zero_axis], name="rows")  # [1, N, ...]
-        if once is not None:
-            row_of[id(swap[id(e)])] = once  # the region's [1, N, ...] value → its [B, ...] value
+    idx = b.op("Concat", [b.op("Compress", [everywhere, flags], {"axis": 0}),
+                          b.const("origin", np.zeros(1, np.int64))], {"axis": 0}, name="positions")  # [N]
+    swap, row_of = _gather_entries(b, region, idx, valid, per_row, probe)
     for n in _graph_order(graph, region.nodes):
         inputs = [swap.get(id(u), u) for u in n.inputs]
         outs = []
@@ -359,24 +355,80 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
                                domain=n.domain))
     origin = {id(swap[id(t)]): t for t in region.entries + [o for n in region.nodes for o in n.outputs]}
     if row_of:
-        _project_rows_once(b, row_of, batch_rows, origin, probe)
+        _project_rows_once(b, row_of, b.batch_rows, origin, probe)
+    zero_axis = b.const("axis0", np.array([0], np.int64))
     scores_valid = swap[id(site.scores)] if site.flat else \
         b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
+    b.scores_valid = scores_valid
+    return b, valid, _scatter_back(b, site, scores_valid, idx, valid, count, tail)
+
+
+BOOL_OPS = {"Not", "And", "Or", "Xor", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf"}
+
+
+def _is_bool(t: gs.Tensor, probe: Probe | None) -> bool:
+    value = probe.value(t) if probe is not None else None
+    return t.dtype == np.bool_ or (value is not None and value.dtype == np.bool_) or \
+        bool(t.inputs and t.inputs[0].op in BOOL_OPS)
+
+
+def _gather_entries(b: _Builder, region: Region, idx: gs.Tensor, valid: gs.Tensor, per_row: set[int],
+                    probe: Probe | None) -> tuple[dict, dict]:
+    """Each entry at the positions `idx` as [1, N, ...] (a row of a per-row entry: position // T); returns the
+    swap map (entry → that value) and, for per-row entries, their [B, ...] value."""
+    swap, row_of = {}, {}
+    for e in region.entries:
+        once = None
+        if id(e) in per_row:
+            if b.batch_rows is None:
+                steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))],
+                             {"axis": 0}, name="steps")
+                b.batch_rows = b.op("Div", [idx, steps], name="batch_rows")  # [N]: the row of each valid position
+            source = _before_broadcast(e, probe)
+            if source is not e:
+                b.leaves.append(source)
+            once = b.op("Gather", [source, b.const("first", np.array(0, np.int64))], {"axis": 1}, name="per_row")
+            rows = b.op("Gather", [once, b.batch_rows], {"axis": 0}, name="gather_rows")
+            b.per_row += 1
+        else:
+            rows = b.op("Gather", [b.op("Reshape", [e, _rows_shape(b, e, probe)], name="as_rows"), idx],
+                        {"axis": 0}, name="gather")
+        swap[id(e)] = b.op("Unsqueeze", [rows, b.const("axis0", np.array([0], np.int64))], name="rows")
+        if once is not None:
+            row_of[id(swap[id(e)])] = once  # the region's [1, N, ...] value → its [B, ...] value
+    return swap, row_of
+
+
+def _rows_shape(b: _Builder, e: gs.Tensor, probe: Probe | None) -> gs.Tensor:
+    """[-1, dims after (B, T)...] of entry `e`: a constant when the probe saw the same dims at every size."""
+    shapes = {tuple(s[2:]) for s in probe.shapes(e)} if probe is not None and probe.shapes(e) else set()
+    if len(shapes) == 1:
+        return b.const("rows_shape", np.array([-1, *shapes.pop()], np.int64))
+    rest = b.op("Slice", [b.op("Shape", [e]), b.const("two", np.array([2], np.int64)),
+                          b.const("end", np.array([np.iinfo(np.int64).max], np.int64))])
+    return b.op("Concat", [b.const("rows", np.array([-1], np.int64)), rest], {"axis": 0})
+
+
+def _scatter_back(b: _Builder, site: Site, scores_valid: gs.Tensor, idx: gs.Tensor, valid: gs.Tensor,
+                  count: gs.Tensor, tail: tuple | None) -> gs.Tensor:
+    """The valid scores [N, ...] written at their flat positions into zeros of [B·T, ...], viewed [B, T, ...]
+    unless the scores were flat."""
     if tail is None:  # the scores' dims after (B, T), when they are not the same at every size
         tail = b.op("Slice", [b.op("Shape", [scores_valid]), b.const("one", np.array([1], np.int64)),
                               b.const("end", np.array([np.iinfo(np.int64).max], np.int64))])
     else:
         tail = b.const("tail", np.array(tail, np.int64))
-    full_shape = b.op("Concat", [b.op("Shape", [valid]), tail], {"axis": 0})
+    count_1d = b.op("Reshape", [count, b.const("one_dim", np.array([1], np.int64))])
     dtype = np.dtype(site.scores.dtype or np.float32)
-    zeros = b.op("ConstantOfShape", [full_shape], {"value": gs.Constant("zero", np.zeros(1, dtype))})
-    scattered = b.op("ScatterND", [zeros, idx, scores_valid], name="scatter")
-    if site.flat:  # back to [B·T, ...]
-        scattered = b.op("Reshape", [scattered, b.op("Concat", [b.const("rows", np.array([-1], np.int64)), tail],
-                                                     {"axis": 0})], name="flat")
+    zeros = b.op("ConstantOfShape", [b.op("Concat", [count_1d, tail], {"axis": 0})],
+                 {"value": gs.Constant("zero", np.zeros(1, dtype))})
+    at = b.op("Unsqueeze", [idx, b.const("last", np.array([1], np.int64))], name="at")  # [N, 1]
+    scattered = b.op("ScatterND", [zeros, at, scores_valid], name="scatter")  # [B·T, ...]
+    if not site.flat:  # back to [B, T, ...]
+        scattered = b.op("Reshape", [scattered, b.op("Concat", [b.op("Shape", [valid]), tail], {"axis": 0})],
+                         name="positional")
     scattered.dtype = site.scores.dtype
-    b.scores_valid = scores_valid
-    return b, valid, scattered
+    return scattered
 
 
 def _before_broadcast(e: gs.Tensor, probe: Probe) -> gs.Tensor:
@@ -597,7 +649,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
         problem = check_region(site, region, built, valid, probe, opset)
         if problem and (built.per_row or built.split):  # without the per-row reads and projections
             built.discard()
-            built, valid, scattered = build_valid_region(graph, site, region, tail)
+            built, valid, scattered = build_valid_region(graph, site, region, tail, probe=probe)
             problem = check_region(site, region, built, valid, probe, opset)
         ctx.matches += 1
         if problem:
