@@ -11,8 +11,9 @@ back over the nodes that work position by position. Which axis is the batch and 
 the history is measured, not guessed: the graph is run at two sizes (``runtime.probe``). The walk stops at the
 region's entries: values of shape [B, T, ...] made outside it (history embeddings, the tiled query, the GRU's
 outputs). The region is then rebuilt over the valid positions (flat, b·T + t, found by Compress): each entry read
-as [B·T, ...] rows and gathered to [1, N, ...], the same ops, the scores scattered back into zeros of [B, T, ...]. The masking op writes what it wrote before at
-padded positions, so the outputs are unchanged exactly. Each region is checked numerically before it is replaced.
+as [B·T, ...] rows and gathered to [1, N, ...], the same ops, the scores scattered back into zeros of [B, T, ...].
+The masking op writes what it wrote before at padded positions, so the outputs are unchanged exactly. Each region is
+checked numerically before it is replaced.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def find_sites(graph: gs.Graph) -> list[Site]:
             if _depends_on(cond, region_values):
                 continue
             # even a shape read off the scores would be a cycle (the scatter reads the mask): fixed once probed
-            sites.append(Site(n, scores, cond, negate, chain, shape_reads=_depends_on(cond, region_values, shapes=True)))
+            reads_shape = _depends_on(cond, region_values, shapes=True)
+            sites.append(Site(n, scores, cond, negate, chain, shape_reads=reads_shape))
     return sites
 
 
