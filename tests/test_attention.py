@@ -457,3 +457,65 @@ def test_inspect_previews_the_passes_as_all_runs_them():
     assert previews["fold-batchnorm"].rewrites == 2 and previews["cancel-transposes"].rewrites == 2
     assert any("projected once per row" in n for n in previews["remove-attention-padding"].notes)
     assert previews["fold-fc-affine"].rewrites == 2
+
+
+def zero_row_din_attention(zero_row: bool = True, stacked: bool = False, softmax: bool = False, seed: int = 0):
+    """torch-rechub's DIN: no mask at all; the keys are an Embedding(padding_idx=0) lookup whose row 0 is zeros, so
+    padded positions add nothing to Σ w·k. `stacked`: the keys picked out of lookups stacked on axis 1."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(20, C)).astype(np.float32)
+    if zero_row:
+        table[0] = 0
+    nodes = [node("Gather", ["table", "ids"], ["looked"])]
+    if stacked:
+        nodes += [node("Gather", ["table2", "ids"], ["other"]), node("Unsqueeze", ["looked", "ax1"], ["l1"]),
+                  node("Unsqueeze", ["other", "ax1"], ["o1"]), node("Concat", ["l1", "o1"], ["both"], axis=1),
+                  node("Gather", ["both", "zero"], ["keys"], axis=1)]
+    else:
+        nodes += [node("Identity", ["looked"], ["keys"])]
+    nodes += _tiled_query_features()
+    mlp, inits = _scores(rng, "qt")
+    nodes += mlp[3:]  # the tiled query's Sub/Mul/Concat come from _tiled_query_features
+    weights = "s"
+    if softmax:
+        nodes.append(node("Softmax", ["s"], ["sm"], axis=1))
+        weights = "sm"
+    nodes += [node("Mul", [weights, "keys"], ["wk"]), node("ReduceSum", ["wk", "ax1"], ["out"], keepdims=0)]
+    inits += [init("table", table), init("table2", rng.normal(size=(20, C)).astype(np.float32)),
+              init("ax1", np.array([1], np.int64)), init("zero", np.array(0, np.int64))]
+    inputs = [vi("q", F, ["batch", C]), vi("ids", I64, ["batch", "seq_len"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch", C])], inits)
+
+
+def _zero_row_feeds(lengths, T=7, seed=1):
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    ids = np.where(np.arange(T)[None, :] < lengths[:, None], rng.integers(0, 20, (len(lengths), T)), 0)
+    return {"q": rng.normal(size=(len(lengths), C)).astype(np.float32), "ids": ids.astype(np.int64)}
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_zero_embedding_row_is_the_padding(stacked):
+    """The weights that pool a lookup whose row 0 is zeros are masked by ids != 0 (exact: w·0 = 0), and the MLP then
+    runs on the other positions only; the history inputs are generated padded with 0."""
+    model = zero_row_din_attention(stacked=stacked)
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1, ctx.notes
+    assert any("zero row is padding" in n for n in ctx.notes), ctx.notes
+    assert "Equal" in ops(once) and "Compress" in ops(once)
+    for lengths in ([7, 0, 3, 7, 1], [0], [7], [2, 5, 7, 0, 4, 4, 1, 6]):
+        assert_same_outputs(model, once, _zero_row_feeds(lengths), atol=1e-5, rtol=1e-5)
+    twice, ctx2 = run_pass(once, "remove-attention-padding")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+    assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
+    ids = generate_inputs(model, batch=64)["ids"]
+    assert 0.2 < (ids == 0).mean() < 0.8
+
+
+@pytest.mark.parametrize("why", ["no zero row", "softmax"])
+def test_a_lookup_without_a_zero_row_or_weights_normalized_over_padding_stay(why):
+    """Without a zero row nothing says which positions are padding; with a softmax the padded scores change the
+    weights of the valid positions, so the region is not position-wise: the mask made explicit is taken back."""
+    model = zero_row_din_attention(zero_row=why != "no zero row", softmax=why == "softmax")
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(model)), ctx.notes

@@ -30,6 +30,7 @@ from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
+from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, weights_by_term
 from .registry import PassContext, register_pass
 
@@ -616,16 +617,27 @@ def _order_kept(chain: list[gs.Node], probe: Probe) -> bool:
 def remove_attention_padding(ctx: PassContext) -> None:
     """Attention MLPs over padded histories ([B, T, ...]) → the same MLP over the N valid positions only."""
     graph = ctx.graph
-    sites = find_sites(graph)
-    if not sites:
+    sites, candidates = find_sites(graph), padding_candidates(graph)
+    if not sites and not candidates:
         return
     probe, why = try_probe(graph)
     if probe is None:
         ctx.note(why)
         return
+    masked = {id(s.mask_op.outputs[0]) for s in sites}
+    inserted = insert_padding_masks(graph, probe, candidates, lambda w: _depends_on(w, masked))
+    if inserted:  # the new masks' values are needed too
+        sites = find_sites(graph)
+        probe, why = try_probe(graph)
+        if probe is None:
+            undo(inserted)
+            graph.cleanup()
+            ctx.note(why)
+            return
     opset = int(getattr(graph, "opset", None) or 0)
     graph_outputs = {id(t) for t in graph.outputs}
     done: set[int] = set()
+    applied: set[int] = set()  # the mask ops whose region was rebuilt
     for site in sites:
         if id(site.scores) in done:
             continue
@@ -664,12 +676,19 @@ def remove_attention_padding(ctx: PassContext) -> None:
             if id(consumer) not in inside:
                 consumer.inputs[consumer.inputs.index(site.scores)] = scattered
         done.add(id(site.scores))
+        applied.add(id(site.mask_op))
         ctx.rewrites += 1
         ops = sum(n.op in HEAVY_OPS for n in region.nodes)
         once = f"; {built.per_row} read once per row" if built.per_row else ""
         once += f", its part of {built.split} layer(s) projected once per row" if built.split else ""
         ctx.note(f"{where}: {len(region.nodes)} ops ({ops} matmuls) over [B, T, ...] now run on the valid positions "
                  f"({len(region.entries)} entries gathered{once})")
-    if ctx.rewrites:
+    unused = [i for i in inserted if id(i[2]) not in applied]  # masks made explicit that no region took
+    undo(unused)
+    for _, _, mul in inserted:
+        if id(mul) in applied:
+            ctx.note(f"{mul.name}: the pooled lookup's zero row is padding, masked explicitly")
+    if ctx.rewrites or unused:
         graph.cleanup()
+    if ctx.rewrites:
         tidy(ctx)

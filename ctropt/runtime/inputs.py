@@ -48,6 +48,7 @@ class InputFacts:
     is_mask: bool = False
     padded: bool = False  # ids compared with 0 to mask a history (0 is its padding: FuxiCTR's Equal(ids, 0))
     additive: bool = False  # a mask added to the scores: 0 where valid, -1e9 where padded (PaddleRec's readers)
+    zero_row: bool = False  # looked up in a table whose row 0 is zeros (torch's padding_idx=0)
 
     def bound(self, bound: int, region: tuple[int, int] | None):
         bound = max(int(bound), 1)
@@ -114,6 +115,9 @@ def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
     for inp in graph.inputs:
         f = InputFacts()
         _follow(inp, 0, None, f, set(), inp.shape)
+        shape = list(inp.shape or [])
+        if f.zero_row and len(shape) == 2 and shape[1] != 1:  # a [B, T] history padded with the zero row's id
+            f.padded = True
         if f.upper is None and not f.columns:
             _sharded_bound(inp, f)
         if "len" in inp.name.lower() and inp.dtype is not None and np.issubdtype(inp.dtype, np.number):
@@ -138,6 +142,9 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
             if table is not None and table.ndim >= 1:
                 axis = node.attrs.get("axis", 0)
                 facts.bound(table.shape[axis] - offset, region)
+                if axis == 0 and region is None and offset == 0 and table.ndim == 2 and table.shape[0] > 1 and \
+                        not table[0].any():
+                    facts.zero_row = True  # row 0 is all zeros: padding_idx=0
         elif op == "OneHot" and 0 in pos:
             depth = const_value(node.inputs[1])
             if depth is not None:
