@@ -9,7 +9,7 @@ product is a [B, 1, H] value added over T: the layer reads half the columns and 
 is found by what it is: a value made from a [B, D] or [B, 1, D] one by data movement only (Expand, Tile, reshapes,
 a Concat of copies), equal to it at every position on the probe's values, whatever the exporter wrote.
 `remove-attention-padding` splits its layers the same way over the valid positions (`_project_rows_once`); this pass
-takes the layers it leaves (masks it cannot read, batch statistics in the MLP). The sum's order changes, so the
+takes the layers it leaves (a mask it cannot read, an MLP that is not position by position). The sum's order changes, so the
 result agrees to float rounding.
 """
 
@@ -204,8 +204,8 @@ def _rewrite(graph: gs.Graph, cat: gs.Node, flat, layer: gs.Node, once, rest, bi
 def project_query_once(ctx: PassContext) -> None:
     """FC layer over concat[q, k, q - k, q * k] with q repeated along the history → q's part once per row."""
     graph = ctx.graph
-    cats = [n for n in graph.nodes if n.op == "Concat" and len(n.inputs) > 1]
-    if not any(layer_weights(_layer_after_loose(c))[0] is not None for c in cats):
+    cats = [n for n in graph.nodes if n.op == "Concat" and len(n.inputs) > 1 and _candidate(n)]
+    if not cats:
         return
     probe, why = try_probe(graph)
     if probe is None:
@@ -227,9 +227,26 @@ def project_query_once(ctx: PassContext) -> None:
         tidy(ctx)
 
 
-def _layer_after_loose(cat: gs.Node) -> gs.Node | None:
-    """The FC layer reading `cat` directly or through one Reshape (no probe: a cheap first filter)."""
+def _candidate(cat: gs.Node) -> bool:
+    """An FC layer reads `cat` (directly or through one Reshape) and a part of it is made by replication (Expand,
+    Tile, a Concat of copies, through data movement): a cheap first filter, before any probe."""
     readers = [c for c in cat.outputs[0].outputs if c.op not in ("Shape", "Size")]
     if len(readers) == 1 and readers[0].op == "Reshape" and len(readers[0].outputs[0].outputs) == 1:
         readers = readers[0].outputs[0].outputs
-    return readers[0] if len(readers) == 1 else None
+    if len(readers) != 1 or layer_weights(readers[0])[0] is None:
+        return False
+    return any(_replicated(v) for part in cat.inputs for v, _ in linear_parts(part).values())
+
+
+def _replicated(t: gs.Tensor) -> bool:
+    for _ in range(8):
+        n = t.inputs[0] if t.inputs else None
+        if n is None:
+            return False
+        if n.op in ("Expand", "Tile") or (n.op == "Concat" and len(n.inputs) > 1 and
+                                          all(u is n.inputs[0] for u in n.inputs)):
+            return True
+        if n.op not in MOVES:
+            return False
+        t = n.inputs[0]
+    return False
