@@ -154,13 +154,16 @@ def _batch_read_elsewhere(graph: gs.Graph, site: Site, probe: Probe) -> bool:
         else:
             stack.extend(u for u in n.inputs if u.name)
     batch = [probe.value(site.scores, run).shape[0] for run in range(len(probe.runs))]
-    source = next((x for x in graph.inputs if all(
+    sources = [x for x in graph.inputs if all(
         probe.value(x, run) is not None and probe.value(x, run).ndim and probe.value(x, run).shape[0] == b
-        for run, b in enumerate(batch))), None)
-    if source is None or len(set(batch)) < 2 or not all(_first_dim_only(n) for n in reads):
+        for run, b in enumerate(batch))]
+    if not sources or len(set(batch)) < 2 or not all(_first_dim_only(n) for n in reads):
         return False
-    for n in reads:
-        n.inputs[0] = source
+    for n in reads:  # an input of the same rank if there is one: the Shape's value keeps its length
+        rank = probe.value(n.inputs[0]).ndim
+        n.inputs[0] = next((x for x in sources if probe.value(x).ndim == rank), sources[0])
+        if probe.value(n.inputs[0]).ndim != rank:
+            n.outputs[0].shape = None  # read only at 0, but its declared length is the old rank
     return not _depends_on(site.cond, region_values, shapes=True)
 
 
