@@ -141,7 +141,13 @@ def test_attention_mlp_runs_on_valid_positions_only(dialect):
     gone = REWRITTEN_GONE + ["Shape"] * (dialect == "mask")  # there, the keys' shape was the Expand's only
     for op in gone + ["Concat", "MatMul", "Add"]:  # and the first layer's Concat, MatMul, bias Add
         want.remove(op)
-    assert sorted(ops(once)) == sorted(want + ["MatMul", "Add"]), ops(once)  # the per-row projection and its bias
+    if dialect == "torch":  # a zero fill and no softmax: the pooling is a scatter-add over the valid positions too,
+        # and nothing reads the masked weights [B, T] any more
+        adds = [n for n in once.graph.node if n.op_type == "ScatterND" and
+                any(a.name == "reduction" and a.s == b"add" for a in n.attribute)]
+        assert len(adds) == 1 and ops(once).count("ScatterND") == 1 and "Where" not in ops(once), ops(once)
+    else:
+        assert sorted(ops(once)) == sorted(want + ["MatMul", "Add"]), ops(once)  # per-row projection and its bias
     w1 = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w1"))
     w_rest, parts, w_once = _first_layer(once)
     assert parts == ["Unsqueeze", "Mul"]  # k (gathered, [1, N, C]) and q*k
@@ -503,6 +509,10 @@ def test_a_zero_embedding_row_is_the_padding(stacked):
     assert ctx.rewrites == 1, ctx.notes
     assert any("zero row is padding" in n for n in ctx.notes), ctx.notes
     assert "Equal" in ops(once) and "Compress" in ops(once)
+    # the pooling Σ w·k runs on the valid positions too: a scatter-add of s·k into each row, no ReduceSum over T
+    adds = [n for n in once.graph.node if n.op_type == "ScatterND" and
+            any(a.name == "reduction" and a.s == b"add" for a in n.attribute)]
+    assert len(adds) == 1 and "ReduceSum" not in ops(once), ops(once)
     for lengths in ([7, 0, 3, 7, 1], [0], [7], [2, 5, 7, 0, 4, 4, 1, 6]):
         assert_same_outputs(model, once, _zero_row_feeds(lengths), atol=1e-5, rtol=1e-5)
     twice, ctx2 = run_pass(once, "remove-attention-padding")
@@ -519,3 +529,12 @@ def test_a_lookup_without_a_zero_row_or_weights_normalized_over_padding_stay(why
     model = zero_row_din_attention(zero_row=why != "no zero row", softmax=why == "softmax")
     once, ctx = run_pass(model, "remove-attention-padding")
     assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(model)), ctx.notes
+
+
+def test_pooling_stays_where_scatter_cannot_add():
+    """Before opset 16 ScatterND has no reduction: the scores run on the valid positions, the pooling stays."""
+    model = zero_row_din_attention()
+    model.opset_import[0].version = 15
+    once, ctx = run_pass(model, "remove-attention-padding")
+    assert ctx.rewrites == 1 and "ReduceSum" in ops(once), ctx.notes
+    assert_same_outputs(model, once, _zero_row_feeds([7, 0, 3, 7, 1]), atol=1e-5, rtol=1e-5)

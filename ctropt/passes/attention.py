@@ -32,6 +32,7 @@ from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, weights_by_term
+from .valid_pooling import pool_valid_positions, zero_at_padding
 from .registry import PassContext, register_pass
 
 LAYOUT_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
@@ -282,6 +283,7 @@ class _Builder(Builder):
         self.per_row = self.split = 0  # entries read once per row; layers whose per-row part is projected once
         self.batch_rows: gs.Tensor | None = None  # [N]: the row of each valid position (made when first needed)
         self.scores_valid: gs.Tensor | None = None
+        self.positions: gs.Tensor | None = None  # [N + 1]: the valid positions, flat, and the origin last
 
     def discard(self) -> None:
         """Unhook the nodes from the values they read (graphsurgeon lists a node among its inputs' readers)."""
@@ -350,6 +352,7 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     # -1 from zero elements); when it is padded the masking overwrites it, when valid it is written twice alike.
     idx = b.op("Concat", [b.op("Compress", [everywhere, flags], {"axis": 0}),
                           b.const("origin", np.zeros(1, np.int64))], {"axis": 0}, name="positions")  # [N]
+    b.positions = idx
     swap, row_of = _gather_entries(b, region, idx, valid, per_row, probe)
     for n in _graph_order(graph, region.nodes):
         inputs = [swap.get(id(u), u) for u in n.inputs]
@@ -681,9 +684,13 @@ def remove_attention_padding(ctx: PassContext) -> None:
         done.add(id(site.scores))
         applied.add(id(site.mask_op))
         ctx.rewrites += 1
+        pooled = pool_valid_positions(graph, site.mask_op.outputs[0], built.positions, built.scores_valid, valid,
+                                      sizes, probe) if opset >= 16 and not site.flat and tail in ((), (1,)) and \
+            zero_at_padding(site.mask_op, site.cond, site.negate) else 0
         ops = sum(n.op in HEAVY_OPS for n in region.nodes)
         once = f"; {built.per_row} read once per row" if built.per_row else ""
         once += f", its part of {built.split} layer(s) projected once per row" if built.split else ""
+        once += f"; {pooled} pooling(s) of the weights over the valid positions only" if pooled else ""
         ctx.note(f"{where}: {len(region.nodes)} ops ({ops} matmuls) over [B, T, ...] now run on the valid positions "
                  f"({len(region.entries)} entries gathered{once})")
     unused = [i for i in inserted if id(i[2]) not in applied]  # masks made explicit that no region took

@@ -47,7 +47,7 @@ def _lookup(e: gs.Tensor) -> tuple[np.ndarray, gs.Tensor] | None:
     return None
 
 
-def _poolings(graph: gs.Graph) -> list[tuple[gs.Node, gs.Tensor, gs.Tensor, int]]:
+def poolings(graph: gs.Graph) -> list[tuple[gs.Node, gs.Tensor, gs.Tensor, int]]:
     """(node, weights, values, history axis of the weights) of ``ReduceSum(Mul(w [B, T, 1], E [B, T, D]), 1)``
     and ``MatMul(w [B, 1, T], E [B, T, D])``."""
     found = []
@@ -81,7 +81,7 @@ def _pads(probe: Probe, w: gs.Tensor, e: gs.Tensor, axis: int, table: np.ndarray
 def padding_candidates(graph: gs.Graph) -> list[tuple]:
     """(node, weights, values, axis, table, ids) of the poolings of a lookup (structure only: cheap)."""
     found = []
-    for node, w, e, axis in _poolings(graph):
+    for node, w, e, axis in poolings(graph):
         lookup = _lookup(e) if const_value(w) is None else None
         if lookup is not None:
             found.append((node, w, e, axis) + lookup)
