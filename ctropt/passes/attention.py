@@ -284,6 +284,7 @@ class _Builder(Builder):
         self.batch_rows: gs.Tensor | None = None  # [N]: the row of each valid position (made when first needed)
         self.scores_valid: gs.Tensor | None = None
         self.positions: gs.Tensor | None = None  # [N + 1]: the valid positions, flat, and the origin last
+        self.entry_rows: dict[int, gs.Tensor] = {}  # id(entry) → its [N + 1, ...] rows at those positions
 
     def discard(self) -> None:
         """Unhook the nodes from the values they read (graphsurgeon lists a node among its inputs' readers)."""
@@ -402,6 +403,7 @@ def _gather_entries(b: _Builder, region: Region, idx: gs.Tensor, valid: gs.Tenso
         else:
             rows = b.op("Gather", [b.op("Reshape", [e, _rows_shape(b, e, probe)], name="as_rows"), idx],
                         {"axis": 0}, name="gather")
+            b.entry_rows[id(e)] = rows
         swap[id(e)] = b.op("Unsqueeze", [rows, b.const("axis0", np.array([0], np.int64))], name="rows")
         if once is not None:
             row_of[id(swap[id(e)])] = once  # the region's [1, N, ...] value → its [B, ...] value
@@ -684,8 +686,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
         done.add(id(site.scores))
         applied.add(id(site.mask_op))
         ctx.rewrites += 1
-        pooled = pool_valid_positions(graph, site.mask_op.outputs[0], built.positions, built.scores_valid, valid,
-                                      sizes, probe) if opset >= 16 and not site.flat and tail in ((), (1,)) and \
+        pooled = pool_valid_positions(graph, site.mask_op.outputs[0], built, valid, sizes, probe) if opset >= 16 and not site.flat and tail in ((), (1,)) and \
             zero_at_padding(site.mask_op, site.cond, site.negate) else 0
         ops = sum(n.op in HEAVY_OPS for n in region.nodes)
         once = f"; {built.per_row} read once per row" if built.per_row else ""

@@ -42,11 +42,12 @@ def _reads(w: gs.Tensor, weights: gs.Tensor) -> bool:
     return False
 
 
-def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, positions: gs.Tensor, scores_valid: gs.Tensor,
-                         valid: gs.Tensor, sizes: list[tuple[int, int]], probe: Probe) -> int:
-    """Each pooling of `weights` ([B, T], zero at padded positions) → a scatter-add over `positions` (flat b·T + t,
-    the last one the always-added origin) of `scores_valid` times the pooled values there. Returns how many."""
-    done = 0
+def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, region, valid: gs.Tensor,
+                         sizes: list[tuple[int, int]], probe: Probe) -> int:
+    """Each pooling of `weights` ([B, T], zero at padded positions) → a scatter-add over the rebuilt `region`'s
+    positions (flat b·T + t, the last one the always-added origin) of its valid scores times the pooled values there
+    (the rows the region gathered, when the pooled values are one of its entries). Returns how many."""
+    positions, scores_valid, done = region.positions, region.scores_valid, 0
     b = Builder(graph, f"{weights.name}/pooled")
     for node, w, e, axis in poolings(graph):
         shapes = probe.shapes(e)
@@ -61,8 +62,12 @@ def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, positions: gs.Tens
                                   b.const("column", np.array([-1, 1], np.int64))], name="weights")
         steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))], {"axis": 0})
         rows = b.op("Unsqueeze", [b.op("Div", [real, steps]), b.const("last", np.array([1], np.int64))], name="rows")
-        values = b.op("Gather", [b.op("Reshape", [e, b.const("as_rows", np.array([-1, width], np.int64))]), real],
-                      {"axis": 0}, name="values")
+        if id(e) in region.entry_rows:
+            values = b.op("Slice", [region.entry_rows[id(e)], b.const("from", np.array([0], np.int64)),
+                                    b.const("but_last", np.array([-1], np.int64))], name="values")
+        else:
+            values = b.op("Gather", [b.op("Reshape", [e, b.const("as_rows", np.array([-1, width], np.int64))]),
+                                     real], {"axis": 0}, name="values")
         batch = b.op("Slice", [b.op("Shape", [valid]), b.const("from", np.array([0], np.int64)),
                                b.const("one", np.array([1], np.int64))])
         zero = gs.Constant(b.name("zero"), np.zeros(1, probe.value(e).dtype))
