@@ -50,9 +50,10 @@ def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, region, valid: gs.
     positions, scores_valid, done = region.positions, region.scores_valid, 0
     b = Builder(graph, f"{weights.name}/pooled")
     for node, w, e, axis in poolings(graph):
-        shapes = probe.shapes(e)
-        if not _reads(w, weights) or shapes is None or any(
-                len(s) != 3 or tuple(s[:2]) != bt or s[2] != shapes[0][2] for s, bt in zip(shapes, sizes)):
+        shapes, w_shapes = probe.shapes(e), probe.shapes(w)
+        want = [(bt[0], bt[1], 1) if axis == 1 else (bt[0], 1, bt[1]) for bt in sizes]  # w [B, T, 1] or [B, 1, T]
+        if not _reads(w, weights) or shapes is None or w_shapes is None or [tuple(x) for x in w_shapes] != want or \
+                any(len(s) != 3 or tuple(s[:2]) != bt or s[2] != shapes[0][2] for s, bt in zip(shapes, sizes)):
             continue
         width = shapes[0][2]
         real = b.op("Slice", [positions, b.const("from", np.array([0], np.int64)),
