@@ -31,7 +31,7 @@ from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .padding_rows import insert_padding_masks, padding_candidates, undo
-from .query_once import bias_after, layer_weights, weights_by_term
+from .query_once import bias_after, layer_weights, replicated, weights_by_term
 from .valid_pooling import pool_valid_positions, zero_at_padding
 from .registry import PassContext, register_pass
 
@@ -299,27 +299,12 @@ def _graph_order(graph: gs.Graph, nodes: list[gs.Node]) -> list[gs.Node]:
     return [n for n in graph.nodes if id(n) in ids]
 
 
-def _broadcast(e: gs.Tensor) -> bool:
-    """`e` is made by repeating a value (Expand, Tile, a Concat of copies), through layout ops."""
-    for _ in range(8):
-        n = e.inputs[0] if e.inputs else None
-        if n is None:
-            return False
-        if n.op in ("Expand", "Tile") or (n.op == "Concat" and len(n.inputs) > 1 and
-                                          all(u is n.inputs[0] for u in n.inputs)):
-            return True
-        if n.op not in LAYOUT_OPS - {"Transpose"} | {"Cast"}:
-            return False
-        e = n.inputs[0]
-    return False
-
-
 def row_constant_entries(region: Region, probe: Probe) -> set[int]:
     """Entries made by repeating a value that are equal at every history position of a row on the probe's
     values (the query tiled over T)."""
     found = set()
     for e in region.entries:
-        if not _broadcast(e):
+        if not replicated(e):
             continue
         values = [probe.value(e, run) for run in range(len(probe.runs))]
         if all(v is not None and v.ndim >= 2 for v in values) and any(v.shape[1] > 1 for v in values) and \

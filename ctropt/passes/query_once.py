@@ -235,10 +235,11 @@ def _candidate(cat: gs.Node) -> bool:
         readers = readers[0].outputs[0].outputs
     if len(readers) != 1 or layer_weights(readers[0])[0] is None:
         return False
-    return any(_replicated(v) for part in cat.inputs for v, _ in linear_parts(part).values())
+    return any(replicated(v) for part in cat.inputs for v, _ in linear_parts(part).values())
 
 
-def _replicated(t: gs.Tensor) -> bool:
+def replicated(t: gs.Tensor) -> bool:
+    """`t` is made by repeating a value (Expand, Tile, a Concat of copies), through data movement and casts."""
     for _ in range(8):
         n = t.inputs[0] if t.inputs else None
         if n is None:
@@ -246,7 +247,7 @@ def _replicated(t: gs.Tensor) -> bool:
         if n.op in ("Expand", "Tile") or (n.op == "Concat" and len(n.inputs) > 1 and
                                           all(u is n.inputs[0] for u in n.inputs)):
             return True
-        if n.op not in MOVES:
+        if n.op not in MOVES | {"Cast"}:
             return False
         t = n.inputs[0]
     return False
