@@ -32,7 +32,7 @@ from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, replicated, weights_by_term
-from .valid_pooling import pool_valid_positions, zero_at_padding
+from .valid_pooling import pool_valid_positions, position_rows, zero_at_padding
 from .registry import PassContext, register_pass
 
 LAYOUT_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
@@ -375,15 +375,11 @@ def _gather_entries(b: _Builder, region: Region, idx: gs.Tensor, valid: gs.Tenso
     for e in region.entries:
         once = None
         if id(e) in per_row:
-            if b.batch_rows is None:
-                steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))],
-                             {"axis": 0}, name="steps")
-                b.batch_rows = b.op("Div", [idx, steps], name="batch_rows")  # [N]: the row of each valid position
             source = _before_broadcast(e, probe)
             if source is not e:
                 b.leaves.append(source)
             once = b.op("Gather", [source, b.const("first", np.array(0, np.int64))], {"axis": 1}, name="per_row")
-            rows = b.op("Gather", [once, b.batch_rows], {"axis": 0}, name="gather_rows")
+            rows = b.op("Gather", [once, position_rows(b, b, valid)], {"axis": 0}, name="gather_rows")
             b.per_row += 1
         else:
             rows = b.op("Gather", [b.op("Reshape", [e, _rows_shape(b, e, probe)], name="as_rows"), idx],

@@ -14,10 +14,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph.edit import Builder, is_all_zeros
 from ..runtime.probe import Probe
-from .padding_rows import poolings
-
-LAYOUT = {"Unsqueeze", "Reshape", "Identity", "Squeeze"}
-
+from .padding_rows import MOVES, poolings
 
 def zero_at_padding(mask_op: gs.Node, cond: gs.Tensor, negate: bool) -> bool:
     """The masking writes 0 at padded positions and the scores themselves at valid ones: ``Where(valid, s, 0)`` /
@@ -30,13 +27,29 @@ def zero_at_padding(mask_op: gs.Node, cond: gs.Tensor, negate: bool) -> bool:
     return made is not None and made.op == "Cast" and made.inputs[0].dtype in (np.bool_, None)
 
 
+def position_rows(b: Builder, region, valid: gs.Tensor) -> gs.Tensor:
+    """[N + 1]: the row of each of a rebuilt region's positions (position // T), made once (by `b`) and kept on
+    the region's builder."""
+    if region.batch_rows is None:
+        steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))],
+                     {"axis": 0}, name="steps")
+        region.batch_rows = b.op("Div", [region.positions, steps], name="batch_rows")
+    return region.batch_rows
+
+
+def _but_origin(b: Builder, t: gs.Tensor) -> gs.Tensor:
+    """`t` per position without its last row (the origin the region always adds)."""
+    return b.op("Slice", [t, b.const("from", np.array([0], np.int64)), b.const("but_last", np.array([-1], np.int64))],
+                name="valid_only")
+
+
 def _reads(w: gs.Tensor, weights: gs.Tensor) -> bool:
     """`w` is `weights` through layout ops only."""
     for _ in range(6):
         if w is weights:
             return True
         n = w.inputs[0] if w.inputs else None
-        if n is None or n.op not in LAYOUT:
+        if n is None or n.op not in MOVES:
             return False
         w = n.inputs[0]
     return False
@@ -56,19 +69,15 @@ def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, region, valid: gs.
                 any(len(s) != 3 or tuple(s[:2]) != bt or s[2] != shapes[0][2] for s, bt in zip(shapes, sizes)):
             continue
         width = shapes[0][2]
-        real = b.op("Slice", [positions, b.const("from", np.array([0], np.int64)),
-                              b.const("but_last", np.array([-1], np.int64))], name="real_positions")
-        weight = b.op("Reshape", [b.op("Slice", [scores_valid, b.const("from", np.array([0], np.int64)),
-                                                 b.const("but_last", np.array([-1], np.int64))]),
-                                  b.const("column", np.array([-1, 1], np.int64))], name="weights")
-        steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))], {"axis": 0})
-        rows = b.op("Unsqueeze", [b.op("Div", [real, steps]), b.const("last", np.array([1], np.int64))], name="rows")
+        weight = b.op("Reshape", [_but_origin(b, scores_valid), b.const("column", np.array([-1, 1], np.int64))],
+                      name="weights")
+        rows = b.op("Unsqueeze", [_but_origin(b, position_rows(b, region, valid)),
+                                  b.const("last", np.array([1], np.int64))], name="rows")
         if id(e) in region.entry_rows:
-            values = b.op("Slice", [region.entry_rows[id(e)], b.const("from", np.array([0], np.int64)),
-                                    b.const("but_last", np.array([-1], np.int64))], name="values")
+            values = _but_origin(b, region.entry_rows[id(e)])
         else:
             values = b.op("Gather", [b.op("Reshape", [e, b.const("as_rows", np.array([-1, width], np.int64))]),
-                                     real], {"axis": 0}, name="values")
+                                     _but_origin(b, positions)], {"axis": 0}, name="values")
         batch = b.op("Slice", [b.op("Shape", [valid]), b.const("from", np.array([0], np.int64)),
                                b.const("one", np.array([1], np.int64))])
         zero = gs.Constant(b.name("zero"), np.zeros(1, probe.value(e).dtype))
