@@ -43,7 +43,7 @@ def stacked_model(dtype=TensorProto.INT64):
 
 def test_stacked_lookups_become_one_gather_on_doubled_tables():
     """Small tables are stored twice, so one Add maps ids in [-rows, rows) exactly (no Mod)."""
-    out, ctx = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Add", "Gather", "Flatten"],
+    out, ctx = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Shape", "Expand", "Add", "Gather", "Flatten"],
                           feeds=feeds_with_boundaries((5, 1)))
     assert ctx.rewrites == 1 and ctx.matches == 3
     table = next(t for t in out.graph.initializer if t.dims[0] > 9)
@@ -52,13 +52,13 @@ def test_stacked_lookups_become_one_gather_on_doubled_tables():
 
 def test_large_tables_are_stored_once_and_ids_wrapped(monkeypatch):
     monkeypatch.setattr(parallel, "DOUBLED_TABLE_BYTES", 0)
-    out, _ = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Mod", "Add", "Gather", "Flatten"],
+    out, _ = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Mod", "Shape", "Expand", "Add", "Gather", "Flatten"],
                         feeds=feeds_with_boundaries((5, 1)))
     assert max(t.dims[0] for t in out.graph.initializer) == sum(ROWS)
 
 
 def test_int32_ids_need_no_casts():
-    check_pass(stacked_model(TensorProto.INT32), "fuse-parallel-embeddings", ["Concat", "Add", "Gather", "Flatten"],
+    check_pass(stacked_model(TensorProto.INT32), "fuse-parallel-embeddings", ["Concat", "Shape", "Expand", "Add", "Gather", "Flatten"],
                feeds=feeds_with_boundaries((5, 1), np.int32))
 
 
@@ -72,7 +72,7 @@ def test_unsqueezed_lookups_and_a_shared_table():
     model = make_model(nodes, [vi(f"id{i}", I64, ["B"]) for i in range(3)], [vi("y", F, ["B", 3, 4])],
                        TABLES[:2] + [init("ax1", np.array([1]))])
     feeds = feeds_with_boundaries((5,), rows=(5, 9, 9))
-    out, _ = check_pass(model, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Add", "Gather"],
+    out, _ = check_pass(model, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather"],
                         feeds=feeds)
     table = next(t for t in out.graph.initializer if t.dims[0] > 9)
     assert list(table.dims) == [2 * (5 + 9), 4]  # the shared table is stored once (twice: doubled)
@@ -86,7 +86,7 @@ def test_flat_lookups_joined_on_the_last_axis_with_dense_features_around():
                        [vi("y", F, ["B", 18])], TABLES)
     feeds = {**feeds_with_boundaries((5,)), "dense": RNG.standard_normal((5, 3)).astype(np.float32)}
     check_pass(model, "fuse-parallel-embeddings",
-               ["Concat", "Reshape", "Transpose", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
+               ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
 
 
 def test_wide_part_summed_through_tf_reshapes():
@@ -102,7 +102,7 @@ def test_wide_part_summed_through_tf_reshapes():
     model = make_model(nodes, [vi(f"id{i}", I64, ["B"]) for i in range(3)], [vi("y", F, ["B", 1])],
                        wide + [init("one", np.array([1]))])
     out, _ = run_pass(model, "infer-shapes")
-    check_pass(out, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Add", "Gather", "ReduceSum"],
+    check_pass(out, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather", "ReduceSum"],
                feeds=feeds_with_boundaries((5,)))
 
 
@@ -123,7 +123,7 @@ def history_model(target: bool):
 def test_history_lookups_joined_on_the_last_axis_interleave():
     feeds = feeds_with_boundaries((4, 3), rows=ROWS[:2])
     out, _ = check_pass(history_model(False), "fuse-parallel-embeddings",
-                        ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Add", "Gather", "Reshape", "ReduceSum"],
+                        ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Shape", "Expand", "Add", "Gather", "Reshape", "ReduceSum"],
                         feeds=feeds)
 
 
@@ -389,7 +389,7 @@ def test_padded_segment_sum_bags_become_one_gather_and_a_row_sum():
         assert_same_outputs(model, out, feeds)
     assert_same_outputs(model, out, {k: np.full_like(v, -1) for k, v in padded_feeds().items()})  # no id at all
     fused, ctx = check_pass(out, "fuse-parallel-embeddings", ops(out)[:0] + [
-        "Less", "Where", "Less", "Where", "Concat", "Add", "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
+        "Less", "Where", "Less", "Where", "Concat", "Shape", "Expand", "Add", "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
         "ReduceSum", "Max", "Div", "Concat"], feeds=padded_feeds())
     assert_same_outputs(model, fused, padded_feeds(batch=9, seed=4))
 

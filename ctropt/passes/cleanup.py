@@ -203,7 +203,36 @@ def _compose_transposes(m):
     return [out]
 
 
+def _unsqueeze_axes(node) -> list | None:
+    if "axes" in node.attrs:
+        return list(node.attrs["axes"])
+    v = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
+    return None if v is None else v.ravel().tolist()
+
+
+def _stacked_part(m):
+    """Gather(Concat(Unsqueeze(x_0, k), …, axis=k), c, axis=k) with c a scalar constant: x_c (torch.stack then
+    indexing one of the stacked values)."""
+    cat, index = m.node("cat"), m.const("index")
+    rank = len(shape_of(cat.outputs[0]) or [])
+    axis = cat.attrs.get("axis", 0) % max(rank, 1)
+    if not rank or index.ndim != 0 or m.root.attrs.get("axis", 0) % rank != axis or \
+            any(o is m.root.outputs[0] for o in m.graph.outputs):
+        return None
+    c = int(index) % len(cat.inputs)
+    part = cat.inputs[c]
+    made = part.inputs[0] if part.inputs else None
+    if made is None or made.op != "Unsqueeze" or int(index) >= len(cat.inputs) or int(index) < -len(cat.inputs):
+        return None
+    axes = _unsqueeze_axes(made)
+    if axes is None or [a % rank for a in axes] != [axis] or (shape_of(part) or [None] * rank)[axis] != 1:
+        return None
+    return [made.inputs[0]]
+
+
 CHAIN_RULES = (
+    Rewrite("stacked-part", P.Gather(P.Concat(Var(), ..., _name="cat", _shared=True), Const("index")),
+            _stacked_part),
     Rewrite("reshape-reshape", P.Reshape(P.Reshape(x, Var()), Const("shape")), _reshape_chain,
             _no_zero_dims),
     Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
