@@ -30,6 +30,7 @@ from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
+from .additive_mask import additive_sites
 from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, replicated, weights_by_term
 from .valid_pooling import pool_valid_positions, position_rows, zero_at_padding
@@ -589,6 +590,30 @@ def _flat_scores(site: Site, probe: Probe) -> Site:
     return dataclasses.replace(site, flat=not positional and scores.shape[0] == batch * steps)
 
 
+def _additive_sites(graph: gs.Graph) -> list[tuple[Site, gs.Node]]:
+    """Additive masks before a softmax over bounded scores (`additive_mask`), as sites: the valid flags are the
+    condition; the Add then writes 0 + m at the positions that get no weight."""
+    sites = []
+    for add, x, valid, softmax in additive_sites(graph, _depends_on):
+        found = _walk_to_scores(x, add)
+        if found is not None:
+            sites.append((Site(add, found[0], valid, False, found[1]), softmax))
+    return sites
+
+
+def _softmax_over_history(site: Site, softmax: gs.Node, probe: Probe) -> bool:
+    """The softmax normalizes over one row's positions, the mask's row: its axis holds all of the row's T."""
+    for run in range(len(probe.runs)):
+        x, mask = probe.value(softmax.inputs[0], run), probe.value(site.cond, run)
+        if x is None or mask is None or not mask.shape[0]:
+            return False
+        axis = softmax.attrs.get("axis", -1) % x.ndim
+        steps = mask.size // mask.shape[0]
+        if x.shape[0] != mask.shape[0] or x.shape[axis] != steps or x.size != mask.size or axis == 0:
+            return False
+    return True
+
+
 def _order_kept(chain: list[gs.Node], probe: Probe) -> bool:
     """The layout ops keep the positions in row-major (batch, history) order: transposes move unit axes only."""
     for n in chain:
@@ -607,11 +632,13 @@ def remove_attention_padding(ctx: PassContext) -> None:
     """Attention MLPs over padded histories ([B, T, ...]) → the same MLP over the N valid positions only."""
     graph = ctx.graph
     sites, candidates = find_sites(graph), padding_candidates(graph)
-    if not sites and not candidates:
+    additive = _additive_sites(graph)
+    if not sites and not candidates and not additive:
         return
     probe, why = try_probe(graph)
     if probe is None:
         ctx.note(why)
+        graph.cleanup()  # the valid flags made for additive masks
         return
     masked = {id(s.mask_op.outputs[0]) for s in sites}
     inserted = insert_padding_masks(graph, probe, candidates, lambda w: _depends_on(w, masked))
@@ -623,6 +650,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
             graph.cleanup()
             ctx.note(why)
             return
+    sites += [site for site, softmax in additive if _softmax_over_history(site, softmax, probe)]
     opset = int(getattr(graph, "opset", None) or 0)
     graph_outputs = {id(t) for t in graph.outputs}
     done: set[int] = set()
@@ -680,7 +708,7 @@ def remove_attention_padding(ctx: PassContext) -> None:
     for _, _, mul in inserted:
         if id(mul) in applied:
             ctx.note(f"{mul.name}: the pooled lookup's zero row is padding, masked explicitly")
-    if ctx.rewrites or unused:
+    if ctx.rewrites or unused or additive:
         graph.cleanup()
     if ctx.rewrites:
         tidy(ctx)
