@@ -78,11 +78,12 @@ def test_kernel_form_matches_the_reference(kind, lbr, keep, pad):
 
 
 @pytest.mark.parametrize("lbr", [0, 1])
-@pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AGRU"])
+@pytest.mark.parametrize("kind", ["GRU", "AUGRU", "AGRU", "AIGRU"])
 def test_kernel_vector_update_matches_the_reference(kind, lbr, monkeypatch):
     """H = 16, two whole vectors per gate (the other tests' H = 3 runs in one padded vector): each row's update in
     vector passes (linear_before_reset: gates, candidate and blend in one, update_lbr; else gates and r·h, then
-    candidate and blend: gates_r_h, update_rn); lengths, a mask or neither, padded outputs zero or kept."""
+    candidate and blend: gates_r_h, update_rn; AIGRU scales x·W first); lengths, a mask or neither, padded outputs
+    zero or kept."""
     import tests.test_rnn_op as rnn_op
 
     monkeypatch.setattr(rnn_op, "H", 16)

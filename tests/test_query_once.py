@@ -1,5 +1,5 @@
 """project-query-once: DIN's first attention layer over concat[q, k, q - k, q * k], q repeated along the history,
-in the exporters' forms: the query's part is projected once per row."""
+in the exporters' forms: the query's part is projected once per row; q - k folded into the weights of q and k."""
 
 from __future__ import annotations
 
@@ -96,19 +96,27 @@ def test_the_query_part_of_the_first_layer_is_projected_once_per_row(make, want)
     assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
 
 
-def test_a_tiled_query_fed_as_an_input_or_repeated_across_rows_stays():
+def test_a_tiled_query_fed_as_an_input_or_repeated_across_rows_is_not_projected_once():
     """PaddleRec feeds the target already tiled ([B, T, D] input: its positions may differ); a Tile that repeats
-    the batch (reps [T, 1], viewed as [B, T, D]) does not repeat a row along the history."""
+    the batch (reps [T, 1], viewed as [B, T, D]) does not repeat a row along the history. Their q - k part is still
+    folded into the weights of q and k: concat[q, k, q·k]·W' per position, 3D of 4D weight rows."""
     fed = make_model(_din_parts("qt") + [node("MatMul", ["c", "W"], ["y"])],
                      [vi("qt", F, ["batch", "seq_len", D]), vi("k", F, ["batch", "seq_len", D])],
                      [vi("y", F, ["batch", "seq_len", H])], [init("W", W)])
-    once, ctx = run_pass(fed, "project-query-once")
-    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(fed))
     across = recbole_form()
     reps = next(n for n in across.graph.node if n.output[0] == "reps")
     reps.input[:] = ["t1", "ones"]  # Tile(q [B, D], [T, 1]) → [T·B, D], viewed as [B, T, D]: rows mixed
-    once, ctx = run_pass(across, "project-query-once")
-    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(across))
+    for model in (fed, across):
+        folded, ctx = run_pass(model, "project-query-once")
+        assert ctx.rewrites == 1 and "mix 3 values linearly" in ctx.notes[0] and f"{3 * D} of {4 * D}" in ctx.notes[0]
+        assert ops(folded).count("MatMul") == 1 and "Sub" not in ops(folded), ops(folded)
+        rng = np.random.default_rng(1)
+        feeds = {"qt": rng.normal(size=(3, 5, D)).astype(np.float32)} if model is fed else \
+            {"q": rng.normal(size=(3, D)).astype(np.float32)}
+        feeds["k"] = rng.normal(size=(3, 5, D)).astype(np.float32)
+        assert_same_outputs(model, folded, feeds, atol=1e-5, rtol=1e-5)
+        again, ctx2 = run_pass(folded, "project-query-once")
+        assert ctx2.rewrites == 0 and ops(again) == ops(folded)
 
 
 def test_in_the_pipeline_outputs_and_interface_hold():

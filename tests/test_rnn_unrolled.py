@@ -214,6 +214,46 @@ def test_gru_outputs_masked_otherwise_keep_the_multiply(why):
     assert len(done) == 1 and notes == []
 
 
+def scaled_gru_op_model(per_step: bool = True, T=5):
+    """PaddleRec DIEN: a plain GRU over the history times the attention weights ([B, T, 1]: one per step;
+    per_step=False: [B, T, I], one per feature, which is not an AIGRU)."""
+    model = gru_op_model(1, lens=False, h0=False, T=T)
+    graph = model.graph
+    graph.input.append(vi("att", F, ["batch", T, 1 if per_step else 3]))
+    tr = next(n for n in graph.node if n.op_type == "Transpose" and n.input[0] == "X")
+    tr.input[0] = "X_scaled"
+    graph.node.insert(0, node("Mul", ["X", "att"], ["X_scaled"]))
+    return model
+
+
+def _fused_with_attention(model):
+    from ctropt.passes.rnn.scaled import attention_from_scaled_inputs
+    graph = to_graph(model)
+    done = fuse_gru_ops(graph, 17)
+    notes = attention_from_scaled_inputs(graph)
+    graph.cleanup()
+    return to_model(graph, like=model), done, notes
+
+
+def test_a_gru_over_inputs_scaled_per_step_reads_the_weights_as_an_aigru():
+    model = scaled_gru_op_model()
+    fused, done, notes = _fused_with_attention(model)
+    assert len(done) == 1 and len(notes) == 1 and "AIGRU" in notes[0], notes
+    assert "Mul" not in ops(fused)
+    (seq,) = sequence_nodes(fused)
+    assert _s(seq["kind"]) == "AIGRU" and seq["inputs"]["X"] == "X" and seq["inputs"]["att"]
+    for att in (RNG.random((4, 5, 1)), np.zeros((4, 5, 1)), RNG.normal(size=(4, 5, 1)) * 3):
+        feeds = {"X": RNG.normal(size=(4, 5, 3)).astype(np.float32), "att": att.astype(np.float32)}
+        assert_close(Runner(model).run(feeds), Runner(fused).run(feeds))
+    again, _, notes2 = _fused_with_attention(fused)
+    assert notes2 == [] and sorted(ops(again)) == sorted(ops(fused))
+
+
+def test_inputs_scaled_per_feature_keep_the_multiply():
+    _, done, notes = _fused_with_attention(scaled_gru_op_model(per_step=False))
+    assert len(done) == 1 and notes == []
+
+
 # ----------------------------------------------------------------------------------------- hand-built unrolled cell
 
 

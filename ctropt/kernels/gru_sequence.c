@@ -21,7 +21,7 @@
  * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
  * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection.
  * Each gate's columns start at a multiple of LANES (G = H rounded up, zero weights in between), so a row's update
- * runs LANES columns at a time (modes 0-3; AIGRU scales x·W first and keeps the scalar passes).
+ * runs LANES columns at a time (AIGRU scales each row of x·W by its factor first).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,29 +65,12 @@ static inline vec tanh_vec(vec x) {
 
 static inline vec activate(vec x, int sigmoid) { return sigmoid ? tanh_vec(x * 0.5f) * 0.5f + 0.5f : tanh_vec(x); }
 
-/* v[0:n] = tanh(v) (sigmoid: 0.5 tanh(v / 2) + 0.5), LANES at a time; the tail lane by lane. */
-static void tanh_all(float *v, int64_t n, int sigmoid) {
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vec x;
-        memcpy(&x, v + i, sizeof x);
-        x = activate(x, sigmoid);
-        memcpy(v + i, &x, sizeof x);
-    }
-    if (i < n) {
-        vec x = {0};
-        for (int l = 0; l < n - i; ++l) x[l] = v[i + l];
-        x = activate(x, sigmoid);
-        for (int l = 0; l < n - i; ++l) v[i + l] = x[l];
-    }
-}
-
 typedef struct {
     const Kernel *k;
     int64_t B, T, H, G, HP, NP;   /* G: H rounded up to LANES (each gate's columns); HP, NP: 3G and H rounded up to
                                    * 2 LANES */
     int64_t I;
-    const float *x, *bias, *rbn, *h0, *f, *mask;
+    const float *x, *bias, *h0, *f, *mask;
     const int64_t *lens;
     int64_t *steps;               /* per row: 1 + its last valid step (no step after it changes the state) */
     int64_t *order;               /* rows by steps, most first */
@@ -173,26 +156,7 @@ static void times(const float *const v[ROWS], int n, int64_t K, const float *M, 
     else few_rows_times(v, n, K, M, P, width, out, init);
 }
 
-/* One step of one row: gx = x·W + bias, a = h·R, an = (r h)·Rn, g = sigmoid of the first two thirds. */
-static void update(const Job *j, const float *restrict gx, const float *restrict a, const float *restrict an,
-                   float *restrict g, float f, float *restrict h) {
-    const int64_t H = j->H, G = j->G;
-    float *restrict n = g + 2 * G;
-    if (j->k->lbr)
-        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * G + c] + g[G + c] * (a[2 * G + c] + j->rbn[c]);
-    else
-        for (int64_t c = 0; c < H; ++c) n[c] = gx[2 * G + c] + an[c];
-    tanh_all(n, H, 0);
-    switch (j->k->mode) {
-    case 1: for (int64_t c = 0; c < H; ++c) g[c] *= f; break;
-    case 2: for (int64_t c = 0; c < H; ++c) g[c] = 1.0f - g[c] * f; break;
-    case 3: for (int64_t c = 0; c < H; ++c) g[c] = f; break;
-    default: break;
-    }
-    for (int64_t c = 0; c < H; ++c) h[c] += g[c] * (n[c] - h[c]);
-}
-
-/* The same for linear_before_reset, modes 0-3, in one pass over the row's G columns (padding lanes stay 0):
+/* One step of one row with linear_before_reset, in one pass over the row's G columns (padding lanes stay 0):
  * g = sigmoid(gx_g + a_g), r = sigmoid(gx_r + a_r), n = tanh(gx_n + r (a_n + Rn_bias)), h += c(g) (n - h). */
 static void update_lbr(const Job *j, const float *restrict gx, const float *restrict a, float f, float *restrict h) {
     const int64_t G = j->G;
@@ -210,7 +174,7 @@ static void update_lbr(const Job *j, const float *restrict gx, const float *rest
     }
 }
 
-/* Without linear_before_reset, modes 0-3: the gates and r h in one pass (before (r h)·Rn),
+/* Without linear_before_reset: the gates and r h in one pass (before (r h)·Rn),
  * then the candidate and the blend in one pass. */
 static void gates_r_h(const Job *j, const float *restrict gx, const float *restrict a, float *restrict g,
                       const float *restrict h, float *restrict rh) {
@@ -240,8 +204,6 @@ static void run_block(void *data, size_t block) {
     const Job *j = data;
     const int64_t H = j->H, G = j->G, I = j->I, HP = j->HP, NP = j->NP, T = j->T, B = j->B;
     const int mode = (int)j->k->mode, lbr = (int)j->k->lbr;
-    const int one_pass = lbr && mode != 4;    /* update_lbr: no separate gate pass */
-    const int two_pass = !lbr && mode != 4;   /* gates_r_h, then update_rn */
     const int64_t GP = (2 * G + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);   /* the gates' columns, padded */
     int64_t rows[ROWS];
     static const float zeros[MAX_I] = {0};
@@ -265,37 +227,22 @@ static void run_block(void *data, size_t block) {
         for (int r = 0; r < ROWS; ++r)
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
         times(xs, n, I, j->Wp, HP, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
-        times(hs, n, H, j->Rp, HP, lbr ? HP : GP, acc, NULL);   /* without lbr, h·R_n is not read */
-        for (int r = 0; r < ROWS && !one_pass; ++r) {
+        for (int r = 0; r < ROWS && mode == 4; ++r) {   /* AIGRU: (f x)·W + bias = f (x·W) + bias */
             if (rows[r] < 0) continue;
-            float *x = gx + r * HP, *a = acc + r * HP, *gr = g + r * 3 * G;
-            if (two_pass) {
-                gates_r_h(j, x, a, gr, h + r * G, rh + r * G);
-                continue;
-            }
-            if (mode == 4) {
-                float f = j->f[rows[r] * T + t];
-                for (int64_t c = 0; c < 3 * G; ++c) x[c] = x[c] * f + j->Bp[c];
-            }
-            for (int64_t c = 0; c < 2 * G; ++c) gr[c] = x[c] + a[c];
-            tanh_all(gr, 2 * G, 1);
-            if (!lbr)
-                for (int64_t c = 0; c < H; ++c) rh[r * G + c] = gr[G + c] * h[r * G + c];
+            const float f = j->f[rows[r] * T + t];
+            float *restrict x = gx + r * HP;
+            for (int64_t c = 0; c < HP; ++c) x[c] = x[c] * f + j->Bp[c];
         }
+        times(hs, n, H, j->Rp, HP, lbr ? HP : GP, acc, NULL);   /* without lbr, h·R_n is not read */
+        for (int r = 0; r < ROWS && !lbr; ++r)
+            if (rows[r] >= 0) gates_r_h(j, gx + r * HP, acc + r * HP, g + r * 3 * G, h + r * G, rh + r * G);
         if (!lbr) times(rhs, n, H, j->Rnp, NP, NP, accn, NULL);   /* the candidate reads (r * h) · Rn */
         for (int r = 0; r < ROWS; ++r) {
             int64_t b = rows[r];
             if (b < 0 || !valid(j, b, t)) continue;
-            if (one_pass) {
-                update_lbr(j, gx + r * HP, acc + r * HP, j->f ? j->f[b * T + t] : 1.0f, h + r * G);
-                continue;
-            }
-            if (two_pass) {
-                update_rn(j, gx + r * HP, accn + r * NP, g + r * 3 * G, j->f ? j->f[b * T + t] : 1.0f, h + r * G);
-                continue;
-            }
-            update(j, gx + r * HP, acc + r * HP, accn + r * NP, g + r * 3 * G, j->f ? j->f[b * T + t] : 1.0f,
-                   h + r * G);
+            const float f = j->f && mode != 4 ? j->f[b * T + t] : 1.0f;
+            if (lbr) update_lbr(j, gx + r * HP, acc + r * HP, f, h + r * G);
+            else update_rn(j, gx + r * HP, accn + r * NP, g + r * 3 * G, f, h + r * G);
         }
         if (j->y) {
             for (int r = 0; r < ROWS; ++r) {
@@ -384,7 +331,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     const int64_t pad = 2 * LANES;
     const int64_t G = (H + LANES - 1) / LANES * LANES;
     Job j = {.k = k, .B = B, .T = T, .H = H, .G = G, .HP = (3 * G + pad - 1) / pad * pad, .NP = (H + pad - 1) / pad * pad,
-             .I = I, .x = in[0], .bias = in[3], .rbn = in[4], .h0 = in[5], .f = in[6], .mask = in[8],
+             .I = I, .x = in[0], .bias = in[3], .h0 = in[5], .f = in[6], .mask = in[8],
              .lens = (const int64_t *)in[7]};
     TRY(ort->KernelContext_GetOutput(ctx, 0, yh_dims, 2, &out));
     TRY(ort->GetTensorMutableData(out, (void **)&j.yh));

@@ -13,6 +13,7 @@ from ...ops.rnn import MIN_OPSET
 from ..registry import PassContext, register_pass
 from .loops import fuse_recurrent_loops
 from .prefix import lengths_from_output_masks
+from .scaled import attention_from_scaled_inputs
 from .unrolled import fuse_gru_ops, fuse_unrolled_cells
 
 
@@ -25,7 +26,8 @@ def fuse_rnn(ctx: PassContext) -> int:
     """GRU/AUGRU/AGRU/AIGRU layers (ONNX GRU ops, Scan/Loop bodies, unrolled cells) → one ai.ctropt sequence op each.
 
     The readers (one per dialect) read each layer by meaning; a layer whose outputs are then zeroed past each
-    row's length is told the lengths (``prefix``); the pass returns how many layers they fused."""
+    row's length is told the lengths (``prefix``), a GRU over inputs scaled per step reads the weights as an AIGRU
+    (``scaled``); the pass returns how many layers they fused."""
     opset = _opset(ctx.graph)
     if opset < MIN_OPSET:
         ctx.note(f"skipped: opset {opset} < {MIN_OPSET}")
@@ -33,7 +35,7 @@ def fuse_rnn(ctx: PassContext) -> int:
     skipped: list[str] = []
     fused = list(fuse_gru_ops(ctx.graph, opset)) + list(fuse_unrolled_cells(ctx.graph, opset, notes=skipped))
     fused += list(fuse_recurrent_loops(ctx.graph, opset, notes=skipped))
-    told = lengths_from_output_masks(ctx.graph) if fused else []
+    told = lengths_from_output_masks(ctx.graph) + attention_from_scaled_inputs(ctx.graph) if fused else []
     for line in fused + told + [f"left as is: {line}" for line in skipped]:
         ctx.note(line)
     if fused:
