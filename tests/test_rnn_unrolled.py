@@ -176,13 +176,18 @@ def masked_gru_op_model(compare: str = "Less", positions=None, last_state: bool 
     return model
 
 
-def _fused_with_lengths(model):
-    from ctropt.passes.rnn.prefix import lengths_from_output_masks
+def _fused_then(model, after):
+    """fuse_gru_ops, then `after(graph)` (one of fuse-rnn's follow-ups): (model, what was fused, its notes)."""
     graph = to_graph(model)
     done = fuse_gru_ops(graph, 17)
-    notes = lengths_from_output_masks(graph)
+    notes = after(graph)
     graph.cleanup()
     return to_model(graph, like=model), done, notes
+
+
+def _fused_with_lengths(model):
+    from ctropt.passes.rnn.prefix import lengths_from_output_masks
+    return _fused_then(model, lengths_from_output_masks)
 
 
 @pytest.mark.parametrize("compare", ["Less", "Greater"])
@@ -228,11 +233,7 @@ def scaled_gru_op_model(per_step: bool = True, T=5):
 
 def _fused_with_attention(model):
     from ctropt.passes.rnn.scaled import attention_from_scaled_inputs
-    graph = to_graph(model)
-    done = fuse_gru_ops(graph, 17)
-    notes = attention_from_scaled_inputs(graph)
-    graph.cleanup()
-    return to_model(graph, like=model), done, notes
+    return _fused_then(model, attention_from_scaled_inputs)
 
 
 def test_a_gru_over_inputs_scaled_per_step_reads_the_weights_as_an_aigru():

@@ -325,3 +325,13 @@ def add_sequence_node(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outpu
         node.inputs.pop()
     graph.nodes.append(node)
     return node
+
+
+def replace_sequence_node(graph: gs.Graph, node: gs.Node, attrs: SequenceAttrs, inputs: dict) -> gs.Node:
+    """`node` rebuilt with `attrs` and its inputs updated by `inputs` (same outputs, same name)."""
+    named = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
+    outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
+    graph.nodes.remove(node)
+    node.inputs.clear()
+    node.outputs.clear()
+    return add_sequence_node(graph, attrs, {**named, **inputs}, outputs, node.name)

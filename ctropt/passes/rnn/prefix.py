@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...graph.edit import Builder, const_value
-from ...ops.rnn import INPUTS, OUTPUTS, SequenceAttrs, add_sequence_node, is_sequence_node
+from ...ops.rnn import INPUTS, OUTPUTS, SequenceAttrs, is_sequence_node, replace_sequence_node
 from ...runtime.probe import Probe, try_probe
 
 PASS_THROUGH = {"Cast", "Unsqueeze", "Reshape", "Identity", "Squeeze"}
@@ -73,14 +73,9 @@ def _with_lengths(graph: gs.Graph, node: gs.Node, compare: gs.Node) -> gs.Node:
     b = Builder(graph, node.name, np.int64)
     valid = b.op("Cast", [compare.outputs[0]], {"to": onnx.TensorProto.INT64}, name="valid")
     lens = b.axes_op("ReduceSum", valid, [1], {"keepdims": 0}, name="lengths")
-    inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
-    outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
     attrs = SequenceAttrs.of(node)
     attrs = SequenceAttrs(attrs.kind, attrs.hidden_size, attrs.linear_before_reset, attrs.att_keep, "zero")
-    graph.nodes.remove(node)
-    node.inputs.clear()
-    node.outputs.clear()
-    return add_sequence_node(graph, attrs, {**inputs, "sequence_lens": lens}, outputs, node.name)
+    return replace_sequence_node(graph, node, attrs, {"sequence_lens": lens})
 
 
 def lengths_from_output_masks(graph: gs.Graph) -> list[str]:

@@ -12,7 +12,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ...graph.edit import Builder
-from ...ops.rnn import INPUTS, OUTPUTS, SequenceAttrs, add_sequence_node, is_sequence_node
+from ...ops.rnn import SequenceAttrs, is_sequence_node, replace_sequence_node
 from ...runtime.probe import Probe, try_probe
 
 
@@ -51,14 +51,9 @@ def attention_from_scaled_inputs(graph: gs.Graph) -> list[str]:
         x, a = found
         b = Builder(graph, node.name, a.dtype)
         att = b.op("Reshape", [a, b.const("per_step", np.array([0, -1], np.int64))], name="att")  # [B, T]
-        inputs = {k: t for k, t in zip(INPUTS, node.inputs) if t.name}
-        outputs = {k: t for k, t in zip(OUTPUTS, node.outputs) if t.name}
         attrs = SequenceAttrs.of(node)
         attrs = SequenceAttrs("AIGRU", attrs.hidden_size, attrs.linear_before_reset, 0, attrs.padded_output)
-        graph.nodes.remove(node)
-        node.inputs.clear()
-        node.outputs.clear()
-        add_sequence_node(graph, attrs, {**inputs, "X": x, "att": att}, outputs, node.name)
+        replace_sequence_node(graph, node, attrs, {"X": x, "att": att})
         notes.append(f"{node.name}: a GRU over its inputs times per-step weights ({mul.name}) → AIGRU reading "
                      "the weights")
     if notes:
