@@ -106,12 +106,14 @@ def test_wide_part_summed_through_tf_reshapes():
                feeds=feeds_with_boundaries((5,)))
 
 
-def history_model(target: bool):
+def history_model(target: bool, batch_names=("B", "B")):
     """DIN: history items and categories [B, T] joined on the last axis; with `target`, the candidate's item and
-    category [B, 1] (same tables) joined the same way."""
+    category [B, 1] (same tables) joined the same way. `batch_names`: the ids' batch dims (paddle2onnx names every
+    input's apart)."""
     nodes = [node("Gather", ["t0", "id0"], ["h0"]), node("Gather", ["t1", "id1"], ["h1"]),
              node("Concat", ["h0", "h1"], ["hist"], axis=-1), node("ReduceSum", ["hist", "ax1"], ["y"], keepdims=0)]
-    inputs, outputs = [vi("id0", I64, ["B", 3]), vi("id1", I64, ["B", 3])], [vi("y", F, ["B", 8])]
+    inputs = [vi("id0", I64, [batch_names[0], 3]), vi("id1", I64, [batch_names[1], 3])]
+    outputs = [vi("y", F, ["B", 8])]
     if target:
         nodes += [node("Gather", ["t0", "q0"], ["e0"]), node("Gather", ["t1", "q1"], ["e1"]),
                   node("Concat", ["e0", "e1"], ["q"], axis=-1)]
@@ -120,9 +122,10 @@ def history_model(target: bool):
     return make_model(nodes, inputs, outputs, TABLES[:2] + [init("ax1", np.array([1]))])
 
 
-def test_history_lookups_joined_on_the_last_axis_interleave():
+@pytest.mark.parametrize("batch_names", [("B", "B"), ("DynamicDimension.0", "DynamicDimension.1")])
+def test_history_lookups_joined_on_the_last_axis_interleave(batch_names):
     feeds = feeds_with_boundaries((4, 3), rows=ROWS[:2])
-    out, _ = check_pass(history_model(False), "fuse-parallel-embeddings",
+    out, _ = check_pass(history_model(False, batch_names), "fuse-parallel-embeddings",
                         ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Shape", "Expand", "Add", "Gather", "Reshape", "ReduceSum"],
                         feeds=feeds)
 

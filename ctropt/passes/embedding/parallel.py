@@ -111,6 +111,11 @@ def _interleave(graph: gs.Graph, group: list[Lookup]) -> None:
     history items and categories) form a block: their ids are stacked on a new last axis, so the block's columns
     of the fused lookup, [B, d... * n, D], reshape to the Concat's result."""
     members = {id(lk.out): lk for lk in group}
+    batch = _batch_symbols(graph)
+
+    def ids_shape(lk):  # inputs name their batch dims apart (paddle2onnx): axis 0 of every input is the batch
+        shape = shape_of(lk.ids)
+        return shape and [_batch_key(shape[0], batch)] + list(shape[1:])
 
     def joinable(lk, concat):
         axis = concat.attrs.get("axis", 0)
@@ -120,7 +125,7 @@ def _interleave(graph: gs.Graph, group: list[Lookup]) -> None:
         run = []
         for t in list(concat.inputs) + [None]:
             lk = members.get(id(t)) if t is not None else None
-            if joinable(lk, concat) and run and shape_of(lk.ids) == shape_of(run[0].ids) and lk not in run:
+            if joinable(lk, concat) and run and ids_shape(lk) == ids_shape(run[0]) and lk not in run:
                 run.append(lk)
                 continue
             if len(run) >= 2:
