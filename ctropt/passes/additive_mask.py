@@ -115,10 +115,10 @@ def valid_flags(graph: gs.Graph, mask: gs.Tensor, bound: float, scale: float) ->
     return b.op("Reshape", [valid, b.op("Shape", [mask])], name="valid")
 
 
-def additive_sites(graph: gs.Graph, depends_on) -> list[tuple[gs.Node, gs.Tensor, gs.Tensor, gs.Node]]:
-    """(the Add, the scores it reads, the valid flags inserted for it, the Softmax) for each additive mask whose
-    scores are bounded and whose result only goes on to a softmax. `depends_on(t, values)`: whether t depends on
-    values."""
+def additive_masks(graph: gs.Graph, depends_on) -> list[tuple[gs.Node, gs.Tensor, gs.Tensor, float, float, gs.Node]]:
+    """(the Add, the scores it reads, the mask, the scores' bound S, the scale a, the Softmax) for each additive mask
+    whose scores are bounded and whose result only goes on to a softmax. `depends_on(t, values)`: whether t depends
+    on values."""
     found = []
     for n in list(graph.nodes):
         if n.op != "Add" or len(n.inputs) != 2 or any(const_value(u) is not None for u in n.inputs):
@@ -130,6 +130,6 @@ def additive_sites(graph: gs.Graph, depends_on) -> list[tuple[gs.Node, gs.Tensor
             after = softmax_scale(graph, n.outputs[0]) if bound is not None else None
             if after is None or depends_on(m, {id(x)}):
                 continue
-            found.append((n, x, valid_flags(graph, m, bound, after[0]), after[1]))
+            found.append((n, x, m, bound, after[0], after[1]))
             break
     return found

@@ -29,8 +29,8 @@ from ..graph.edit import Builder, const_value, unique_name
 from ..runtime.inputs import analyze_inputs
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
+from .additive_mask import additive_masks, valid_flags
 from .cleanup import tidy
-from .additive_mask import additive_sites
 from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, replicated, weights_by_term
 from .valid_pooling import pool_valid_positions, position_rows, zero_at_padding
@@ -594,9 +594,10 @@ def _additive_sites(graph: gs.Graph) -> list[tuple[Site, gs.Node]]:
     """Additive masks before a softmax over bounded scores (`additive_mask`), as sites: the valid flags are the
     condition; the Add then writes 0 + m at the positions that get no weight."""
     sites = []
-    for add, x, valid, softmax in additive_sites(graph, _depends_on):
+    for add, x, mask, bound, scale, softmax in additive_masks(graph, _depends_on):
         found = _walk_to_scores(x, add)
         if found is not None:
+            valid = valid_flags(graph, mask, bound, scale)
             sites.append((Site(add, found[0], valid, False, found[1]), softmax))
     return sites
 
