@@ -4,7 +4,9 @@ DIN and DIEN score every history position with an MLP over [B, T, 4C] and then m
 The pass starts at the masking, in the exporters' forms:
 - ``Where(valid, s, fill)`` (or ``Where(padded, fill, s)``) with a fill that does not depend on the scores'
   values (zeros_like, ones_like * -2^32+1, a constant);
-- ``Mul(s, mask)`` with the mask a Cast of booleans or a mask input (tf2onnx writes ``tf.where`` this way).
+- ``Mul(s, mask)`` with the mask a Cast of booleans or a mask input (tf2onnx writes ``tf.where`` this way);
+- ``s + m`` before a softmax, with m a mask input (PaddleRec's 0 / -1e9) and s bounded by its last layer's
+  weights: the positions that get exactly zero weight for every input are the padding (``additive_mask``).
 Scores computed flat ([B·T, ...]: FuxiCTR's Gemms over a view, tf2onnx's tensordot in DeepRec) end the region at the
 reshape that makes them [B, T], or are scattered back flat when the mask is [B, 1, T]. From the scores it walks
 back over the nodes that work position by position. Which axis is the batch and which
