@@ -18,19 +18,24 @@ W2 = RNG.normal(size=(H, 1)).astype(np.float32)
 B2 = RNG.normal(size=1).astype(np.float32)
 
 
-def paddle_din(act: str = "Sigmoid", softmax_axis: int = -1, mask_dtype=I64):
+def paddle_din(act: str = "Sigmoid", softmax_axis: int = -1, mask_dtype=I64, shift: float = 0.0, gemm_bias=None):
     """paddle2onnx (PaddleRec rank/din): the MLP over concat[k, q_seq, k * q_seq] ([B, T, 3D], the target fed
     tiled as an input), the cast mask added to the [B, T, 1] scores, transposed to [B, 1, T], scaled (paddle's
     scale op: Mul then Add), softmax, pooled by MatMul."""
     nodes = [node("Mul", ["keys", "q_seq"], ["p"]), node("Concat", ["keys", "q_seq", "p"], ["c"], axis=-1),
              node("MatMul", ["c", "W1"], ["m1"]), node("Add", ["m1", "B1"], ["a1"]), node(act, ["a1"], ["h"]),
-             node("MatMul", ["h", "W2"], ["m2"]), node("Add", ["m2", "B2"], ["s"]),
+             *([node("MatMul", ["h", "W2"], ["m2"]), node("Add", ["m2", "B2"], ["s"])] if gemm_bias is None else
+               [node("ReduceSum", ["c", "last"], ["c_sum"]), node("Reshape", ["h", "rows_h"], ["h_rows"]),
+                node("Reshape", ["c_sum", "rows_1"], ["c_rows"]), node("Gemm", ["h_rows", "W2", "c_rows"], ["s_rows"]),
+                node("Shape", ["mask"], ["back"]), node("Reshape", ["s_rows", "back"], ["s"])]),
              node("Cast", ["mask"], ["mask_f"], to=F), node("Add", ["s", "mask_f"], ["masked"]),
              node("Transpose", ["masked"], ["mt"], perm=[0, 2, 1]), node("Mul", ["mt", "scale"], ["scaled"]),
              node("Add", ["scaled", "shift"], ["shifted"]), node("Softmax", ["shifted"], ["w"], axis=softmax_axis),
              node("MatMul", ["w", "keys"], ["y"])]
     inits = [init("W1", W1), init("B1", B1), init("W2", W2), init("B2", B2),
-             init("scale", np.array([0.5], np.float32)), init("shift", np.array([0.0], np.float32))]
+             init("scale", np.array([0.5], np.float32)), init("shift", np.array([shift], np.float32)),
+             init("last", np.array([-1], np.int64)), init("rows_h", np.array([-1, H], np.int64)),
+             init("rows_1", np.array([-1, 1], np.int64))]
     inputs = [vi("keys", F, ["batch", "seq_len", D]), vi("q_seq", F, ["batch", "seq_len", D]),
               vi("mask", mask_dtype, ["batch", "seq_len", 1])]
     return make_model(nodes, inputs, [vi("y", F, ["batch", 1, D])], inits)
@@ -68,9 +73,21 @@ def test_any_mask_values_give_the_same_outputs():
         assert_same_outputs(model, done, _feeds([T] * 5, mask=mask, dtype=np.float32), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("change", ["unbounded scores", "softmax over the batch"])
+def test_a_large_constant_before_the_softmax_widens_the_margin():
+    """softmax(a·(s + m) + c) with a = 0.5, c = 1.5·2^33: float32 rounds the sum in steps of 2^10, so a gap of 1024
+    in the mask no longer leaves zero weight (0.5·(s - 1024) + c rounds to c - 1024, but 0.5·(0 - 1024) + c, a tie,
+    to c); the margin grows with |c| and those positions are kept."""
+    model = paddle_din(mask_dtype=F, shift=1.5 * 2 ** 33)
+    done, _ = run_pass(model, "remove-attention-padding")
+    mask = np.full((16, T, 1), -1024.0)
+    mask[:, 0] = 0.0
+    assert_same_outputs(model, done, _feeds([T] * 16, mask=mask, dtype=np.float32), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["unbounded scores", "softmax over the batch", "a bias computed per row"])
 def test_scores_that_can_outgrow_the_mask_or_another_normalization_stay(change):
-    model = paddle_din(act="Relu") if change == "unbounded scores" else paddle_din(softmax_axis=0)
+    model = {"unbounded scores": lambda: paddle_din(act="Relu"), "softmax over the batch": lambda: paddle_din(
+        softmax_axis=0), "a bias computed per row": lambda: paddle_din(gemm_bias="computed")}[change]()
     done, ctx = run_pass(model, "remove-attention-padding")
     assert ctx.rewrites == 0 and sorted(ops(done)) == sorted(ops(model)), ops(done)
 

@@ -84,6 +84,19 @@ def test_a_stacked_lookup_read_back_by_index_is_the_lookup():
     assert_same_outputs(model, done, _feeds(5, 6))
 
 
+@pytest.mark.parametrize("index,parts", [(1, ["A", "xu"]), (-2, ["xu", "A"])])
+def test_an_index_into_a_concat_with_a_wider_part_is_not_a_stacked_value(index, parts):
+    """Concat(A [2, 3], Unsqueeze(x)) on axis 0: index 1 is A's second row, not x."""
+    nodes = [node("Unsqueeze", ["x", "ax0"], ["xu"]), node("Concat", parts, ["cat"], axis=0),
+             node("Gather", ["cat", "i"], ["y"], axis=0), node("Relu", ["y"], ["z"])]
+    model = make_model(nodes, [vi("x", F, [3]), vi("A", F, [2, 3])], [vi("z", F, [3])],
+                       [init("ax0", np.array([0], np.int64)), init("i", np.array(index, np.int64))])
+    done, ctx = run_pass(model, "eliminate-identity")
+    assert "Concat" in ops(done)
+    assert_same_outputs(model, done, {"x": np.array([1, 2, 3], np.float32),
+                                      "A": np.array([[10, 20, 30], [40, 50, 60]], np.float32)})
+
+
 def test_a_lookup_also_read_whole_or_viewed_otherwise_stays():
     whole = concat_form(reader="ReduceSum")
     done, ctx = run_pass(whole, "lookup-selected-rows")

@@ -596,10 +596,10 @@ def _additive_sites(graph: gs.Graph) -> list[tuple[Site, gs.Node]]:
     """Additive masks before a softmax over bounded scores (`additive_mask`), as sites: the valid flags are the
     condition; the Add then writes 0 + m at the positions that get no weight."""
     sites = []
-    for add, x, mask, bound, scale, softmax in additive_masks(graph, _depends_on):
+    for add, x, mask, bound, scale, shift, softmax in additive_masks(graph, _depends_on):
         found = _walk_to_scores(x, add)
         if found is not None:
-            valid = valid_flags(graph, mask, bound, scale)
+            valid = valid_flags(graph, mask, bound, scale, shift)
             sites.append((Site(add, found[0], valid, False, found[1]), softmax))
     return sites
 

@@ -219,15 +219,14 @@ def _stacked_part(m):
     if not rank or index.ndim != 0 or m.root.attrs.get("axis", 0) % rank != axis or \
             any(o is m.root.outputs[0] for o in m.graph.outputs):
         return None
-    c = int(index) % len(cat.inputs)
-    part = cat.inputs[c]
-    made = part.inputs[0] if part.inputs else None
-    if made is None or made.op != "Unsqueeze" or int(index) >= len(cat.inputs) or int(index) < -len(cat.inputs):
+    if not -len(cat.inputs) <= int(index) < len(cat.inputs):
         return None
-    axes = _unsqueeze_axes(made)
-    if axes is None or [a % rank for a in axes] != [axis] or (shape_of(part) or [None] * rank)[axis] != 1:
-        return None
-    return [made.inputs[0]]
+    for part in cat.inputs:  # every part one wide on the axis, so index c is part c
+        made = part.inputs[0] if part.inputs else None
+        axes = _unsqueeze_axes(made) if made is not None and made.op == "Unsqueeze" else None
+        if axes is None or [a % rank for a in axes] != [axis] or (shape_of(part) or [None] * rank)[axis] != 1:
+            return None
+    return [cat.inputs[int(index) % len(cat.inputs)].inputs[0].inputs[0]]
 
 
 CHAIN_RULES = (
