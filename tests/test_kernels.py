@@ -123,6 +123,36 @@ def test_rows_of_every_length_in_one_batch(threads):
         np.testing.assert_allclose(y_h, want_h, atol=2e-6)
 
 
+@pytest.mark.parametrize("lengths", [False, True])
+def test_aigru_rows_fed_zeros_after_their_last_weight(lengths, monkeypatch):
+    """AIGRU (PaddleRec DIEN: a GRU over softmax-weighted inputs, padded positions weighted 0): after a row's last
+    nonzero weight its input is 0, so the kernel skips x·W there (rows sorted by that step too); zeros inside a row,
+    a row weighted 0 everywhere, and lengths that end before or after the last weight."""
+    import tests.test_rnn_op as rnn_op
+    from ctropt.ops.rnn import reference
+
+    monkeypatch.setattr(rnn_op, "H", 16)
+    rng = np.random.default_rng(5)
+    attrs = SequenceAttrs("AIGRU", 16, 1)
+    g, n, feeds, _ = _layer(attrs, int(lengths), 0, 1, 1, rng)
+    weights = [np.asarray(t.values) for t in n.inputs[1:4]]
+    lower_sequence_node(g, n, "kernel")
+    g.cleanup()
+    sess = _session(to_model(g, make_model([], [], [])))
+    steps, width = feeds["X"].shape[1:]
+    batch = 3 * (steps + 1)
+    fed = rng.permutation(np.arange(batch) % (steps + 1))
+    att = rng.uniform(size=(batch, steps)) * (np.arange(steps)[None] < fed[:, None]) * (rng.random((batch, steps)) > 0.2)
+    f = {"X": rng.normal(size=(batch, steps, width)).astype(np.float32), "att": att.astype(np.float32),
+         "h0": rng.normal(size=(batch, 16)).astype(np.float32)}
+    if lengths:
+        f["lens"] = rng.integers(0, steps + 1, size=batch).astype(np.int64)
+    y, y_h = sess.run(None, f)
+    want_y, want_h = reference(attrs, f["X"], *weights, sequence_lens=f.get("lens"), initial_h=f["h0"], att=f["att"])
+    np.testing.assert_allclose(y, want_y, atol=1e-5)
+    np.testing.assert_allclose(y_h, want_h, atol=1e-5)
+
+
 @pytest.mark.parametrize("path", [ZOO / "dien_tf.onnx", ZOO / "dien_torch.onnx",
                                   THIRDPARTY / "deepctr_DIEN_AUGRU_where_tf2onnx.onnx",
                                   THIRDPARTY / "deepctr_torch_DIEN_AIGRU_padded_legacy.onnx"], ids=lambda p: p.stem)

@@ -19,7 +19,8 @@
  *
  * Rows are independent over the whole sequence, so the kernel runs blocks of ROWS rows from the first step to
  * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
- * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection.
+ * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection (nor,
+ * for AIGRU, that of steps after the row's last nonzero factor: their x is scaled to 0).
  * Each gate's columns start at a multiple of LANES (G = H rounded up, zero weights in between), so a row's update
  * runs LANES columns at a time (AIGRU scales each row of x·W by its factor first).
  */
@@ -73,7 +74,8 @@ typedef struct {
     const float *x, *bias, *h0, *f, *mask;
     const int64_t *lens;
     int64_t *steps;               /* per row: 1 + its last valid step (no step after it changes the state) */
-    int64_t *order;               /* rows by steps, most first */
+    int64_t *fed;                 /* AIGRU, per row: 1 + its last step with f != 0 (after it x is scaled to 0) */
+    int64_t *order;               /* rows by steps, most first (AIGRU: then by fed) */
     float *Wp, *Rp, *Rnp, *Bp, *rbnp, *yh, *y; /* W, R, bias: each gate's columns at k G, rows of HP; R's n columns
                                                * in rows of NP; Rn_bias padded to G */
     float *scratch;
@@ -92,6 +94,13 @@ static int64_t steps_of(const Job *j, int64_t b) {
         while (n > 0 && j->mask[b * j->T + n - 1] == 0.0f) --n;
     else if (j->lens)
         n = j->lens[b] < 0 ? 0 : (j->lens[b] < n ? j->lens[b] : n);
+    return n;
+}
+
+/* AIGRU: steps from fed[b] on read f x = 0, so x·W is 0 there (for finite x). */
+static int64_t fed_of(const Job *j, int64_t b, int64_t steps) {
+    int64_t n = steps;
+    while (n > 0 && j->f[b * j->T + n - 1] == 0.0f) --n;
     return n;
 }
 
@@ -223,11 +232,20 @@ static void run_block(void *data, size_t block) {
         xs[r] = zeros;
     }
     const int64_t last = rows[0] >= 0 ? j->steps[rows[0]] : 0;   /* the block's most (rows are sorted) */
+    int64_t fed = last;   /* AIGRU: from this step on every row of the block reads x scaled to 0 */
+    if (mode == 4) {
+        fed = 0;
+        for (int r = 0; r < n; ++r) fed = j->fed[rows[r]] > fed ? j->fed[rows[r]] : fed;
+    }
     for (int64_t t = 0; t < last; ++t) {
         for (int r = 0; r < ROWS; ++r)
             if (rows[r] >= 0) xs[r] = j->x + (rows[r] * T + t) * I;
-        times(xs, n, I, j->Wp, HP, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
-        for (int r = 0; r < ROWS && mode == 4; ++r) {   /* AIGRU: (f x)·W + bias = f (x·W) + bias */
+        if (t >= fed) {   /* 0·W + bias */
+            for (int r = 0; r < ROWS; ++r) memcpy(gx + r * HP, j->Bp, HP * sizeof(float));
+        } else {
+            times(xs, n, I, j->Wp, HP, HP, gx, mode == 4 ? NULL : j->Bp);   /* the bias starts the accumulators */
+        }
+        for (int r = 0; r < ROWS && mode == 4 && t < fed; ++r) {   /* AIGRU: (f x)·W + bias = f (x·W) + bias */
             if (rows[r] < 0) continue;
             const float f = j->f[rows[r] * T + t];
             float *restrict x = gx + r * HP;
@@ -264,6 +282,18 @@ static void run_block(void *data, size_t block) {
                 if (j->k->zero_pad) memset(yt, 0, H * sizeof(float));
                 else memcpy(yt, h + r * G, H * sizeof(float));
             }
+    }
+}
+
+/* out = the rows (taken in the order `in`, or 0..B-1) sorted by key[b] in [0, T], most first; stable (a counting
+ * sort; first: T + 2 scratch counters). */
+static void sort_rows(const int64_t *key, const int64_t *in, int64_t B, int64_t T, int64_t *first, int64_t *out) {
+    memset(first, 0, ((size_t)T + 2) * sizeof(int64_t));
+    for (int64_t b = 0; b < B; ++b) ++first[T - key[b] + 1];
+    for (int64_t i = 1; i <= T + 1; ++i) first[i] += first[i - 1];
+    for (int64_t i = 0; i < B; ++i) {
+        int64_t b = in ? in[i] : i;
+        out[first[T - key[b]]++] = b;
     }
 }
 
@@ -345,7 +375,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.scratch_floats = ROWS * (2 * G + j.NP + 2 * j.HP + 3 * G);
     float *weights = calloc((size_t)((I + H + 1) * j.HP + H * j.NP + G) + blocks * (size_t)j.scratch_floats,
                             sizeof(float));
-    int64_t *order = malloc((2 * (size_t)B + (size_t)T + 2) * sizeof(int64_t));
+    int64_t *order = malloc((4 * (size_t)B + (size_t)T + 2) * sizeof(int64_t));
     if (!weights || !order) {
         free(weights);
         free(order);
@@ -364,17 +394,18 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     }
     if (in[4]) memcpy(j.rbnp, in[4], (size_t)H * sizeof(float));
     pad_columns(j.Rnp, in[2], H, 3 * H, 2 * H, H, j.NP);
-    /* rows by their number of steps, most first (a counting sort): first[T - n] = where rows of n steps start */
-    int64_t *steps = order + B, *first = steps + B;
-    memset(first, 0, ((size_t)T + 2) * sizeof(int64_t));
+    int64_t *steps = order + B, *fed = steps + B, *first = fed + B, *by_fed = first + T + 2;
     for (int64_t b = 0; b < B; ++b) {
         steps[b] = steps_of(&j, b);
-        ++first[T - steps[b] + 1];
+        fed[b] = k->mode == 4 ? fed_of(&j, b, steps[b]) : steps[b];
     }
-    for (int64_t i = 1; i <= T + 1; ++i) first[i] += first[i - 1];
-    for (int64_t b = 0; b < B; ++b) order[first[T - steps[b]]++] = b;
+    /* rows by their number of steps, most first, and among those (AIGRU) by their fed steps: two stable counting
+       sorts, the minor key first */
+    sort_rows(fed, NULL, B, T, first, by_fed);
+    sort_rows(steps, by_fed, B, T, first, order);
     j.order = order;
     j.steps = steps;
+    j.fed = fed;
     OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, blocks, 0, &j);
     free(weights);
     free(order);
