@@ -122,9 +122,8 @@ def valid_flags(graph: gs.Graph, mask: gs.Tensor, bound: float, scale: float, sh
 
 def additive_masks(graph: gs.Graph, depends_on) -> list[tuple]:
     """(the Add, the scores it reads, the mask, the scores' bound S, the scale a, the constants added after it, the
-    Softmax) for each additive mask
-    whose scores are bounded and whose result only goes on to a softmax. `depends_on(t, values)`: whether t depends
-    on values."""
+    Softmax) for each additive mask whose scores are bounded and whose result only goes on to a softmax.
+    `depends_on(t, values)`: whether t depends on values."""
     found = []
     adds = [n for n in graph.nodes if n.op == "Add" and len(n.inputs) == 2 and
             all(const_value(u) is None for u in n.inputs)]
