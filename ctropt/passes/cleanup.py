@@ -16,7 +16,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
 from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import const_value, dtype_of, renameable, replace_outputs, shape_of, unique_name
+from ..graph.edit import axes_of, const_value, dtype_of, renameable, replace_outputs, shape_of, unique_name
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -203,13 +203,6 @@ def _compose_transposes(m):
     return [out]
 
 
-def _unsqueeze_axes(node) -> list | None:
-    if "axes" in node.attrs:
-        return list(node.attrs["axes"])
-    v = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
-    return None if v is None else v.ravel().tolist()
-
-
 def _stacked_part(m):
     """Gather(Concat(Unsqueeze(x_0, k), …, axis=k), c, axis=k) with c a scalar constant: x_c (torch.stack then
     indexing one of the stacked values)."""
@@ -223,7 +216,7 @@ def _stacked_part(m):
         return None
     for part in cat.inputs:  # every part one wide on the axis, so index c is part c
         made = part.inputs[0] if part.inputs else None
-        axes = _unsqueeze_axes(made) if made is not None and made.op == "Unsqueeze" else None
+        axes = axes_of(made) if made is not None and made.op == "Unsqueeze" else None
         if axes is None or [a % rank for a in axes] != [axis] or (shape_of(part) or [None] * rank)[axis] != 1:
             return None
     return [cat.inputs[int(index) % len(cat.inputs)].inputs[0].inputs[0]]

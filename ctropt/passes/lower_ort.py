@@ -11,17 +11,9 @@ it measures faster.
 
 from __future__ import annotations
 
-from ..graph.edit import const_value
+from ..graph.edit import axes_of, const_value
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
-
-
-def _last_axis(node) -> bool:
-    axes = node.attrs.get("axes")
-    if axes is None and len(node.inputs) > 1:
-        value = const_value(node.inputs[1])
-        axes = None if value is None else value.ravel().tolist()
-    return axes is not None and list(axes) == [-1]
 
 
 def _normalized(m: Match) -> bool | str:
@@ -35,7 +27,7 @@ def _normalized(m: Match) -> bool | str:
     for reader in out.outputs:
         if reader.op == "LayerNormalization" and reader.inputs[0] is out:
             return True
-        if reader.op == "ReduceMean" and _last_axis(reader) and any(
+        if reader.op == "ReduceMean" and axes_of(reader) == [-1] and any(
                 r.op == "Sub" and r.inputs[0] is out for r in out.outputs):
             return True
     return "no layer norm reads it"
