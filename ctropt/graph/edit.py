@@ -19,6 +19,30 @@ def axes_of(node: gs.Node) -> list[int] | None:
     return None if value is None else [int(a) for a in np.ravel(value)]
 
 
+def stacked_part(gather: gs.Node) -> gs.Tensor | None:
+    """x_c for ``Gather(Concat(Unsqueeze(x_0, k), …, axis=k), c, axis=k)`` with c a constant (torch.stack, then
+    ``x[:, c]``): every part is one wide on the axis, so index c is part c. Axes compare after normalizing when the
+    Concat's rank is known, as written otherwise."""
+    cat = gather.inputs[0].inputs[0] if gather.inputs[0].inputs else None
+    index = const_value(gather.inputs[1])
+    if cat is None or cat.op != "Concat" or index is None or index.size != 1:
+        return None
+    rank = len(shape_of(cat.outputs[0]) or [])
+
+    def norm(a: int) -> int:
+        return a % rank if rank else a
+
+    axis, c = norm(cat.attrs.get("axis", 0)), int(index.ravel()[0])
+    if norm(gather.attrs.get("axis", 0)) != axis or not -len(cat.inputs) <= c < len(cat.inputs):
+        return None
+    for part in cat.inputs:
+        made = part.inputs[0] if part.inputs else None
+        axes = axes_of(made) if made is not None and made.op == "Unsqueeze" else None
+        if axes is None or [norm(a) for a in axes] != [axis]:
+            return None
+    return cat.inputs[c].inputs[0].inputs[0]
+
+
 def const_value(t: gs.Tensor) -> np.ndarray | None:
     """The value of a constant tensor: an initializer or the output of a Constant node, in any scope."""
     if isinstance(t, gs.Constant):

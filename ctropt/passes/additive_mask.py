@@ -18,8 +18,9 @@ import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
 from ..graph.edit import Builder, const_value
+from .query_once import layer_weights
 
-LAYOUT = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}
+LAYOUT = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}  # ops that move values unchanged
 RANGES = {"Sigmoid": (0.0, 1.0), "Tanh": (-1.0, 1.0)}
 UNDERFLOW = 110.0  # exp(-110) is 0 in float32 (the smallest subnormal is about exp(-103.3))
 
@@ -35,27 +36,20 @@ def _through_layout(t: gs.Tensor) -> gs.Tensor:
 
 
 def _linear(t: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray] | None:
-    """(h, W [K, N], b [N]) when `t` is ``h·W + b`` (MatMul, MatMul + Add, Gemm), else None."""
+    """(h, W [K, N], b) when `t` is ``h·W + b`` (MatMul or a plain Gemm by constants, `query_once.layer_weights`,
+    then an Add of a constant bias or not), else None."""
     n = t.inputs[0] if t.inputs else None
-    if n is None:
-        return None
-    if n.op == "Gemm" and not n.attrs.get("transA", 0) and n.attrs.get("alpha", 1.0) == 1.0:
-        w = const_value(n.inputs[1])
-        b = const_value(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2].name else np.zeros(1)
-        if w is None or w.ndim != 2 or b is None:  # a computed bias C is not bounded
-            return None
-        w = w.T if n.attrs.get("transB", 0) else w
-        return n.inputs[0], w, b * n.attrs.get("beta", 1.0)
     bias = np.zeros(1)
-    if n.op == "Add":
+    if n is not None and n.op == "Add":
         consts = [const_value(u) for u in n.inputs]
         if sum(c is not None for c in consts) != 1:
             return None
         k = 0 if consts[0] is not None else 1
         bias, n = consts[k], n.inputs[1 - k].inputs[0] if n.inputs[1 - k].inputs else None
-    if n is None or n.op != "MatMul" or const_value(n.inputs[1]) is None or const_value(n.inputs[1]).ndim != 2:
-        return None
-    return n.inputs[0], const_value(n.inputs[1]), bias
+    w, b = layer_weights(n)
+    if w is None or w.ndim != 2:
+        return None  # a Gemm whose bias is computed is not bounded: layer_weights refuses it
+    return n.inputs[0], w, bias + (0 if b is None else b)
 
 
 def score_bound(scores: gs.Tensor) -> float | None:

@@ -16,7 +16,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
 from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import axes_of, const_value, dtype_of, renameable, replace_outputs, shape_of, unique_name
+from ..graph.edit import const_value, dtype_of, renameable, replace_outputs, shape_of, stacked_part, unique_name
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -205,21 +205,12 @@ def _compose_transposes(m):
 
 def _stacked_part(m):
     """Gather(Concat(Unsqueeze(x_0, k), …, axis=k), c, axis=k) with c a scalar constant: x_c (torch.stack then
-    indexing one of the stacked values)."""
-    cat, index = m.node("cat"), m.const("index")
-    rank = len(shape_of(cat.outputs[0]) or [])
-    axis = cat.attrs.get("axis", 0) % max(rank, 1)
-    if not rank or index.ndim != 0 or m.root.attrs.get("axis", 0) % rank != axis or \
+    indexing one of the stacked values; `graph.edit.stacked_part`)."""
+    if not shape_of(m.node("cat").outputs[0]) or m.const("index").ndim != 0 or \
             any(o is m.root.outputs[0] for o in m.graph.outputs):
         return None
-    if not -len(cat.inputs) <= int(index) < len(cat.inputs):
-        return None
-    for part in cat.inputs:  # every part one wide on the axis, so index c is part c
-        made = part.inputs[0] if part.inputs else None
-        axes = axes_of(made) if made is not None and made.op == "Unsqueeze" else None
-        if axes is None or [a % rank for a in axes] != [axis] or (shape_of(part) or [None] * rank)[axis] != 1:
-            return None
-    return [cat.inputs[int(index) % len(cat.inputs)].inputs[0].inputs[0]]
+    x = stacked_part(m.root)
+    return None if x is None else [x]
 
 
 CHAIN_RULES = (

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph.edit import Builder, axes_of, const_value
+from ..graph.edit import Builder, axes_of, const_value, stacked_part
 from ..runtime.probe import Probe
 
 MOVES = {"Identity", "Unsqueeze", "Squeeze", "Reshape"}
@@ -29,17 +29,10 @@ def _lookup(e: gs.Tensor) -> tuple[np.ndarray, gs.Tensor] | None:
             return None
         if n.op == "Gather" and const_value(n.inputs[0]) is not None and n.attrs.get("axis", 0) == 0:
             return const_value(n.inputs[0]), n.inputs[1]
-        if n.op == "Gather":  # one of the lookups stacked on `axis`
-            index, axis = const_value(n.inputs[1]), n.attrs.get("axis", 0)
-            cat = n.inputs[0].inputs[0] if n.inputs[0].inputs else None
-            if index is None or index.size != 1 or cat is None or cat.op != "Concat" or cat.attrs.get("axis") != axis:
+        if n.op == "Gather":  # one of the lookups stacked on its axis
+            e = stacked_part(n)
+            if e is None:
                 return None
-            part = cat.inputs[int(index.ravel()[0])] if -len(cat.inputs) <= int(index.ravel()[0]) < len(cat.inputs) \
-                else None
-            squeeze = part.inputs[0] if part is not None and part.inputs else None
-            if squeeze is None or squeeze.op != "Unsqueeze" or axes_of(squeeze) != [axis]:
-                return None
-            e = squeeze.inputs[0]
         elif n.op in MOVES:
             e = n.inputs[0]
         else:
