@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..graph import CtroptError, check_output_path, interface, load, node_count, save
+from ..graph import CtroptError, check_output_path, interface, iter_proto_nodes, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
 from ..passes.speed import SpeedCheck
 from ..report import write_report
@@ -218,7 +218,8 @@ def _print_runtime_needs(result) -> None:
     from .. import kernels
 
     if kernels.uses_kernels(result.model):
-        console.print(f"[cyan]kernels:[/] recurrent layers run as ctropt's GRUScan; onnxruntime needs "
+        used = sorted({n.op_type for n in iter_proto_nodes(result.model.graph) if n.domain == kernels.DOMAIN})
+        console.print(f"[cyan]kernels:[/] {', '.join(used)} run as ctropt's kernels; onnxruntime needs "
                       f"{kernels.library_path()} registered (ctropt's own sessions and `ctropt repository` do it; "
                       "other code: ctropt.kernels.register(session_options))")
     for r in result.records:

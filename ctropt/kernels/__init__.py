@@ -1,7 +1,8 @@
 """ctropt's onnxruntime kernel library (``ai.ctropt.kernels`` ops), built from C on the machine that runs it.
 
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
-lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). A model that holds
+lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). ``AttentionCore``
+(attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. A model that holds
 such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
@@ -21,7 +22,8 @@ from pathlib import Path
 from ..graph import CtroptError, iter_proto_nodes
 
 DOMAIN = "ai.ctropt.kernels"
-SOURCE = Path(__file__).with_name("gru_sequence.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
@@ -32,14 +34,15 @@ def library_path() -> Path:
     writable (a checkout), else the user's cache (~/.cache/ctropt, for a read-only install)."""
     folder = os.environ.get("CTROPT_KERNELS_DIR")
     if not folder:
-        folder = SOURCE.parent if os.access(SOURCE.parent, os.W_OK) else \
+        folder = HERE if os.access(HERE, os.W_OK) else \
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctropt"
     return Path(folder) / "libctropt_kernels.so"
 
 
 def available() -> bool:
     lib = library_path()
-    return lib.exists() and lib.stat().st_mtime >= SOURCE.stat().st_mtime
+    newest = max(p.stat().st_mtime for p in SOURCES + [HERE / "kernels.h"])
+    return lib.exists() and lib.stat().st_mtime >= newest
 
 
 def include_dir() -> Path | None:
@@ -59,7 +62,7 @@ def build(include: str | Path | None = None, compiler: str | None = None) -> Pat
     out = library_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(f"{out.name}.{os.getpid()}.part")  # then renamed: a concurrent build never loads half a file
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", str(SOURCE), "-o", str(part)]
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", *map(str, SOURCES), "-o", str(part)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:

@@ -24,25 +24,15 @@
  * Each gate's columns start at a multiple of LANES (G = H rounded up, zero weights in between), so a row's update
  * runs LANES columns at a time (AIGRU scales each row of x·W by its factor first).
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "onnxruntime_c_api.h"
+#include "kernels.h"
 
 #define ROWS 6
-#define LANES 8
 #define MAX_H 4096
 #define MAX_I 4096
-
-static const OrtApi *ort;
 
 typedef struct {
     int64_t hidden, lbr, zero_pad, mode;
 } Kernel;
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
 
 /* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of
  * Eigen and onnxruntime's MLAS; NaN stays NaN. */
@@ -103,14 +93,6 @@ static int64_t fed_of(const Job *j, int64_t b, int64_t steps) {
     while (n > 0 && j->f[b * j->T + n - 1] == 0.0f) --n;
     return n;
 }
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* out[r][0:width] = v[r][0:K] · M[:, 0:width] (M: [K, P], out rows P apart; width a multiple of 2 LANES, at most P)
  * for ROWS rows: 2 x ROWS vector accumulators, started at init[0:width] when given (the bias). */
@@ -299,32 +281,6 @@ static void sort_rows(const int64_t *key, const int64_t *in, int64_t B, int64_t 
 
 /* ---------------------------------------------------------------------------------------------- plumbing */
 
-#define TRY(call)                          \
-    do {                                   \
-        OrtStatus *status_ = (call);       \
-        if (status_) return status_;       \
-    } while (0)
-
-static OrtStatus *error(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
-
-static OrtStatus *input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,
-                        size_t *rank) {
-    const OrtValue *v = NULL;
-    *data = NULL;
-    *rank = 0;
-    if (i >= n_in) return NULL;
-    TRY(ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) return NULL;
-    OrtTensorTypeAndShapeInfo *info;
-    TRY(ort->GetTensorTypeAndShape(v, &info));
-    OrtStatus *s = ort->GetDimensionsCount(info, rank);
-    if (!s && *rank > 3) s = error("GRUScan: an input has rank > 3");
-    if (!s) s = ort->GetDimensions(info, dims, *rank);
-    ort->ReleaseTensorTypeAndShapeInfo(info);
-    if (s) return s;
-    return ort->GetTensorMutableData((OrtValue *)v, (void **)data);
-}
-
 /* M [K, C] with its columns from `from` to `from + C'` copied into [K, P] (zero padding). */
 static void pad_columns(float *out, const float *M, int64_t K, int64_t C, int64_t from, int64_t width, int64_t P) {
     for (int64_t r = 0; r < K; ++r) memcpy(out + r * P, M + r * C + from, (size_t)width * sizeof(float));
@@ -338,7 +294,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     int64_t d[N_IN][3];
     const float *in[N_IN];
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
-    for (size_t i = 0; i < N_IN; ++i) TRY(input(ctx, n_in, i, &in[i], d[i], &rank[i]));
+    for (size_t i = 0; i < N_IN; ++i) TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 3, "GRUScan: an input has rank > 3"));
     const int64_t H = k->hidden, B = d[0][0], T = d[0][1], I = d[0][2];
     if (H < 1 || H > MAX_H) return error("GRUScan: hidden_size must be in 1..4096");
     if (rank[0] != 3 || I < 1 || I > MAX_I) return error("GRUScan: X must be [B, T, I] with I in 1..4096");
@@ -431,21 +387,13 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     return NULL;
 }
 
-static void ORT_API_CALL destroy(void *kernel) { free(kernel); }
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GRUScan"; }
-static const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return N_IN; }
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 2; }
 
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-}
-
-static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    (void)i;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
@@ -458,43 +406,17 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCu
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-static OrtMemType ORT_API_CALL memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return OrtMemTypeDefault; }
-static int ORT_API_CALL one(const OrtCustomOp *op) { (void)op; return 1; }
-static int ORT_API_CALL last_opset(const OrtCustomOp *op) { (void)op; return 0x7fffffff; }
-static size_t ORT_API_CALL no_pairs(int **in, int **out) { *in = *out = NULL; return 0; }
-static void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)out; }
-
-static OrtCustomOp gru_scan = {
+OrtCustomOp ctropt_gru_scan = {
     .version = ORT_API_VERSION,
     .GetName = name,
-    .GetExecutionProviderType = provider,
     .GetInputType = input_type,
     .GetInputTypeCount = n_inputs,
-    .GetOutputType = output_type,
+    .GetOutputType = float_type,
     .GetOutputTypeCount = n_outputs,
     .GetInputCharacteristic = input_kind,
     .GetOutputCharacteristic = output_kind,
     .CreateKernelV2 = create,
     .KernelComputeV2 = compute,
     .KernelDestroy = destroy,
-    .GetInputMemoryType = memory,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputHomogeneity = one,
-    .GetStartVersion = one,
-    .GetEndVersion = last_opset,
-    .GetMayInplace = no_pairs,
-    .GetAliasMap = no_pairs,
-    .ReleaseMayInplace = free_pairs,
-    .ReleaseAliasMap = free_pairs,
+    COMMON_CALLBACKS,
 };
-
-ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-    ort = base->GetApi(ORT_API_VERSION);
-    if (!ort) return NULL;   /* an onnxruntime older than these headers: nothing can be reported */
-    OrtCustomOpDomain *domain = NULL;
-    TRY(ort->CreateCustomOpDomain("ai.ctropt.kernels", &domain));
-    TRY(ort->CustomOpDomain_Add(domain, &gru_scan));
-    return ort->AddCustomOpDomain(options, domain);
-}

@@ -1,0 +1,291 @@
+/* AttentionCore: softmax(scale · Q·Kᵀ + bias_scale · bias) · V over the last two axes, every head in one kernel.
+ *
+ * Node (domain "ai.ctropt.kernels", made by attention-core-kernel):
+ *   inputs   0 Q [..., S, dk]
+ *            1 K [..., L, dk]
+ *            2 V [..., L, dv]
+ *            3 bias, broadcastable to [..., S, L]                                                    optional
+ *   outputs  0 Y [..., S, dv]
+ *   "...": up to two leading axes, broadcast between Q, K and V as MatMul does (numpy's rules).
+ *   attributes scale, bias_scale (floats); q_perm, k_perm, v_perm (ints, optional): the input is read as
+ *            Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ with its last two
+ *            axes swapped), by strides, without copying it
+ *
+ * A row of scores is what onnxruntime computes for the decomposed form (its MatMul, Mul, Add and Softmax): the row's
+ * max subtracted, exp, the sum, times 1/sum; a row of -inf (all masked) gives NaN here as there. The rounding differs
+ * only by the order of sums. One head at a time: its Kᵀ and V copied into zero-padded scratch, so each loop runs
+ * LANES columns at a time with up to BLOCK vectors of accumulators in registers; blocks of heads are spread over
+ * onnxruntime's intra-op threads.
+ */
+#include "kernels.h"
+
+#define COLUMNS 8   /* of V at a time, each a vector of accumulators (over LANES query rows) */
+#define MAX_DIM (1 << 20)
+#define MAX_BLOCKS 64   /* of heads, each with its scratch */
+
+typedef struct {
+    float scale, bias_scale;
+    int64_t perm[3][4], perm_rank[3];   /* of Q, K, V; rank 0: none */
+} Kernel;
+
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec splat(float f) { return (vec){0} + f; }
+static inline vec pick(mask m, vec a, vec b) { return (vec)(((mask)a & m) | ((mask)b & ~m)); }
+
+/* exp on LANES values: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r; about 1 ulp), 0 below -87.3 (so
+ * -inf gives 0), NaN stays NaN. Its inputs here are at most 0 (the row's max subtracted). */
+static inline vec exp_vec(vec x) {
+    mask nan = x != x, tiny = x < -87.3f;
+    vec c = pick(tiny, splat(-87.3f), pick(x > 88.0f, splat(88.0f), x));
+    c = pick(nan, splat(0.0f), c);
+    vec fx = c * 1.44269504088896341f + 0.5f;
+    vec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);   /* toward 0, then down: floor */
+    fl = pick(fl > fx, fl - 1.0f, fl);
+    vec r = c - fl * 0.693359375f + fl * 2.12194440e-4f;
+    vec y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    ivec bits = (__builtin_convertvector(fl, ivec) + 127) << 23;
+    y = y * (vec)bits;
+    return pick(nan, x, pick(tiny, splat(0.0f), y));
+}
+
+typedef struct {
+    const Kernel *k;
+    int64_t S, L, dk, dv, lead1;
+    const float *q, *kk, *v, *bias;
+    int64_t qs[4], ks[4], vs[4], bs[4];   /* element strides per axis [lead, lead, row, column] (0: broadcast) */
+    float *y, *scratch;
+    int64_t heads, blocks, scratch_floats;   /* scratch per block: scores [L][LANES], and transposed
+                                                * Q rows [dk][LANES] and bias [L][LANES] */
+} Job;
+
+/* For a block of LANES query rows (a lane each): y[row][c0 : c0 + w] = inv · Σ_l e[l] V[l][c0 : c0 + w], w vectors of
+ * accumulators in registers (w a constant where it is inlined), then each lane's values to its row. */
+static inline __attribute__((always_inline)) void weigh_values(const Job *j, const float *e, vec inv, const float *v,
+                                                                int64_t c0, const int w, int rows, float *y) {
+    vec acc[COLUMNS] = {{0}};
+    for (int64_t l = 0; l < j->L; ++l) {
+        const vec p = load(e + l * LANES);
+        const float *vl = v + l * j->vs[2] + c0 * j->vs[3];
+        for (int c = 0; c < w; ++c) acc[c] += p * vl[c * j->vs[3]];
+    }
+    for (int c = 0; c < w; ++c) {
+        acc[c] *= inv;
+        for (int i = 0; i < rows; ++i) y[i * j->dv + c0 + c] = acc[c][i];
+    }
+}
+
+/* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bt: their bias
+ * transposed, [L][LANES], or NULL) into e [L][LANES], scaled and biased; returns their max per lane. */
+static vec scores(const Job *j, const float *qt, const float *k, const float *bt, float *e) {
+    const int64_t dk = j->dk, k_step = j->ks[3], k_row = j->ks[2];
+    vec top = splat(-__builtin_inff());
+    for (int64_t l = 0; l < j->L; ++l) {
+        const float *kl = k + l * k_row;
+        vec x = {0}, x2 = {0};   /* two chains over the depth */
+        int64_t d = 0;
+        for (; d + 1 < dk; d += 2) {
+            x += load(qt + d * LANES) * kl[d * k_step];
+            x2 += load(qt + (d + 1) * LANES) * kl[(d + 1) * k_step];
+        }
+        if (d < dk) x += load(qt + d * LANES) * kl[d * k_step];
+        x = (x + x2) * j->k->scale;
+        if (bt) x += j->k->bias_scale * load(bt + l * LANES);
+        store(e + l * LANES, x);
+        top = pick(x > top, x, top);
+    }
+    return top;
+}
+
+/* Head n: its query rows LANES at a time, each row's softmax in a lane (no reductions across lanes). */
+static void run_head(const Job *j, int64_t n, float *e) {
+    const int64_t S = j->S, L = j->L, dk = j->dk, dv = j->dv;
+    const int64_t i0 = n / j->lead1, i1 = n % j->lead1;
+    const float *q = j->q + i0 * j->qs[0] + i1 * j->qs[1];
+    const float *k = j->kk + i0 * j->ks[0] + i1 * j->ks[1];
+    const float *v = j->v + i0 * j->vs[0] + i1 * j->vs[1];
+    const float *bias = j->bias ? j->bias + i0 * j->bs[0] + i1 * j->bs[1] : NULL;
+    float *y = j->y + n * S * dv, *qt = e + L * LANES, *bt = bias ? qt + dk * LANES : NULL;
+    for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+        const int rows = S - s0 < LANES ? (int)(S - s0) : LANES;
+        for (int64_t d = 0; d < dk; ++d)
+            for (int i = 0; i < LANES; ++i) qt[d * LANES + i] = i < rows ? q[(s0 + i) * j->qs[2] + d * j->qs[3]] : 0.0f;
+        for (int64_t l = 0; l < L && bt; ++l)
+            for (int i = 0; i < LANES; ++i) bt[l * LANES + i] = i < rows ? bias[(s0 + i) * j->bs[2] + l * j->bs[3]] : 0.0f;
+        const vec top = scores(j, qt, k, bt, e);
+        vec sum = {0};
+        for (int64_t l = 0; l < L; ++l) {
+            const vec x = exp_vec(load(e + l * LANES) - top);
+            store(e + l * LANES, x);
+            sum += x;
+        }
+        const vec inv = 1.0f / sum;
+        float *ys = y + s0 * dv;
+        int64_t c = 0;
+        for (; c + COLUMNS <= dv; c += COLUMNS) weigh_values(j, e, inv, v, c, COLUMNS, rows, ys);
+        switch (dv - c) {   /* the last columns, with as many accumulators */
+            case 7: weigh_values(j, e, inv, v, c, 7, rows, ys); break;
+            case 6: weigh_values(j, e, inv, v, c, 6, rows, ys); break;
+            case 5: weigh_values(j, e, inv, v, c, 5, rows, ys); break;
+            case 4: weigh_values(j, e, inv, v, c, 4, rows, ys); break;
+            case 3: weigh_values(j, e, inv, v, c, 3, rows, ys); break;
+            case 2: weigh_values(j, e, inv, v, c, 2, rows, ys); break;
+            case 1: weigh_values(j, e, inv, v, c, 1, rows, ys); break;
+            default: break;
+        }
+    }
+}
+
+/* Block b of the heads, with its own scratch. */
+static void run_block(void *data, size_t b) {
+    const Job *j = data;
+    for (int64_t n = j->heads * (int64_t)b / j->blocks; n < j->heads * ((int64_t)b + 1) / j->blocks; ++n)
+        run_head(j, n, j->scratch + (int64_t)b * j->scratch_floats);
+}
+
+/* ---------------------------------------------------------------------------------------------- plumbing */
+
+/* dims (rank r) right-aligned to `want` axes (missing leading ones are 1) */
+static void align(const int64_t *dims, size_t r, size_t want, int64_t *out) {
+    for (size_t i = 0; i < want; ++i) out[i] = i + r < want ? 1 : dims[i + r - want];
+}
+
+/* An input of dims (rank r) read as Transpose(input, perm) (perm NULL: as it is), right-aligned to 4 axes: its dims and
+ * element strides (missing leading axes: 1 and 0). */
+static void viewed(const int64_t *dims, size_t r, const int64_t *perm, int64_t *out, int64_t *strides) {
+    int64_t own[4], step = 1;
+    for (size_t x = r; x-- > 0;) own[x] = step, step *= dims[x];
+    for (size_t x = 0; x < 4; ++x) {
+        const int64_t from = x + r < 4 ? -1 : perm ? perm[x + r - 4] : (int64_t)(x + r - 4);
+        out[x] = from < 0 ? 1 : dims[from];
+        strides[x] = from < 0 ? 0 : own[from];
+    }
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+    const Kernel *kn = kernel;
+    size_t n_in, rank[4];
+    int64_t d[4][4], a[4][4], lead[2];
+    const float *in[4];
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    for (size_t i = 0; i < 4; ++i)
+        TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "AttentionCore: an input has rank > 4"));
+    for (size_t i = 0; i < 3; ++i)
+        if (!in[i] || rank[i] < 2) return error("AttentionCore: Q, K and V need two axes at least");
+    align(d[3], rank[3], 4, a[3]);
+    int64_t st[3][4];
+    for (int i = 0; i < 3; ++i)
+        if (kn->perm_rank[i] && (size_t)kn->perm_rank[i] != rank[i]) return error("AttentionCore: a perm of another rank");
+    for (int i = 0; i < 3; ++i) viewed(d[i], rank[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
+    const int64_t S = a[0][2], dk = a[0][3], L = a[1][2], dv = a[2][3];
+    if (a[1][3] != dk) return error("AttentionCore: Q and K differ in depth");
+    if (a[2][2] != L) return error("AttentionCore: K and V differ in length");
+    if (S > MAX_DIM || L > MAX_DIM || dk > MAX_DIM || dv > MAX_DIM) return error("AttentionCore: an axis is too long");
+    size_t out_rank = rank[0] > rank[1] ? rank[0] : rank[1];
+    out_rank = out_rank > rank[2] ? out_rank : rank[2];
+    Job j = {.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2], .bias = in[3]};
+    for (int x = 0; x < 2; ++x) {
+        lead[x] = 1;
+        for (int i = 0; i < 3; ++i) {
+            if (a[i][x] != 1 && lead[x] != 1 && a[i][x] != lead[x])
+                return error("AttentionCore: the leading axes of Q, K and V do not broadcast");
+            if (a[i][x] != 1) lead[x] = a[i][x];
+        }
+    }
+    int64_t *strides[3] = {j.qs, j.ks, j.vs};
+    for (int i = 0; i < 3; ++i)
+        for (int x = 0; x < 4; ++x) strides[i][x] = x < 2 && a[i][x] == 1 ? 0 : st[i][x];
+    if (j.bias) {
+        const int64_t full[4] = {lead[0], lead[1], S, L};
+        int64_t step = 1;
+        for (int x = 3; x >= 0; --x) {
+            if (a[3][x] != 1 && a[3][x] != full[x]) return error("AttentionCore: bias does not broadcast to the scores");
+            j.bs[x] = a[3][x] == 1 ? 0 : step;
+            step *= a[3][x];
+        }
+    }
+    j.lead1 = lead[1];
+    int64_t y_dims[4] = {lead[0], lead[1], S, dv};
+    OrtValue *out;
+    TRY(ort->KernelContext_GetOutput(ctx, 0, y_dims + 4 - out_rank, out_rank, &out));
+    TRY(ort->GetTensorMutableData(out, (void **)&j.y));
+    j.heads = lead[0] * lead[1];
+    if (j.heads == 0 || S == 0 || dv == 0) return NULL;
+    if (L == 0) {   /* softmax over no columns: onnxruntime's Softmax gives an empty row, its MatMul zeros */
+        memset(j.y, 0, (size_t)(j.heads * S * dv) * sizeof(float));
+        return NULL;
+    }
+    j.blocks = j.heads < MAX_BLOCKS ? j.heads : MAX_BLOCKS;
+    j.scratch_floats = (2 * L + dk) * LANES;
+    j.scratch = calloc((size_t)(j.blocks * j.scratch_floats), sizeof(float));
+    if (!j.scratch) return ort->CreateStatus(ORT_FAIL, "AttentionCore: out of memory");
+    OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
+    free(j.scratch);
+    return s;
+}
+
+static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                      void **kernel) {
+    (void)op;
+    (void)api;
+    Kernel *k = calloc(1, sizeof(Kernel));
+    if (!k) return ort->CreateStatus(ORT_FAIL, "AttentionCore: out of memory");
+    OrtStatus *s = ort->KernelInfoGetAttribute_float(info, "scale", &k->scale);
+    if (!s) s = ort->KernelInfoGetAttribute_float(info, "bias_scale", &k->bias_scale);
+    static const char *perms[3] = {"q_perm", "k_perm", "v_perm"};
+    for (int i = 0; i < 3 && !s; ++i) {
+        size_t n = 0;
+        OrtStatus *absent = ort->KernelInfoGetAttributeArray_int64(info, perms[i], NULL, &n);   /* its length */
+        if (absent) {   /* not given: read as it is */
+            ort->ReleaseStatus(absent);
+            continue;
+        }
+        if (n > 4) s = error("AttentionCore: a perm is longer than 4");
+        if (!s) s = ort->KernelInfoGetAttributeArray_int64(info, perms[i], k->perm[i], &n);
+        k->perm_rank[i] = (int64_t)n;
+        for (size_t x = 0, seen = 0; x < n && !s; seen |= (size_t)1 << k->perm[i][x], ++x)
+            if (k->perm[i][x] < 0 || k->perm[i][x] >= (int64_t)n || (seen >> k->perm[i][x]) & 1)
+                s = error("AttentionCore: a perm is not a permutation");
+    }
+    if (s) {
+        free(k);
+        return s;
+    }
+    *kernel = k;
+    return NULL;
+}
+
+static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "AttentionCore"; }
+static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 4; }
+static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return INPUT_OUTPUT_REQUIRED;
+}
+
+OrtCustomOp ctropt_attention_core = {
+    .version = ORT_API_VERSION,
+    .GetName = name,
+    .GetInputType = float_type,
+    .GetInputTypeCount = n_inputs,
+    .GetOutputType = float_type,
+    .GetOutputTypeCount = n_outputs,
+    .GetInputCharacteristic = input_kind,
+    .GetOutputCharacteristic = output_kind,
+    .CreateKernelV2 = create,
+    .KernelComputeV2 = compute,
+    .KernelDestroy = destroy,
+    COMMON_CALLBACKS,
+};

@@ -1,0 +1,88 @@
+/* What ctropt's kernels share: onnxruntime's C API (`ort`, set by RegisterCustomOps in register.c), vectors of
+ * LANES floats (gcc/clang vector extensions: the compiler picks the instructions for -march=native), and the
+ * OrtCustomOp callbacks every kernel answers alike. */
+#ifndef CTROPT_KERNELS_H
+#define CTROPT_KERNELS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "onnxruntime_c_api.h"
+
+#define LANES 8
+
+extern const OrtApi *ort;
+extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core;
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+#define TRY(call)                          \
+    do {                                   \
+        OrtStatus *status_ = (call);       \
+        if (status_) return status_;       \
+    } while (0)
+
+static inline OrtStatus *error(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+static inline ONNXTensorElementDataType ORT_API_CALL float_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static inline void ORT_API_CALL destroy(void *kernel) { free(kernel); }
+static inline const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static inline OrtMemType ORT_API_CALL memory(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return OrtMemTypeDefault;
+}
+static inline int ORT_API_CALL one(const OrtCustomOp *op) { (void)op; return 1; }
+static inline int ORT_API_CALL last_opset(const OrtCustomOp *op) { (void)op; return 0x7fffffff; }
+static inline size_t ORT_API_CALL no_pairs(int **in, int **out) { *in = *out = NULL; return 0; }
+static inline void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)out; }
+
+/* The fields of an OrtCustomOp that every kernel fills alike (after .version, .GetName and its own callbacks). */
+#define COMMON_CALLBACKS                         \
+    .GetExecutionProviderType = provider,        \
+    .GetInputMemoryType = memory,                \
+    .GetVariadicInputMinArity = one,             \
+    .GetVariadicOutputMinArity = one,            \
+    .GetVariadicInputHomogeneity = one,          \
+    .GetVariadicOutputHomogeneity = one,         \
+    .GetStartVersion = one,                      \
+    .GetEndVersion = last_opset,                 \
+    .GetMayInplace = no_pairs,                   \
+    .GetAliasMap = no_pairs,                     \
+    .ReleaseMayInplace = free_pairs,             \
+    .ReleaseAliasMap = free_pairs
+
+/* Input i (NULL data and rank 0 when absent), its dims into `dims` (room for max_rank). */
+static inline OrtStatus *read_input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,
+                                   size_t *rank, size_t max_rank, const char *too_high) {
+    const OrtValue *v = NULL;
+    *data = NULL;
+    *rank = 0;
+    if (i >= n_in) return NULL;
+    TRY(ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) return NULL;
+    OrtTensorTypeAndShapeInfo *info;
+    TRY(ort->GetTensorTypeAndShape(v, &info));
+    OrtStatus *s = ort->GetDimensionsCount(info, rank);
+    if (!s && *rank > max_rank) s = error(too_high);
+    if (!s) s = ort->GetDimensions(info, dims, *rank);
+    ort->ReleaseTensorTypeAndShapeInfo(info);
+    if (s) return s;
+    return ort->GetTensorMutableData((OrtValue *)v, (void **)data);
+}
+
+#endif

@@ -1,0 +1,14 @@
+/* The library's entry point: onnxruntime calls RegisterCustomOps when the library is registered in a session. */
+#include "kernels.h"
+
+const OrtApi *ort;
+
+ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+    ort = base->GetApi(ORT_API_VERSION);
+    if (!ort) return NULL;   /* an onnxruntime older than these headers: nothing can be reported */
+    OrtCustomOpDomain *domain = NULL;
+    TRY(ort->CreateCustomOpDomain("ai.ctropt.kernels", &domain));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_gru_scan));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_attention_core));
+    return ort->AddCustomOpDomain(options, domain);
+}

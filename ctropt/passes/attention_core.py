@@ -1,0 +1,167 @@
+"""`attention-core-kernel`: the core of scaled dot-product attention, ``softmax(s · Q·Kᵀ + bias) · V``, → one
+``ai.ctropt.kernels::AttentionCore`` node for onnxruntime.
+
+Behaviour-sequence transformers (BST, TransAct, SASRec) and AutoInt attend over short histories (L = 9–51) with small
+heads (8–32 wide), so onnxruntime spends their attention in per-head overheads: a batched MatMul per head for Q·Kᵀ
+and for P·V, a Softmax over rows of L, the scale and the mask each a pass over [B, H, L, L]. Its own fused forms do
+not help on CPU (1 thread, B = 256, L = 21, D = 24, two heads: com.microsoft MultiHeadAttention 0.72×, Attention
+1.00×, the ONNX Attention op of opset 23 1.22× the decomposed graph; `benchmarks/RESULTS.md`). The kernel computes
+each head's rows LANES at a time with the softmax in registers.
+
+Found by what it computes, in whichever dialect: a MatMul reading a Softmax over the last axis of
+``[MatMul(Q, Kᵀ) scaled by constants] [+ bias | - bias]``, the scale on Q, on Kᵀ or on the scores (a torch export
+scales both by √s), the bias any float value that broadcasts to the scores (a key-padding, causal or additive mask
+made by the export). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
+is read by the kernel through strides instead of being run. Float32 only, ranks 2–4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .. import kernels
+from ..graph import CtroptError, annotate_shapes
+from ..graph.edit import const_value, rank_of, shape_of
+from ..patterns import Match, P, Rewrite, Var
+from .registry import PassContext, register_pass
+
+FORMS = ("auto", "kernel", "standard")
+
+
+def _scalar(t: gs.Tensor) -> float | None:
+    v = const_value(t)
+    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 and v.dtype.kind == "f" else None
+
+
+def _only_reader(t: gs.Tensor, graph: gs.Graph) -> bool:
+    return len(t.outputs) == 1 and not any(o is t for o in graph.outputs)
+
+
+def _unscaled(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float]:
+    """`t` without the Mul/Div by scalar constants that made it (each read only here), and their product."""
+    scale = 1.0
+    while t.inputs and t.inputs[0].op in ("Mul", "Div") and _only_reader(t, graph):
+        node = t.inputs[0]
+        c = _scalar(node.inputs[1])
+        if node.op == "Mul" and c is None and _scalar(node.inputs[0]) is not None:
+            c, x = _scalar(node.inputs[0]), node.inputs[1]
+        else:
+            x = node.inputs[0]
+        if c is None or c == 0.0:
+            break
+        scale, t = scale * (c if node.op == "Mul" else 1.0 / c), x
+    return t, scale
+
+
+def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[int] | None, float]:
+    """`t` as (value, perm, scale): t = scale · Transpose(value, perm), the Transpose (perm None: none) and the scalar
+    Mul/Div it strips each read only here."""
+    t, scale = _unscaled(t, graph)
+    node = t.inputs[0] if t.inputs else None
+    if node is None or node.op != "Transpose" or not _only_reader(t, graph) or rank_of(node.inputs[0]) is None:
+        return t, None, scale
+    rank = rank_of(node.inputs[0])
+    perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+    base, inner = _unscaled(node.inputs[0], graph)
+    return base, perm, scale * inner
+
+
+def read_core(m: Match) -> dict | str:
+    """The attention core at the matched MatMul(Softmax(x), V): its Q, K (and whether given as Kᵀ), V, bias, scale
+    and bias sign; a reason when it is not one."""
+    g, scores = m.graph, m["scores"]
+    rank = rank_of(scores)
+    axis = m.node("softmax").attrs.get("axis", -1)
+    if rank is None or rank < 2 or rank > 4 or axis not in (-1, rank - 1):
+        return "not a softmax over the last axis of a rank 2-4 value"
+    core = {"bias": None, "bias_scale": 1.0}
+    t, outer = _unscaled(scores, g)
+    node = t.inputs[0] if t.inputs and _only_reader(t, g) else None
+    if node is not None and node.op in ("Add", "Sub"):
+        for i in (0,) if node.op == "Sub" else (0, 1):   # a Sub's bias is what it subtracts
+            base, _ = _unscaled(node.inputs[i], g)
+            if base.inputs and base.inputs[0].op == "MatMul":
+                core["bias"], core["bias_scale"] = node.inputs[1 - i], -1.0 if node.op == "Sub" else 1.0
+                t = node.inputs[i]
+                break
+        else:
+            return "the scores add no Q·Kᵀ product"
+        if outer != 1.0:
+            return "a scale after the bias"
+    t, inner = _unscaled(t, g)
+    mm = t.inputs[0] if t.inputs and _only_reader(t, g) else None
+    if mm is None or mm.op != "MatMul":
+        return "the softmax does not read a MatMul of Q and Kᵀ"
+    q, q_perm, sq = _source(mm.inputs[0], g)
+    k, kt_perm, sk = _source(mm.inputs[1], g)
+    v, v_perm, sv = _source(m["v"], g)
+    if sv != 1.0 or rank_of(mm.inputs[1]) is None:
+        return "V scaled, or Kᵀ of unknown rank"
+    r = rank_of(mm.inputs[1])
+    swap = list(range(r - 2)) + [r - 1, r - 2]   # K is Kᵀ with its last two axes swapped
+    k_perm = [kt_perm[a] for a in swap] if kt_perm else swap
+    core.update(q=q, k=k, v=v, scale=outer * inner * sq * sk, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm)
+    values = [q, k, v] + ([core["bias"]] if core["bias"] is not None else [])
+    if any(v.dtype != np.float32 for v in values):
+        return "not float32"
+    if any(rank_of(x) is None or not 2 <= rank_of(x) <= 4 for x in values[:3]):
+        return "Q, K or V of unknown rank or rank above 4"
+    if core["bias"] is not None and not _bias_fits(core["bias"], scores):
+        return "the bias would broadcast the scores to a larger shape"
+    return core
+
+
+def _bias_fits(bias: gs.Tensor, scores: gs.Tensor) -> bool:
+    """The bias broadcasts to the scores' shape without enlarging it (as far as the shapes are known)."""
+    b, s = shape_of(bias), shape_of(scores)
+    if b is None or s is None or len(b) > len(s):
+        return False
+    return all(not (isinstance(x, int) and x > 1 and isinstance(y, int) and y != x) for x, y in zip(b[::-1], s[::-1]))
+
+
+def _is_core(m: Match) -> bool | str:
+    core = read_core(m)
+    return core if isinstance(core, str) else True
+
+
+def _to_kernel(m: Match) -> list:
+    core = read_core(m)
+    out = m.root.outputs[0]
+    inputs = [core["q"], core["k"], core["v"]] + ([core["bias"]] if core["bias"] is not None else [])
+    attrs = {"scale": float(core["scale"]), "bias_scale": core["bias_scale"]}
+    for key in ("q_perm", "k_perm", "v_perm"):
+        if core[key] is not None and core[key] != list(range(len(core[key]))):
+            attrs[key] = core[key]
+    return m.op("AttentionCore", inputs, attrs,
+                name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
+
+
+CORE_RULES = (
+    Rewrite("attention-core", P.MatMul(P.Softmax(Var("scores"), _name="softmax"), Var("v")), _to_kernel, _is_core,
+            subgraphs=False),
+)
+
+
+@register_pass("attention-core-kernel", group="lower", targets=("ort",), rules=CORE_RULES)
+def attention_core_kernel(ctx: PassContext) -> None:
+    """softmax(s · Q·Kᵀ + bias) · V (the attention of transformers, any head count and mask) → ctropt's
+    AttentionCore kernel, where its library loads (the saved model then needs it at run time, as for GRUScan);
+    option attention_ort_form: auto, kernel (insist), standard (leave the ops)."""
+    form = ctx.options.get("attention_ort_form", "auto") or "auto"
+    if form not in FORMS:
+        raise CtroptError(f"attention_ort_form must be one of {', '.join(FORMS)}, not {form!r}")
+    if form == "standard":
+        return
+    problem = kernels.ensure()
+    if problem:
+        if form == "kernel":
+            raise CtroptError(f"attention_ort_form=kernel needs ctropt's kernel library, which cannot be built here: "
+                              f"{problem}")
+        ctx.note(f"attention left as standard ops: ctropt's kernel library is not available ({problem})")
+        return
+    if any(n.op == "Softmax" and n.outputs[0].shape is None for n in ctx.graph.nodes):
+        annotate_shapes(ctx.graph)   # the rank of the scores (the pass manager has done it; a lone run may not)
+    if ctx.apply(*CORE_RULES):
+        ctx.note(f"AttentionCore kernels: the model needs ctropt's kernel library at run time "
+                 f"({kernels.library_path()})")

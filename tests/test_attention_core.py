@@ -1,0 +1,243 @@
+"""attention-core-kernel: softmax(s · Q·Kᵀ + bias) · V → ctropt's AttentionCore kernel, in the dialects of torch
+(legacy: scaled Q; SDPA: √s on Q and on Kᵀ; a bias made from a key-padding or causal mask), FuxiCTR AutoInt (Div of
+the scores), tf2onnx (a subtracted bias, Kᵀ given) and paddle2onnx (no scale); the kernel against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import F, init, make_model, node, ops, run_pass, vi
+
+import ctropt
+from ctropt import kernels
+from ctropt.runtime import run_model
+
+RNG = np.random.default_rng(7)
+B, H, L, DK, DV = 3, 2, 11, 6, 10
+
+
+def reference(q, k, v, scale, bias=None, bias_scale=1.0):
+    s = scale * q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2)
+    if bias is not None:
+        s = s + bias_scale * bias
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+def qkv_inputs(rank=4):
+    lead = ["batch", H][: rank - 2]
+    return [vi("q", F, lead + [L, DK]), vi("k", F, lead + [L, DK]), vi("v", F, lead + [L, DV])]
+
+
+def feeds(rank=4, bias_shape=None, lengths=None):
+    lead = [B, H][: rank - 2]
+    f = {"q": RNG.normal(size=lead + [L, DK]).astype(np.float32), "k": RNG.normal(size=lead + [L, DK]).astype(np.float32),
+         "v": RNG.normal(size=lead + [L, DV]).astype(np.float32)}
+    if bias_shape is not None:
+        f["bias"] = RNG.normal(size=bias_shape).astype(np.float32)
+    if lengths is not None:
+        f["lengths"] = np.asarray(lengths, np.int64)
+    return f
+
+
+def torch_legacy():
+    """nn.MultiheadAttention (legacy): Q scaled, K transposed, an additive mask, softmax, · V."""
+    nodes = [node("Mul", ["q", "s"], ["qs"]), node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             node("MatMul", ["qs", "kt"], ["qk"]), node("Add", ["qk", "bias"], ["x"]),
+             node("Softmax", ["x"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    return make_model(nodes, qkv_inputs() + [vi("bias", F, ["batch", 1, L, L])], [vi("y", F, ["batch", H, L, DV])],
+                      [init("s", np.array(DK ** -0.5, np.float32))])
+
+
+def torch_sdpa_key_padding():
+    """SDPA (dynamo): √s on Q and on Kᵀ; the bias a Where over a key-padding mask built from lengths."""
+    nodes = [node("Mul", ["q", "r"], ["qs"]), node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             node("Mul", ["kt", "r"], ["kts"]), node("MatMul", ["qs", "kts"], ["qk"]),
+             node("Range", ["zero", "len", "one"], ["pos"]), node("Unsqueeze", ["lengths", "ax1"], ["l2"]),
+             node("Less", ["pos", "l2"], ["valid"]), node("Reshape", ["valid", "shape4"], ["valid4"]),
+             node("Where", ["valid4", "fzero", "minf"], ["bias"]), node("Add", ["qk", "bias"], ["x"]),
+             node("Softmax", ["x"], ["p"], axis=3), node("MatMul", ["p", "v"], ["y"])]
+    inits = [init("r", np.array(DK ** -0.25, np.float32)), init("zero", np.array(0, np.int64)),
+             init("len", np.array(L, np.int64)), init("one", np.array(1, np.int64)), init("ax1", np.array([1], np.int64)),
+             init("shape4", np.array([-1, 1, 1, L], np.int64)), init("fzero", np.array(0.0, np.float32)),
+             init("minf", np.array(-np.inf, np.float32))]
+    return make_model(nodes, qkv_inputs() + [vi("lengths", onnx.TensorProto.INT64, ["batch"])],
+                      [vi("y", F, ["batch", H, L, DV])], inits)
+
+
+def autoint():
+    """FuxiCTR AutoInt: the scores divided by √dk, no mask, [B, H, fields, d]."""
+    nodes = [node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["qk"]),
+             node("Div", ["qk", "c"], ["x"]), node("Softmax", ["x"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    return make_model(nodes, qkv_inputs(), [vi("y", F, ["batch", H, L, DV])], [init("c", np.array(DK ** 0.5, np.float32))])
+
+
+def tf2onnx_subtracted():
+    """tf2onnx (Keras-style, [B·H, L, d]): Kᵀ given as a value, (1 - mask)·10000 subtracted, default axis."""
+    nodes = [node("MatMul", ["q", "kt"], ["qk"]), node("Mul", ["qk", "s"], ["qks"]), node("Sub", ["one", "m"], ["inv"]),
+             node("Mul", ["inv", "big"], ["pen"]), node("Sub", ["qks", "pen"], ["x"]), node("Softmax", ["x"], ["p"]),
+             node("MatMul", ["p", "v"], ["y"])]
+    inputs = [vi("q", F, ["n", L, DK]), vi("kt", F, ["n", DK, L]), vi("v", F, ["n", L, DV]), vi("m", F, ["n", 1, L])]
+    inits = [init("s", np.array(0.3, np.float32)), init("one", np.array(1.0, np.float32)),
+             init("big", np.array(10000.0, np.float32))]
+    return make_model(nodes, inputs, [vi("y", F, ["n", L, DV])], inits, opset=13)
+
+
+def paddle_unscaled():
+    """paddle2onnx: MatMul of Q and a transposed K, the softmax straight on it."""
+    nodes = [node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["x"]),
+             node("Softmax", ["x"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    return make_model(nodes, qkv_inputs(), [vi("y", F, ["batch", H, L, DV])])
+
+
+def torch_sequence_first():
+    """nn.MultiheadAttention (dynamo, batch_first=False): Q, K, V made [N, L, d] from [L, N, d] by Transposes, Kᵀ by
+    one straight to [N, d, L]; the mask a bias per head."""
+    nodes = [node("Transpose", ["q"], ["qn"], perm=[1, 0, 2]), node("Mul", ["qn", "s"], ["qs"]),
+             node("Transpose", ["k"], ["kt"], perm=[1, 2, 0]), node("MatMul", ["qs", "kt"], ["qk"]),
+             node("Add", ["qk", "bias"], ["x"]), node("Softmax", ["x"], ["p"], axis=-1),
+             node("Transpose", ["v"], ["vn"], perm=[1, 0, 2]), node("MatMul", ["p", "vn"], ["y"])]
+    inputs = [vi("q", F, [L, "n", DK]), vi("k", F, [L, "n", DK]), vi("v", F, [L, "n", DV]), vi("bias", F, ["n", L, L])]
+    return make_model(nodes, inputs, [vi("y", F, ["n", L, DV])], [init("s", np.array(0.4, np.float32))])
+
+
+def tf_feeds():
+    m = (RNG.random((B * H, 1, L)) < 0.6).astype(np.float32)
+    return {"q": RNG.normal(size=(B * H, L, DK)).astype(np.float32),
+            "kt": RNG.normal(size=(B * H, DK, L)).astype(np.float32),
+            "v": RNG.normal(size=(B * H, L, DV)).astype(np.float32), "m": m}
+
+
+def _perm(core, key):
+    return next((list(a.ints) for a in core.attribute if a.name == key), None)
+
+
+def _check(model, f, k_perm=None):
+    done, ctx = run_pass(model, "attention-core-kernel")
+    assert ctx.rewrites == 1 and ops(done).count("AttentionCore") == 1
+    assert "Softmax" not in ops(done) and "MatMul" not in ops(done), ops(done)
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    assert _perm(core, "k_perm") == k_perm   # K read through Kᵀ's layout, with no Transpose run
+    want, got = run_model(model, f), run_model(done, f)
+    for a, b in ((want[k], got[k]) for k in want):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(np.nan_to_num(b), np.nan_to_num(a), atol=2e-6, rtol=1e-5)
+    again, ctx2 = run_pass(done, "attention-core-kernel")
+    assert ctx2.rewrites == 0 and ops(again) == ops(done)
+    assert ctropt.graph.interface(done) == ctropt.graph.interface(model)
+    return done
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    if kernels.ensure():
+        pytest.skip(f"ctropt's kernel library cannot be built here: {kernels.ensure()}")
+
+
+def test_torch_legacy_scaled_query_and_additive_mask():
+    _check(torch_legacy(), feeds(bias_shape=[B, 1, L, L]))
+
+
+@pytest.mark.parametrize("lengths", [[L, 5, 1], [0, L, 3]], ids=["full-and-partial", "an-empty-history"])
+def test_torch_sdpa_key_padding_mask(lengths):
+    """An empty history masks every key: the softmax of a row of -inf is NaN, in the kernel as in onnxruntime."""
+    done = _check(torch_sdpa_key_padding(), feeds(lengths=lengths))
+    assert ops(done).count("Where") == 1   # the mask is built as before and read as the bias
+
+
+def test_torch_sequence_first_layout_read_through_strides():
+    f = {n: RNG.normal(size=(L, B * H, d)).astype(np.float32) for n, d in (("q", DK), ("k", DK), ("v", DV))}
+    f["bias"] = np.where(RNG.random((B * H, L, L)) < 0.3, -np.inf, 0).astype(np.float32)
+    f["bias"][:, :, 0] = 0.0
+    done = _check(torch_sequence_first(), f, k_perm=[1, 0, 2])
+    assert "Transpose" not in ops(done)
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    assert _perm(core, "q_perm") == [1, 0, 2] and _perm(core, "v_perm") == [1, 0, 2]
+
+
+def test_autoint_divided_scores():
+    _check(autoint(), feeds())
+
+
+def test_tf2onnx_subtracted_mask_and_given_transposed_keys():
+    _check(tf2onnx_subtracted(), tf_feeds(), k_perm=[0, 2, 1])
+
+
+def test_paddle_without_scale():
+    _check(paddle_unscaled(), feeds())
+
+
+def test_not_an_attention_core():
+    """Softmax on another axis, the probabilities read twice, a bias that broadcasts the scores larger: left."""
+    other_axis = paddle_unscaled()
+    other_axis.graph.node[2].attribute[0].i = 2
+    twice = paddle_unscaled()
+    twice.graph.output.append(vi("p", F, ["batch", H, L, L]))
+    wide = torch_legacy()
+    wide.graph.input[3].CopyFrom(vi("bias", F, [2, "batch", H, L, L]))
+    wide.graph.output[0].CopyFrom(vi("y", F, None))
+    for model in (other_axis, twice, wide):
+        done, ctx = run_pass(model, "attention-core-kernel")
+        assert ctx.rewrites == 0 and "AttentionCore" not in ops(done)
+
+
+def test_without_the_library_standard_ops_and_a_note(monkeypatch):
+    monkeypatch.setattr(kernels, "ensure", lambda: "no gcc")
+    done, ctx = run_pass(autoint(), "attention-core-kernel")
+    assert ctx.rewrites == 0 and "Softmax" in ops(done) and any("not available" in n for n in ctx.notes)
+    with pytest.raises(ctropt.CtroptError, match="cannot be built"):
+        run_pass(autoint(), "attention-core-kernel", attention_ort_form="kernel")
+    done, ctx = run_pass(autoint(), "attention-core-kernel", attention_ort_form="standard")
+    assert ctx.rewrites == 0
+
+
+def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_scale=1.0, **perms):
+    ins = ["q", "k", "v"] + (["bias"] if bias_shape else [])
+    shapes = [q_shape, k_shape, v_shape] + ([bias_shape] if bias_shape else [])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("AttentionCore", ins, ["y"], domain=kernels.DOMAIN, scale=scale, bias_scale=bias_scale,
+                               **perms)],
+        "core", [vi(n, F, s) for n, s in zip(ins, shapes)], [vi("y", F, None)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                         onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    kernels.register(so)
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    f = {n: RNG.normal(size=s).astype(np.float32) for n, s in zip(ins, shapes)}
+    return session.run(None, f)[0], f
+
+
+@pytest.mark.parametrize("shapes", [
+    ([4, 3, 17, 5], [4, 3, 9, 5], [4, 3, 9, 19], [4, 1, 17, 9]),   # S > LANES, dv with a remainder, bias per row
+    ([2, 1, 8], [2, 30, 8], [2, 30, 8], [2, 1, 30]),                # one query row (a target over its history)
+    ([5, 2, 7, 4], [1, 2, 7, 4], [5, 1, 7, 3], [1, 1, 1, 7]),        # leading axes broadcast, one bias for all
+    ([6, 16], [40, 16], [40, 33], None),                             # rank 2, no bias
+])
+@pytest.mark.parametrize("layout", ["as-is", "transposed"])
+def test_the_kernel_matches_numpy(shapes, layout):
+    """Each input as it is, or given in another layout and read through a perm (Kᵀ; Q and V with their first and
+    last axes swapped)."""
+    q, k, v, bias = shapes
+    perms = {}
+    if layout == "transposed":
+        r = len(q)
+        swap_last, swap_ends = list(range(r - 2)) + [r - 1, r - 2], [r - 1] + list(range(1, r - 1)) + [0]
+        q, k, v = [q[a] for a in swap_ends], [k[a] for a in swap_last], [v[a] for a in swap_ends]
+        perms = {"q_perm": swap_ends, "k_perm": swap_last, "v_perm": swap_ends}
+    got, f = _kernel_model(q, k, v, bias, scale=0.4, bias_scale=-1.0, **perms)
+    view = lambda key: np.transpose(f[key], perms[f"{key}_perm"]) if perms else f[key]  # noqa: E731
+    want = reference(view("q"), view("k"), view("v"), 0.4, f.get("bias"), -1.0)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_kernel_refuses_shapes_that_do_not_fit():
+    with pytest.raises(Exception, match="K and V differ in length"):
+        _kernel_model([2, 4, 8], [2, 5, 8], [2, 6, 8])
+    with pytest.raises(Exception, match="bias does not broadcast"):
+        _kernel_model([2, 4, 8], [2, 5, 8], [2, 5, 8], [2, 3, 5])
+    with pytest.raises(Exception, match="not a permutation"):
+        _kernel_model([2, 4, 8], [2, 5, 8], [2, 5, 8], q_perm=[0, 0, 1])
