@@ -183,6 +183,50 @@ def test_not_an_attention_core():
         assert ctx.rewrites == 0 and "AttentionCore" not in ops(done)
 
 
+def test_softmax_before_opset_13_flattens_from_axis_1():
+    """Without `axis`, an opset 11 Softmax normalizes over H·S·L of [B, H, S, L], not over L: left; with axis=3 it is
+    the last-axis softmax and fused."""
+    flat = paddle_unscaled()
+    del flat.graph.node[2].attribute[:]
+    flat.opset_import[0].version = 11
+    done, ctx = run_pass(flat, "attention-core-kernel")
+    assert ctx.rewrites == 0
+    last = paddle_unscaled()
+    last.graph.node[2].attribute[0].i = 3
+    last.opset_import[0].version = 11
+    _check(last, feeds())
+
+
+def test_a_bias_or_a_scale_that_broadcasts_the_result_larger():
+    """A bias with a batch axis over Q, K, V without one, a rank-4 bias over rank-3 heads: the kernel broadcasts as
+    the Add does. A one-value constant of rank 4 scaling rank-3 Q stays in the graph (the kernel reads its product)."""
+    batch_bias = torch_legacy()
+    for i, t in enumerate([vi("q", F, [1, H, L, DK]), vi("k", F, [1, H, L, DK]), vi("v", F, [1, H, L, DV])]):
+        batch_bias.graph.input[i].CopyFrom(t)
+    batch_bias.graph.output[0].CopyFrom(vi("y", F, None))
+    f = feeds(bias_shape=[B, 1, L, L])
+    f.update({k: f[k][:1] for k in "qkv"})
+    done = _check(batch_bias, f)
+    assert run_model(done, f)["y"].shape == (B, H, L, DV)
+    rank3 = tf2onnx_subtracted()
+    rank3.graph.input[3].CopyFrom(vi("m", F, [1, 1, 1, L]))
+    rank3.graph.output[0].CopyFrom(vi("y", F, None))
+    f = tf_feeds()
+    f["m"] = f["m"][:1, None]
+    done = _check(rank3, f, k_perm=[0, 2, 1])
+    assert run_model(done, f)["y"].shape == (1, B * H, L, DV)
+    raised = autoint()
+    raised.graph.input[0].CopyFrom(vi("q", F, [H, L, DK]))
+    raised.graph.node.insert(0, node("Mul", ["q", "c4"], ["q4"]))
+    raised.graph.node[2].input[0] = "q4"
+    raised.graph.initializer.append(init("c4", np.array([[[[0.7]]]], np.float32)))
+    raised.graph.output[0].CopyFrom(vi("y", F, None))
+    f = feeds()
+    f["q"] = f["q"][0]
+    done = _check(raised, f)
+    assert "Mul" in ops(done) and run_model(done, f)["y"].shape == (B, H, L, DV)
+
+
 def test_without_the_library_standard_ops_and_a_note(monkeypatch):
     monkeypatch.setattr(kernels, "ensure", lambda: "no gcc")
     done, ctx = run_pass(autoint(), "attention-core-kernel")
@@ -193,7 +237,7 @@ def test_without_the_library_standard_ops_and_a_note(monkeypatch):
     assert ctx.rewrites == 0
 
 
-def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_scale=1.0, **perms):
+def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_scale=1.0, feeds=None, **perms):
     ins = ["q", "k", "v"] + (["bias"] if bias_shape else [])
     shapes = [q_shape, k_shape, v_shape] + ([bias_shape] if bias_shape else [])
     graph = onnx.helper.make_graph(
@@ -206,7 +250,7 @@ def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_sc
     so.intra_op_num_threads = 2
     kernels.register(so)
     session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    f = {n: RNG.normal(size=s).astype(np.float32) for n, s in zip(ins, shapes)}
+    f = feeds or {n: RNG.normal(size=s).astype(np.float32) for n, s in zip(ins, shapes)}
     return session.run(None, f)[0], f
 
 
@@ -215,6 +259,7 @@ def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_sc
     ([2, 1, 8], [2, 30, 8], [2, 30, 8], [2, 1, 30]),                # one query row (a target over its history)
     ([5, 2, 7, 4], [1, 2, 7, 4], [5, 1, 7, 3], [1, 1, 1, 7]),        # leading axes broadcast, one bias for all
     ([6, 16], [40, 16], [40, 33], None),                             # rank 2, no bias
+    ([2, 1, 8], [2, 30, 8], [2, 30, 8], [3, 2, 5, 30]),              # the bias widens the rows and adds an axis
 ])
 @pytest.mark.parametrize("layout", ["as-is", "transposed"])
 def test_the_kernel_matches_numpy(shapes, layout):
@@ -232,6 +277,21 @@ def test_the_kernel_matches_numpy(shapes, layout):
     want = reference(view("q"), view("k"), view("v"), 0.4, f.get("bias"), -1.0)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 8, 13])
+def test_the_kernel_skips_keys_masked_for_every_row(rows):
+    """Keys the bias masks with -inf for every row of a block of 8 (key padding, the causal future) are skipped; the
+    result is the same as computing them, and a row masked everywhere is NaN as in onnxruntime."""
+    lengths = np.array([L, 4, 1, 0])
+    allowed = (np.arange(L)[None, None] < lengths[:, None, None]) & np.tril(np.ones((rows, L), bool))[None]
+    got, f = _kernel_model([4, 2, rows, DK], [4, 2, L, DK], [4, 2, L, DV], [4, 1, rows, L])
+    f["bias"] = np.where(allowed, 0, -np.inf).astype(np.float32)[:, None]
+    got, _ = _kernel_model([4, 2, rows, DK], [4, 2, L, DK], [4, 2, L, DV], [4, 1, rows, L], feeds=f)
+    with np.errstate(invalid="ignore"):
+        want = reference(f["q"], f["k"], f["v"], 0.5, f["bias"])
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[3]).all() and not np.isnan(got[:3]).any()
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=2e-6, rtol=1e-5)
 
 
 def test_the_kernel_refuses_shapes_that_do_not_fit():

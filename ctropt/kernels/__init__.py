@@ -41,8 +41,10 @@ def library_path() -> Path:
 
 def available() -> bool:
     lib = library_path()
-    newest = max(p.stat().st_mtime for p in SOURCES + [HERE / "kernels.h"])
-    return lib.exists() and lib.stat().st_mtime >= newest
+    sources = SOURCES + [HERE / "kernels.h"]
+    if not lib.exists() or not all(p.exists() for p in sources):   # a source missing: the build says which
+        return False
+    return lib.stat().st_mtime >= max(p.stat().st_mtime for p in sources)
 
 
 def include_dir() -> Path | None:

@@ -6,7 +6,8 @@
  *            2 V [..., L, dv]
  *            3 bias, broadcastable to [..., S, L]                                                    optional
  *   outputs  0 Y [..., S, dv]
- *   "...": up to two leading axes, broadcast between Q, K and V as MatMul does (numpy's rules).
+ *   "...": up to two leading axes. Q, K, V and the bias broadcast as the decomposed graph does (numpy's rules: the
+ *            bias may widen the leading axes, and the query rows when Q has one).
  *   attributes scale, bias_scale (floats); q_perm, k_perm, v_perm (ints, optional): the input is read as
  *            Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ with its last two
  *            axes swapped), by strides, without copying it
@@ -19,6 +20,10 @@
  */
 #include "kernels.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define COLUMNS 8   /* of V at a time, each a vector of accumulators (over LANES query rows) */
 #define MAX_DIM (1 << 20)
 #define MAX_BLOCKS 64   /* of heads, each with its scratch */
@@ -30,15 +35,28 @@ typedef struct {
 
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(float))));
 
+/* Lane i: base[at[i]], `at` the offsets of a block's rows (lanes past its last row repeat it: read, never kept). */
+static inline vec gather(const float *base, const int64_t *at) {
+#if defined(__AVX2__) && LANES == 8
+    if (at[LANES - 1] <= INT32_MAX) {
+        const __m256i idx = _mm256_setr_epi32((int)at[0], (int)at[1], (int)at[2], (int)at[3], (int)at[4], (int)at[5],
+                                              (int)at[6], (int)at[7]);
+        return (vec)_mm256_i32gather_ps(base, idx, 4);
+    }
+#endif
+    vec v;
+    for (int i = 0; i < LANES; ++i) v[i] = base[at[i]];
+    return v;
+}
+
 static inline vec splat(float f) { return (vec){0} + f; }
 static inline vec pick(mask m, vec a, vec b) { return (vec)(((mask)a & m) | ((mask)b & ~m)); }
 
-/* exp on LANES values: Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r; about 1 ulp), 0 below -87.3 (so
- * -inf gives 0), NaN stays NaN. Its inputs here are at most 0 (the row's max subtracted). */
+/* exp on LANES values at most 0 (the row's max subtracted): Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r;
+ * about 1 ulp), 0 below -87.3 (so -inf gives 0); NaN (a row of -inf) stays NaN through the arithmetic. */
 static inline vec exp_vec(vec x) {
-    mask nan = x != x, tiny = x < -87.3f;
-    vec c = pick(tiny, splat(-87.3f), pick(x > 88.0f, splat(88.0f), x));
-    c = pick(nan, splat(0.0f), c);
+    mask tiny = x < -87.3f;
+    vec c = pick(tiny, splat(-87.3f), x);
     vec fx = c * 1.44269504088896341f + 0.5f;
     vec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);   /* toward 0, then down: floor */
     fl = pick(fl > fx, fl - 1.0f, fl);
@@ -51,7 +69,7 @@ static inline vec exp_vec(vec x) {
     y = y * (r * r) + r + 1.0f;
     ivec bits = (__builtin_convertvector(fl, ivec) + 127) << 23;
     y = y * (vec)bits;
-    return pick(nan, x, pick(tiny, splat(0.0f), y));
+    return pick(tiny, splat(0.0f), y);
 }
 
 typedef struct {
@@ -60,18 +78,19 @@ typedef struct {
     const float *q, *kk, *v, *bias;
     int64_t qs[4], ks[4], vs[4], bs[4];   /* element strides per axis [lead, lead, row, column] (0: broadcast) */
     float *y, *scratch;
-    int64_t heads, blocks, scratch_floats;   /* scratch per block: scores [L][LANES], and transposed
-                                                * Q rows [dk][LANES] and bias [L][LANES] */
+    int64_t heads, blocks, scratch_floats;   /* scratch per block: scores [L][LANES], Q rows
+                                                * transposed [dk][LANES], the keys kept [L] */
 } Job;
 
 /* For a block of LANES query rows (a lane each): y[row][c0 : c0 + w] = inv · Σ_l e[l] V[l][c0 : c0 + w], w vectors of
  * accumulators in registers (w a constant where it is inlined), then each lane's values to its row. */
-static inline __attribute__((always_inline)) void weigh_values(const Job *j, const float *e, vec inv, const float *v,
-                                                                int64_t c0, const int w, int rows, float *y) {
+static inline __attribute__((always_inline)) void weigh_values(const Job *j, const float *e, const int64_t *keys,
+                                                                int64_t kept, vec inv, const float *v, int64_t c0,
+                                                                const int w, int rows, float *y) {
     vec acc[COLUMNS] = {{0}};
-    for (int64_t l = 0; l < j->L; ++l) {
-        const vec p = load(e + l * LANES);
-        const float *vl = v + l * j->vs[2] + c0 * j->vs[3];
+    for (int64_t i = 0; i < kept; ++i) {
+        const vec p = load(e + i * LANES);
+        const float *vl = v + keys[i] * j->vs[2] + c0 * j->vs[3];
         for (int c = 0; c < w; ++c) acc[c] += p * vl[c * j->vs[3]];
     }
     for (int c = 0; c < w; ++c) {
@@ -80,12 +99,25 @@ static inline __attribute__((always_inline)) void weigh_values(const Job *j, con
     }
 }
 
-/* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bt: their bias
- * transposed, [L][LANES], or NULL) into e [L][LANES], scaled and biased; returns their max per lane. */
-static vec scores(const Job *j, const float *qt, const float *k, const float *bt, float *e) {
+/* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bias: the block's
+ * first row's, or NULL; at: the offsets of its rows in the bias) into e [kept][LANES], scaled and biased, for the keys
+ * kept (their indices into keys): a key the bias masks (-inf) for every row of the block weighs 0 in each softmax, so
+ * it is skipped (key padding, the future under a causal mask). Returns their max per lane. */
+static vec scores(const Job *j, const float *qt, const float *k, const float *bias, const int64_t *at, float *e,
+                  int64_t *keys, int64_t *kept) {
     const int64_t dk = j->dk, k_step = j->ks[3], k_row = j->ks[2];
-    vec top = splat(-__builtin_inff());
+    const vec none = splat(-__builtin_inff());
+    vec top = none;
+    *kept = 0;
     for (int64_t l = 0; l < j->L; ++l) {
+        vec b = {0};
+        if (bias) {
+            b = j->k->bias_scale * gather(bias + l * j->bs[3], at);
+            mask masked = b == none;
+            int all = 1;
+            for (int i = 0; i < LANES; ++i) all &= masked[i] != 0;
+            if (all) continue;
+        }
         const float *kl = k + l * k_row;
         vec x = {0}, x2 = {0};   /* two chains over the depth */
         int64_t d = 0;
@@ -94,9 +126,9 @@ static vec scores(const Job *j, const float *qt, const float *k, const float *bt
             x2 += load(qt + (d + 1) * LANES) * kl[(d + 1) * k_step];
         }
         if (d < dk) x += load(qt + d * LANES) * kl[d * k_step];
-        x = (x + x2) * j->k->scale;
-        if (bt) x += j->k->bias_scale * load(bt + l * LANES);
-        store(e + l * LANES, x);
+        x = (x + x2) * j->k->scale + b;
+        store(e + *kept * LANES, x);
+        keys[(*kept)++] = l;
         top = pick(x > top, x, top);
     }
     return top;
@@ -110,16 +142,19 @@ static void run_head(const Job *j, int64_t n, float *e) {
     const float *k = j->kk + i0 * j->ks[0] + i1 * j->ks[1];
     const float *v = j->v + i0 * j->vs[0] + i1 * j->vs[1];
     const float *bias = j->bias ? j->bias + i0 * j->bs[0] + i1 * j->bs[1] : NULL;
-    float *y = j->y + n * S * dv, *qt = e + L * LANES, *bt = bias ? qt + dk * LANES : NULL;
+    float *y = j->y + n * S * dv, *qt = e + L * LANES;
+    int64_t *keys = (int64_t *)(qt + dk * LANES), kept;
     for (int64_t s0 = 0; s0 < S; s0 += LANES) {
         const int rows = S - s0 < LANES ? (int)(S - s0) : LANES;
-        for (int64_t d = 0; d < dk; ++d)
-            for (int i = 0; i < LANES; ++i) qt[d * LANES + i] = i < rows ? q[(s0 + i) * j->qs[2] + d * j->qs[3]] : 0.0f;
-        for (int64_t l = 0; l < L && bt; ++l)
-            for (int i = 0; i < LANES; ++i) bt[l * LANES + i] = i < rows ? bias[(s0 + i) * j->bs[2] + l * j->bs[3]] : 0.0f;
-        const vec top = scores(j, qt, k, bt, e);
+        int64_t q_at[LANES], bias_at[LANES];
+        for (int i = 0; i < LANES; ++i) {
+            q_at[i] = (i < rows ? i : rows - 1) * j->qs[2];
+            bias_at[i] = (i < rows ? i : rows - 1) * j->bs[2];
+        }
+        for (int64_t d = 0; d < dk; ++d) store(qt + d * LANES, gather(q + s0 * j->qs[2] + d * j->qs[3], q_at));
+        const vec top = scores(j, qt, k, bias ? bias + s0 * j->bs[2] : NULL, bias_at, e, keys, &kept);
         vec sum = {0};
-        for (int64_t l = 0; l < L; ++l) {
+        for (int64_t l = 0; l < kept; ++l) {
             const vec x = exp_vec(load(e + l * LANES) - top);
             store(e + l * LANES, x);
             sum += x;
@@ -127,15 +162,15 @@ static void run_head(const Job *j, int64_t n, float *e) {
         const vec inv = 1.0f / sum;
         float *ys = y + s0 * dv;
         int64_t c = 0;
-        for (; c + COLUMNS <= dv; c += COLUMNS) weigh_values(j, e, inv, v, c, COLUMNS, rows, ys);
+        for (; c + COLUMNS <= dv; c += COLUMNS) weigh_values(j, e, keys, kept, inv, v, c, COLUMNS, rows, ys);
         switch (dv - c) {   /* the last columns, with as many accumulators */
-            case 7: weigh_values(j, e, inv, v, c, 7, rows, ys); break;
-            case 6: weigh_values(j, e, inv, v, c, 6, rows, ys); break;
-            case 5: weigh_values(j, e, inv, v, c, 5, rows, ys); break;
-            case 4: weigh_values(j, e, inv, v, c, 4, rows, ys); break;
-            case 3: weigh_values(j, e, inv, v, c, 3, rows, ys); break;
-            case 2: weigh_values(j, e, inv, v, c, 2, rows, ys); break;
-            case 1: weigh_values(j, e, inv, v, c, 1, rows, ys); break;
+            case 7: weigh_values(j, e, keys, kept, inv, v, c, 7, rows, ys); break;
+            case 6: weigh_values(j, e, keys, kept, inv, v, c, 6, rows, ys); break;
+            case 5: weigh_values(j, e, keys, kept, inv, v, c, 5, rows, ys); break;
+            case 4: weigh_values(j, e, keys, kept, inv, v, c, 4, rows, ys); break;
+            case 3: weigh_values(j, e, keys, kept, inv, v, c, 3, rows, ys); break;
+            case 2: weigh_values(j, e, keys, kept, inv, v, c, 2, rows, ys); break;
+            case 1: weigh_values(j, e, keys, kept, inv, v, c, 1, rows, ys); break;
             default: break;
         }
     }
@@ -182,24 +217,26 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; ++i)
         if (kn->perm_rank[i] && (size_t)kn->perm_rank[i] != rank[i]) return error("AttentionCore: a perm of another rank");
     for (int i = 0; i < 3; ++i) viewed(d[i], rank[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
-    const int64_t S = a[0][2], dk = a[0][3], L = a[1][2], dv = a[2][3];
+    /* numpy's broadcasting over the whole expression: the bias may widen the leading axes and the query rows too */
+    const int64_t S = a[0][2] == 1 && in[3] ? a[3][2] : a[0][2], dk = a[0][3], L = a[1][2], dv = a[2][3];
     if (a[1][3] != dk) return error("AttentionCore: Q and K differ in depth");
     if (a[2][2] != L) return error("AttentionCore: K and V differ in length");
     if (S > MAX_DIM || L > MAX_DIM || dk > MAX_DIM || dv > MAX_DIM) return error("AttentionCore: an axis is too long");
-    size_t out_rank = rank[0] > rank[1] ? rank[0] : rank[1];
-    out_rank = out_rank > rank[2] ? out_rank : rank[2];
+    size_t out_rank = 2;
+    for (int i = 0; i < 4; ++i) out_rank = rank[i] > out_rank ? rank[i] : out_rank;
     Job j = {.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2], .bias = in[3]};
     for (int x = 0; x < 2; ++x) {
         lead[x] = 1;
-        for (int i = 0; i < 3; ++i) {
+        for (int i = 0; i < 4; ++i) {
             if (a[i][x] != 1 && lead[x] != 1 && a[i][x] != lead[x])
-                return error("AttentionCore: the leading axes of Q, K and V do not broadcast");
+                return error("AttentionCore: the leading axes of Q, K, V and the bias do not broadcast");
             if (a[i][x] != 1) lead[x] = a[i][x];
         }
     }
     int64_t *strides[3] = {j.qs, j.ks, j.vs};
     for (int i = 0; i < 3; ++i)
         for (int x = 0; x < 4; ++x) strides[i][x] = x < 2 && a[i][x] == 1 ? 0 : st[i][x];
+    if (a[0][2] == 1) j.qs[2] = 0;   /* one query row, repeated over the bias's rows */
     if (j.bias) {
         const int64_t full[4] = {lead[0], lead[1], S, L};
         int64_t step = 1;
@@ -221,7 +258,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         return NULL;
     }
     j.blocks = j.heads < MAX_BLOCKS ? j.heads : MAX_BLOCKS;
-    j.scratch_floats = (2 * L + dk) * LANES;
+    j.scratch_floats = (L + dk) * LANES + 2 * L;   /* and the keys kept, L int64 */
     j.scratch = calloc((size_t)(j.blocks * j.scratch_floats), sizeof(float));
     if (!j.scratch) return ort->CreateStatus(ORT_FAIL, "AttentionCore: out of memory");
     OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
@@ -248,9 +285,12 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
         if (n > 4) s = error("AttentionCore: a perm is longer than 4");
         if (!s) s = ort->KernelInfoGetAttributeArray_int64(info, perms[i], k->perm[i], &n);
         k->perm_rank[i] = (int64_t)n;
-        for (size_t x = 0, seen = 0; x < n && !s; seen |= (size_t)1 << k->perm[i][x], ++x)
+        for (size_t x = 0, seen = 0; x < n && !s; ++x) {
             if (k->perm[i][x] < 0 || k->perm[i][x] >= (int64_t)n || (seen >> k->perm[i][x]) & 1)
                 s = error("AttentionCore: a perm is not a permutation");
+            else
+                seen |= (size_t)1 << k->perm[i][x];
+        }
     }
     if (s) {
         free(k);

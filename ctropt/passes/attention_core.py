@@ -10,8 +10,8 @@ each head's rows LANES at a time with the softmax in registers.
 
 Found by what it computes, in whichever dialect: a MatMul reading a Softmax over the last axis of
 ``[MatMul(Q, Kᵀ) scaled by constants] [+ bias | - bias]``, the scale on Q, on Kᵀ or on the scores (a torch export
-scales both by √s), the bias any float value that broadcasts to the scores (a key-padding, causal or additive mask
-made by the export). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
+scales both by √s), the bias any float value of rank 4 at most (a key-padding, causal or additive mask made by the
+export; the kernel broadcasts it as the Add does). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
 is read by the kernel through strides instead of being run. Float32 only, ranks 2–4.
 """
 
@@ -22,16 +22,19 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError, annotate_shapes
-from ..graph.edit import const_value, rank_of, shape_of
+from ..graph.edit import const_value, rank_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
 FORMS = ("auto", "kernel", "standard")
 
 
-def _scalar(t: gs.Tensor) -> float | None:
-    v = const_value(t)
-    return float(v.reshape(-1)[0]) if v is not None and v.size == 1 and v.dtype.kind == "f" else None
+def _scalar(t: gs.Tensor, of: gs.Tensor) -> float | None:
+    """The float constant t holds, when it is one value that does not raise the rank of `of` (what it scales)."""
+    v, rank = const_value(t), rank_of(of)
+    if v is None or v.size != 1 or v.dtype.kind != "f" or rank is None or v.ndim > rank:
+        return None
+    return float(v.reshape(-1)[0])
 
 
 def _only_reader(t: gs.Tensor, graph: gs.Graph) -> bool:
@@ -43,11 +46,9 @@ def _unscaled(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float]:
     scale = 1.0
     while t.inputs and t.inputs[0].op in ("Mul", "Div") and _only_reader(t, graph):
         node = t.inputs[0]
-        c = _scalar(node.inputs[1])
-        if node.op == "Mul" and c is None and _scalar(node.inputs[0]) is not None:
-            c, x = _scalar(node.inputs[0]), node.inputs[1]
-        else:
-            x = node.inputs[0]
+        c, x = _scalar(node.inputs[1], node.inputs[0]), node.inputs[0]
+        if node.op == "Mul" and c is None:
+            c, x = _scalar(node.inputs[0], node.inputs[1]), node.inputs[1]
         if c is None or c == 0.0:
             break
         scale, t = scale * (c if node.op == "Mul" else 1.0 / c), x
@@ -72,7 +73,8 @@ def read_core(m: Match) -> dict | str:
     and bias sign; a reason when it is not one."""
     g, scores = m.graph, m["scores"]
     rank = rank_of(scores)
-    axis = m.node("softmax").attrs.get("axis", -1)
+    # before opset 13 Softmax flattens from `axis` (default 1) on: the last axis alone only when axis is the last
+    axis = m.node("softmax").attrs.get("axis", -1 if int(g.opset or 13) >= 13 else 1)
     if rank is None or rank < 2 or rank > 4 or axis not in (-1, rank - 1):
         return "not a softmax over the last axis of a rank 2-4 value"
     core = {"bias": None, "bias_scale": 1.0}
@@ -107,17 +109,9 @@ def read_core(m: Match) -> dict | str:
         return "not float32"
     if any(rank_of(x) is None or not 2 <= rank_of(x) <= 4 for x in values[:3]):
         return "Q, K or V of unknown rank or rank above 4"
-    if core["bias"] is not None and not _bias_fits(core["bias"], scores):
-        return "the bias would broadcast the scores to a larger shape"
+    if core["bias"] is not None and (rank_of(core["bias"]) is None or rank_of(core["bias"]) > 4):
+        return "a bias of unknown rank or rank above 4"
     return core
-
-
-def _bias_fits(bias: gs.Tensor, scores: gs.Tensor) -> bool:
-    """The bias broadcasts to the scores' shape without enlarging it (as far as the shapes are known)."""
-    b, s = shape_of(bias), shape_of(scores)
-    if b is None or s is None or len(b) > len(s):
-        return False
-    return all(not (isinstance(x, int) and x > 1 and isinstance(y, int) and y != x) for x, y in zip(b[::-1], s[::-1]))
 
 
 def _is_core(m: Match) -> bool | str:
