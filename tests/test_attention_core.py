@@ -94,13 +94,14 @@ def paddle_unscaled():
 
 def torch_sequence_first():
     """nn.MultiheadAttention (dynamo, batch_first=False): Q, K, V made [N, L, d] from [L, N, d] by Transposes, Kᵀ by
-    one straight to [N, d, L]; the mask a bias per head."""
+    one straight to [N, d, L]; the mask a bias per head; the result back to [L, N, d]."""
     nodes = [node("Transpose", ["q"], ["qn"], perm=[1, 0, 2]), node("Mul", ["qn", "s"], ["qs"]),
              node("Transpose", ["k"], ["kt"], perm=[1, 2, 0]), node("MatMul", ["qs", "kt"], ["qk"]),
              node("Add", ["qk", "bias"], ["x"]), node("Softmax", ["x"], ["p"], axis=-1),
-             node("Transpose", ["v"], ["vn"], perm=[1, 0, 2]), node("MatMul", ["p", "vn"], ["y"])]
+             node("Transpose", ["v"], ["vn"], perm=[1, 0, 2]), node("MatMul", ["p", "vn"], ["o"]),
+             node("Transpose", ["o"], ["y"], perm=[1, 0, 2])]
     inputs = [vi("q", F, [L, "n", DK]), vi("k", F, [L, "n", DK]), vi("v", F, [L, "n", DV]), vi("bias", F, ["n", L, L])]
-    return make_model(nodes, inputs, [vi("y", F, ["n", L, DV])], [init("s", np.array(0.4, np.float32))])
+    return make_model(nodes, inputs, [vi("y", F, [L, "n", DV])], [init("s", np.array(0.4, np.float32))])
 
 
 def tf_feeds():
@@ -144,7 +145,36 @@ def test_torch_legacy_scaled_query_and_additive_mask():
 def test_torch_sdpa_key_padding_mask(lengths):
     """An empty history masks every key: the softmax of a row of -inf is NaN, in the kernel as in onnxruntime."""
     done = _check(torch_sdpa_key_padding(), feeds(lengths=lengths))
-    assert ops(done).count("Where") == 1   # the mask is built as before and read as the bias
+    assert "Where" not in ops(done)   # the kernel reads the boolean mask itself: -inf where it is false
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in core.attribute}
+    assert len(core.input) == 5 and core.input[3] == "" and attrs["mask_on"] == 0 and attrs["mask_value"] == -np.inf
+
+
+def masked_fill(zeros_shape):
+    """FuxiCTR (torch masked_fill): Where(mask, -inf, zeros) as the bias, the mask a boolean input [n, L, L]."""
+    nodes = [node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), node("MatMul", ["q", "kt"], ["qk"]),
+             node("Expand", ["fzero", "zshape"], ["zeros"]), node("Where", ["m", "minf", "zeros"], ["bias"]),
+             node("Add", ["qk", "bias"], ["x"]), node("Softmax", ["x"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    inputs = [vi("q", F, ["n", L, DK]), vi("k", F, ["n", L, DK]), vi("v", F, ["n", L, DV]),
+              vi("m", onnx.TensorProto.BOOL, ["n", L, L])]
+    inits = [init("fzero", np.array(0.0, np.float32)), init("minf", np.array(-np.inf, np.float32)),
+             init("zshape", np.array(zeros_shape, np.int64))]
+    return make_model(nodes, inputs, [vi("y", F, None)], inits)
+
+
+def test_a_where_mask_is_read_as_a_boolean_mask():
+    """Where(mask, -inf, 0) as the bias: the kernel reads the mask (no Where run); zeros that would widen the result
+    keep the Where as a float bias."""
+    f = {k: RNG.normal(size=(B * H, L, d)).astype(np.float32) for k, d in (("q", DK), ("k", DK), ("v", DV))}
+    f["m"] = RNG.random((B * H, L, L)) < 0.4
+    f["m"][:, :, 0] = False
+    done = _check(masked_fill([1, 1, 1]), f)
+    assert "Where" not in ops(done) and "Expand" not in ops(done)
+    wide = masked_fill([2, 1, 1, 1])
+    f["m"] = f["m"][:1]
+    done = _check(wide, {**f, "q": f["q"][:1], "k": f["k"][:1], "v": f["v"][:1]})
+    assert "Where" in ops(done)
 
 
 def test_torch_sequence_first_layout_read_through_strides():
@@ -154,7 +184,7 @@ def test_torch_sequence_first_layout_read_through_strides():
     done = _check(torch_sequence_first(), f, k_perm=[1, 0, 2])
     assert "Transpose" not in ops(done)
     core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
-    assert _perm(core, "q_perm") == [1, 0, 2] and _perm(core, "v_perm") == [1, 0, 2]
+    assert _perm(core, "q_perm") == [1, 0, 2] and _perm(core, "v_perm") == [1, 0, 2] and _perm(core, "y_perm") == [1, 0, 2]
 
 
 def test_autoint_divided_scores():
@@ -264,17 +294,21 @@ def _kernel_model(q_shape, k_shape, v_shape, bias_shape=None, scale=0.5, bias_sc
 @pytest.mark.parametrize("layout", ["as-is", "transposed"])
 def test_the_kernel_matches_numpy(shapes, layout):
     """Each input as it is, or given in another layout and read through a perm (Kᵀ; Q and V with their first and
-    last axes swapped)."""
+    last axes swapped), the output written in another (its first two axes swapped)."""
     q, k, v, bias = shapes
     perms = {}
     if layout == "transposed":
         r = len(q)
         swap_last, swap_ends = list(range(r - 2)) + [r - 1, r - 2], [r - 1] + list(range(1, r - 1)) + [0]
         q, k, v = [q[a] for a in swap_ends], [k[a] for a in swap_last], [v[a] for a in swap_ends]
-        perms = {"q_perm": swap_ends, "k_perm": swap_last, "v_perm": swap_ends}
+        out_rank = max(len(q), len(k), len(v), len(bias or []))
+        perms = {"q_perm": swap_ends, "k_perm": swap_last, "v_perm": swap_ends,
+                 "y_perm": [1, 0] + list(range(2, out_rank))}
     got, f = _kernel_model(q, k, v, bias, scale=0.4, bias_scale=-1.0, **perms)
     view = lambda key: np.transpose(f[key], perms[f"{key}_perm"]) if perms else f[key]  # noqa: E731
     want = reference(view("q"), view("k"), view("v"), 0.4, f.get("bias"), -1.0)
+    if perms:
+        want = np.transpose(want, perms["y_perm"])
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
@@ -297,7 +331,7 @@ def test_the_kernel_skips_keys_masked_for_every_row(rows):
 def test_the_kernel_refuses_shapes_that_do_not_fit():
     with pytest.raises(Exception, match="K and V differ in length"):
         _kernel_model([2, 4, 8], [2, 5, 8], [2, 6, 8])
-    with pytest.raises(Exception, match="bias does not broadcast"):
+    with pytest.raises(Exception, match="does not broadcast to the scores"):
         _kernel_model([2, 4, 8], [2, 5, 8], [2, 5, 8], [2, 3, 5])
     with pytest.raises(Exception, match="not a permutation"):
         _kernel_model([2, 4, 8], [2, 5, 8], [2, 5, 8], q_perm=[0, 0, 1])

@@ -5,12 +5,15 @@
  *            1 K [..., L, dk]
  *            2 V [..., L, dv]
  *            3 bias, broadcastable to [..., S, L]                                                    optional
+ *            4 mask (bool), broadcastable to [..., S, L]: adds mask_value where mask == mask_on        optional
+ *              (the Where(mask, -inf, 0) an export builds as the bias, without running it); not with a bias
  *   outputs  0 Y [..., S, dv]
  *   "...": up to two leading axes. Q, K, V and the bias broadcast as the decomposed graph does (numpy's rules: the
  *            bias may widen the leading axes, and the query rows when Q has one).
- *   attributes scale, bias_scale (floats); q_perm, k_perm, v_perm (ints, optional): the input is read as
- *            Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ with its last two
- *            axes swapped), by strides, without copying it
+ *   attributes scale, bias_scale, mask_value (floats), mask_on (int); q_perm, k_perm, v_perm (ints, optional): the
+ *            input is read as Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ
+ *            with its last two axes swapped), by strides, without copying it; y_perm (ints, optional): the output
+ *            is written as Transpose(Y, y_perm) (heads merged back by the export)
  *
  * A row of scores is what onnxruntime computes for the decomposed form (its MatMul, Mul, Add and Softmax): the row's
  * max subtracted, exp, the sum, times 1/sum; a row of -inf (all masked) gives NaN here as there. The rounding differs
@@ -29,8 +32,8 @@
 #define MAX_BLOCKS 64   /* of heads, each with its scratch */
 
 typedef struct {
-    float scale, bias_scale;
-    int64_t perm[3][4], perm_rank[3];   /* of Q, K, V; rank 0: none */
+    float scale, bias_scale, mask_value;
+    int64_t mask_on, perm[4][4], perm_rank[4];   /* perms of Q, K, V, Y; rank 0: none */
 } Kernel;
 
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(float))));
@@ -76,7 +79,8 @@ typedef struct {
     const Kernel *k;
     int64_t S, L, dk, dv, lead1;
     const float *q, *kk, *v, *bias;
-    int64_t qs[4], ks[4], vs[4], bs[4];   /* element strides per axis [lead, lead, row, column] (0: broadcast) */
+    const uint8_t *mask, *mask_end;       /* or the mask (bs: its strides) */
+    int64_t qs[4], ks[4], vs[4], bs[4], ys[4];   /* element strides per axis [lead, lead, row, column] (0: broadcast) */
     float *y, *scratch;
     int64_t heads, blocks, scratch_floats;   /* scratch per block: scores [L][LANES], Q rows
                                                 * transposed [dk][LANES], the keys kept [L] */
@@ -95,24 +99,45 @@ static inline __attribute__((always_inline)) void weigh_values(const Job *j, con
     }
     for (int c = 0; c < w; ++c) {
         acc[c] *= inv;
-        for (int i = 0; i < rows; ++i) y[i * j->dv + c0 + c] = acc[c][i];
+        for (int i = 0; i < rows; ++i) y[i * j->ys[2] + (c0 + c) * j->ys[3]] = acc[c][i];
     }
 }
 
-/* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bias: the block's
- * first row's, or NULL; at: the offsets of its rows in the bias) into e [kept][LANES], scaled and biased, for the keys
- * kept (their indices into keys): a key the bias masks (-inf) for every row of the block weighs 0 in each softmax, so
- * it is skipped (key padding, the future under a causal mask). Returns their max per lane. */
-static vec scores(const Job *j, const float *qt, const float *k, const float *bias, const int64_t *at, float *e,
-                  int64_t *keys, int64_t *kept) {
+/* Column l of the bias for a block's rows (at: their offsets from bias or mask, the block's first row's):
+ * bias_scale · bias, or mask_value where the mask is mask_on. */
+static inline vec bias_column(const Job *j, const float *bias, const uint8_t *flags, int64_t l, const int64_t *at) {
+    if (bias) return j->k->bias_scale * gather(bias + l * j->bs[3], at);
+    const uint8_t *m = flags + l * j->bs[3];
+    mask set;
+#if defined(__AVX2__) && LANES == 8
+    if (at[LANES - 1] <= INT32_MAX - 4 && m + at[LANES - 1] + 4 <= j->mask_end) {   /* 4 bytes at each flag */
+        const __m256i idx = _mm256_setr_epi32((int)at[0], (int)at[1], (int)at[2], (int)at[3], (int)at[4], (int)at[5],
+                                              (int)at[6], (int)at[7]);
+        set = (mask)_mm256_i32gather_epi32((const int *)m, idx, 1) & 0xff;
+        set = set != 0;
+    } else
+#endif
+    {
+        for (int i = 0; i < LANES; ++i) set[i] = m[at[i]] != 0 ? -1 : 0;
+    }
+    if (!j->k->mask_on) set = ~set;
+    return pick(set, splat(j->k->mask_value), splat(0.0f));
+}
+
+/* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bias or flags (the
+ * mask): see bias_column, both NULL without) into e [kept][LANES], scaled and biased, for the keys kept (their indices into
+ * keys): a key the bias masks (-inf) for every row of the block weighs 0 in each softmax, so it is skipped (key
+ * padding, the future under a causal mask). Returns their max per lane. */
+static vec scores(const Job *j, const float *qt, const float *k, const float *bias, const uint8_t *flags,
+                  const int64_t *at, float *e, int64_t *keys, int64_t *kept) {
     const int64_t dk = j->dk, k_step = j->ks[3], k_row = j->ks[2];
     const vec none = splat(-__builtin_inff());
     vec top = none;
     *kept = 0;
     for (int64_t l = 0; l < j->L; ++l) {
         vec b = {0};
-        if (bias) {
-            b = j->k->bias_scale * gather(bias + l * j->bs[3], at);
+        if (bias || flags) {
+            b = bias_column(j, bias, flags, l, at);
             mask masked = b == none;
             int all = 1;
             for (int i = 0; i < LANES; ++i) all &= masked[i] != 0;
@@ -141,8 +166,10 @@ static void run_head(const Job *j, int64_t n, float *e) {
     const float *q = j->q + i0 * j->qs[0] + i1 * j->qs[1];
     const float *k = j->kk + i0 * j->ks[0] + i1 * j->ks[1];
     const float *v = j->v + i0 * j->vs[0] + i1 * j->vs[1];
-    const float *bias = j->bias ? j->bias + i0 * j->bs[0] + i1 * j->bs[1] : NULL;
-    float *y = j->y + n * S * dv, *qt = e + L * LANES;
+    const int64_t at0 = i0 * j->bs[0] + i1 * j->bs[1];
+    const float *bias = j->bias ? j->bias + at0 : NULL;
+    const uint8_t *flags = j->mask ? j->mask + at0 : NULL;
+    float *y = j->y + i0 * j->ys[0] + i1 * j->ys[1], *qt = e + L * LANES;
     int64_t *keys = (int64_t *)(qt + dk * LANES), kept;
     for (int64_t s0 = 0; s0 < S; s0 += LANES) {
         const int rows = S - s0 < LANES ? (int)(S - s0) : LANES;
@@ -152,7 +179,8 @@ static void run_head(const Job *j, int64_t n, float *e) {
             bias_at[i] = (i < rows ? i : rows - 1) * j->bs[2];
         }
         for (int64_t d = 0; d < dk; ++d) store(qt + d * LANES, gather(q + s0 * j->qs[2] + d * j->qs[3], q_at));
-        const vec top = scores(j, qt, k, bias ? bias + s0 * j->bs[2] : NULL, bias_at, e, keys, &kept);
+        const vec top = scores(j, qt, k, bias ? bias + s0 * j->bs[2] : NULL, flags ? flags + s0 * j->bs[2] : NULL, bias_at,
+                               e, keys, &kept);
         vec sum = {0};
         for (int64_t l = 0; l < kept; ++l) {
             const vec x = exp_vec(load(e + l * LANES) - top);
@@ -160,7 +188,7 @@ static void run_head(const Job *j, int64_t n, float *e) {
             sum += x;
         }
         const vec inv = 1.0f / sum;
-        float *ys = y + s0 * dv;
+        float *ys = y + s0 * j->ys[2];
         int64_t c = 0;
         for (; c + COLUMNS <= dv; c += COLUMNS) weigh_values(j, e, keys, kept, inv, v, c, COLUMNS, rows, ys);
         switch (dv - c) {   /* the last columns, with as many accumulators */
@@ -204,12 +232,18 @@ static void viewed(const int64_t *dims, size_t r, const int64_t *perm, int64_t *
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     const Kernel *kn = kernel;
-    size_t n_in, rank[4];
-    int64_t d[4][4], a[4][4], lead[2];
-    const float *in[4];
+    size_t n_in, rank[5];
+    int64_t d[5][4], a[5][4], lead[2];
+    const float *in[5];
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
-    for (size_t i = 0; i < 4; ++i)
+    for (size_t i = 0; i < 5; ++i)
         TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "AttentionCore: an input has rank > 4"));
+    if (in[3] && in[4]) return error("AttentionCore: a bias or a mask, not both");
+    if (in[4]) {   /* the mask in the bias's place (its slot: shapes, strides) */
+        in[3] = in[4];
+        rank[3] = rank[4];
+        memcpy(d[3], d[4], sizeof d[3]);
+    }
     for (size_t i = 0; i < 3; ++i)
         if (!in[i] || rank[i] < 2) return error("AttentionCore: Q, K and V need two axes at least");
     align(d[3], rank[3], 4, a[3]);
@@ -224,7 +258,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (S > MAX_DIM || L > MAX_DIM || dk > MAX_DIM || dv > MAX_DIM) return error("AttentionCore: an axis is too long");
     size_t out_rank = 2;
     for (int i = 0; i < 4; ++i) out_rank = rank[i] > out_rank ? rank[i] : out_rank;
-    Job j = {.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2], .bias = in[3]};
+    Job j = {.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2],
+             .bias = in[4] ? NULL : in[3], .mask = in[4] ? (const uint8_t *)in[4] : NULL};
+    if (j.mask) {
+        int64_t bytes = 1;
+        for (size_t x = 0; x < rank[4]; ++x) bytes *= d[4][x];
+        j.mask_end = j.mask + bytes;
+    }
     for (int x = 0; x < 2; ++x) {
         lead[x] = 1;
         for (int i = 0; i < 4; ++i) {
@@ -237,19 +277,26 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     for (int i = 0; i < 3; ++i)
         for (int x = 0; x < 4; ++x) strides[i][x] = x < 2 && a[i][x] == 1 ? 0 : st[i][x];
     if (a[0][2] == 1) j.qs[2] = 0;   /* one query row, repeated over the bias's rows */
-    if (j.bias) {
+    if (in[3]) {
         const int64_t full[4] = {lead[0], lead[1], S, L};
         int64_t step = 1;
         for (int x = 3; x >= 0; --x) {
-            if (a[3][x] != 1 && a[3][x] != full[x]) return error("AttentionCore: bias does not broadcast to the scores");
+            if (a[3][x] != 1 && a[3][x] != full[x])
+                return error("AttentionCore: the bias or mask does not broadcast to the scores");
             j.bs[x] = a[3][x] == 1 ? 0 : step;
             step *= a[3][x];
         }
     }
     j.lead1 = lead[1];
-    int64_t y_dims[4] = {lead[0], lead[1], S, dv};
+    const int64_t y_dims[4] = {lead[0], lead[1], S, dv}, *y_perm = kn->perm_rank[3] ? kn->perm[3] : NULL;
+    if (y_perm && (size_t)kn->perm_rank[3] != out_rank) return error("AttentionCore: y_perm of another rank");
+    int64_t written[4];   /* the output's dims: Y's, permuted; then Y's element strides in it */
+    for (size_t a = 0; a < out_rank; ++a) written[a] = y_dims[4 - out_rank + (y_perm ? y_perm[a] : (int64_t)a)];
+    for (int64_t a = (int64_t)out_rank - 1, step = 1; a >= 0; step *= written[a--])
+        j.ys[4 - out_rank + (y_perm ? y_perm[a] : a)] = step;
+    for (size_t x = 0; x < 4 - out_rank; ++x) j.ys[x] = 0;
     OrtValue *out;
-    TRY(ort->KernelContext_GetOutput(ctx, 0, y_dims + 4 - out_rank, out_rank, &out));
+    TRY(ort->KernelContext_GetOutput(ctx, 0, written, out_rank, &out));
     TRY(ort->GetTensorMutableData(out, (void **)&j.y));
     j.heads = lead[0] * lead[1];
     if (j.heads == 0 || S == 0 || dv == 0) return NULL;
@@ -274,8 +321,13 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     if (!k) return ort->CreateStatus(ORT_FAIL, "AttentionCore: out of memory");
     OrtStatus *s = ort->KernelInfoGetAttribute_float(info, "scale", &k->scale);
     if (!s) s = ort->KernelInfoGetAttribute_float(info, "bias_scale", &k->bias_scale);
-    static const char *perms[3] = {"q_perm", "k_perm", "v_perm"};
-    for (int i = 0; i < 3 && !s; ++i) {
+    k->mask_on = 1;   /* optional: a mask's attributes */
+    OrtStatus *absent = s ? NULL : ort->KernelInfoGetAttribute_float(info, "mask_value", &k->mask_value);
+    if (absent) ort->ReleaseStatus(absent);
+    absent = s ? NULL : ort->KernelInfoGetAttribute_int64(info, "mask_on", &k->mask_on);
+    if (absent) ort->ReleaseStatus(absent);
+    static const char *perms[4] = {"q_perm", "k_perm", "v_perm", "y_perm"};
+    for (int i = 0; i < 4 && !s; ++i) {
         size_t n = 0;
         OrtStatus *absent = ort->KernelInfoGetAttributeArray_int64(info, perms[i], NULL, &n);   /* its length */
         if (absent) {   /* not given: read as it is */
@@ -301,7 +353,12 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "AttentionCore"; }
-static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 4; }
+static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 5; }
+
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
@@ -318,7 +375,7 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCu
 OrtCustomOp ctropt_attention_core = {
     .version = ORT_API_VERSION,
     .GetName = name,
-    .GetInputType = float_type,
+    .GetInputType = input_type,
     .GetInputTypeCount = n_inputs,
     .GetOutputType = float_type,
     .GetOutputTypeCount = n_outputs,

@@ -11,8 +11,10 @@ each head's rows LANES at a time with the softmax in registers.
 Found by what it computes, in whichever dialect: a MatMul reading a Softmax over the last axis of
 ``[MatMul(Q, Kᵀ) scaled by constants] [+ bias | - bias]``, the scale on Q, on Kᵀ or on the scores (a torch export
 scales both by √s), the bias any float value of rank 4 at most (a key-padding, causal or additive mask made by the
-export; the kernel broadcasts it as the Add does). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
-is read by the kernel through strides instead of being run. Float32 only, ranks 2–4.
+export; the kernel broadcasts it as the Add does). A bias that is Where(mask, c, 0) is read from the boolean mask
+itself (the Where, a pass over [B·H, L, L], is not run). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
+is read by the kernel through strides instead of being run, and so is one that merges the heads back after it
+(the kernel writes that layout). Float32 only, ranks 2–4.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError, annotate_shapes
-from ..graph.edit import const_value, rank_of
+from ..graph.edit import const_value, is_all_zeros, rank_of, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -68,6 +70,22 @@ def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[int] | None,
     return base, perm, scale * inner
 
 
+def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] | None:
+    """A bias that is Where(mask, c, 0) or Where(mask, 0, c) (c one float, the zeros no larger than the mask, the
+    Where read only as the bias) as (mask, c, the mask's value where c is added); None otherwise."""
+    node = bias.inputs[0] if bias.inputs and _only_reader(bias, graph) else None
+    if node is None or node.op != "Where" or node.inputs[0].dtype != np.bool_:
+        return None
+    cond, rank = node.inputs[0], rank_of(node.inputs[0])
+    for on, (c, zeros) in ((1, node.inputs[1:]), (0, node.inputs[2:0:-1])):
+        value, shape, cond_shape = _scalar(c, cond), shape_of(zeros), shape_of(cond)
+        if value is None or not is_all_zeros(zeros) or shape is None or cond_shape is None or len(shape) > rank:
+            continue
+        if all(x == 1 or (x == y and x is not None) for x, y in zip(shape[::-1], cond_shape[::-1])):
+            return cond, value, on
+    return None
+
+
 def read_core(m: Match) -> dict | str:
     """The attention core at the matched MatMul(Softmax(x), V): its Q, K (and whether given as Kᵀ), V, bias, scale
     and bias sign; a reason when it is not one."""
@@ -111,6 +129,9 @@ def read_core(m: Match) -> dict | str:
         return "Q, K or V of unknown rank or rank above 4"
     if core["bias"] is not None and (rank_of(core["bias"]) is None or rank_of(core["bias"]) > 4):
         return "a bias of unknown rank or rank above 4"
+    mask = _as_mask(core["bias"], g) if core["bias"] is not None else None
+    if mask is not None and rank_of(mask[0]) <= 4:
+        core.update(bias=None, mask=mask[0], mask_value=mask[1] * core["bias_scale"], mask_on=mask[2])
     return core
 
 
@@ -122,13 +143,28 @@ def _is_core(m: Match) -> bool | str:
 def _to_kernel(m: Match) -> list:
     core = read_core(m)
     out = m.root.outputs[0]
-    inputs = [core["q"], core["k"], core["v"]] + ([core["bias"]] if core["bias"] is not None else [])
+    empty = gs.Variable.empty()
+    inputs = [core["q"], core["k"], core["v"], core["bias"] if core["bias"] is not None else empty]
     attrs = {"scale": float(core["scale"]), "bias_scale": core["bias_scale"]}
-    for key in ("q_perm", "k_perm", "v_perm"):
-        if core[key] is not None and core[key] != list(range(len(core[key]))):
+    if "mask" in core:
+        inputs.append(core["mask"])
+        attrs.update(mask_value=float(core["mask_value"]), mask_on=core["mask_on"])
+    while inputs[-1] is empty:
+        inputs.pop()
+    reader = out.outputs[0] if _only_reader(out, m.graph) else None
+    if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
+            len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
+        core["y_perm"] = [int(a) for a in reader.attrs["perm"]]
+    for key in ("q_perm", "k_perm", "v_perm", "y_perm"):
+        if core.get(key) is not None and core[key] != list(range(len(core[key]))):
             attrs[key] = core[key]
-    return m.op("AttentionCore", inputs, attrs,
-                name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
+    written = reader.outputs[0] if "y_perm" in attrs else out
+    (y,) = m.op("AttentionCore", inputs, attrs, name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN,
+                dtype=written.dtype, shape=written.shape)
+    if "y_perm" not in attrs:
+        return [y]
+    replace_outputs(m.graph, reader, [y])   # the Transpose is dead now, and so is the MatMul it read
+    return [None]
 
 
 CORE_RULES = (

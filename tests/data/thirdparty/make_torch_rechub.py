@@ -1,21 +1,25 @@
 #!/usr/bin/env python
-"""Export torch-rechub (datawhalechina/torch-rechub, pip torch-rechub==0.9.0, PyTorch) ranking models DIN and
-DIEN to ONNX with both torch exporters and keep those that match torch-rechub's own eager outputs in ONNX Runtime.
+"""Export torch-rechub (datawhalechina/torch-rechub, pip torch-rechub==0.9.0, PyTorch) models to ONNX with both torch
+exporters and keep those that match torch-rechub's own eager outputs in ONNX Runtime: the ranking models DIN and DIEN
+(target attention), and its self-attention models BST (ranking, behaviour-sequence transformer), AutoInt (ranking,
+feature self-attention) and SASRec (matching, causal self-attention over the history).
 
 Environment (a venv of its own, not ctropt's), e.g. /work/venvs/recbole (shared with make_recbole.py):
     pip install torch==2.13.0 torch-rechub==0.9.0 onnx onnxscript onnxruntime numpy
 No third-party code lives in this repository; nothing is downloaded; all weights are random (seeded), data
 synthetic.
 
-Usage (from this directory):  python make_torch_rechub.py [DIN] [DIEN]
+Usage (from this directory):  python make_torch_rechub.py [DIN] [DIEN] [BST] [AutoInt] [SASRec]   (default: all)
 Outputs per kept export, in this directory:
     torch_rechub_<Model>_<legacy|dynamo>.onnx     legacy = dynamo=False, opset 17; dynamo = dynamo=True, opset 18;
                                                   ir_version clamped to <= 10; batch dim dynamic
     torch_rechub_<Model>_<legacy|dynamo>.npz      sample batch (B=33, one empty, one length-1, full histories),
-                                                  keys = ONNX graph input names
-    torch_rechub_<Model>_<legacy|dynamo>.ref.npz  torch-rechub eager outputs on it (unpatched library code)
-An export is kept only if onnxruntime CPU matches eager within 1e-5 (abs) on three batches (B=8, B=5, B=33 with
-other history-length mixes; where the history axis is dynamic, the B=33 batch has another padded length).
+                                                  keys = ONNX graph input names (histories right-padded with 0)
+    torch_rechub_<Model>_<legacy|dynamo>.ref.npz  torch-rechub eager outputs on it (unpatched library code),
+                                                  keys = ONNX graph output names
+An export is kept only if onnxruntime CPU matches eager within 1e-5 (abs), every output, on three batches (B=8, B=5,
+B=33 with other history-length mixes; where the history axis is dynamic, the B=33 batch has another padded length:
+13 for DIN, 45 for BST/SASRec; the export itself is traced at B=8, T=30).
 
 What was followed: torch_rechub/models/ranking/din.py and dien.py as shipped, built from torch-rechub Feature
 objects the way its examples (examples/ranking/run_amazon_electronics.py) do: target features own the tables
@@ -39,6 +43,37 @@ What differs, and why:
     Negative-history inputs only feed the aux loss, which the wrapper drops, so the export has no such inputs.
     The dynamo exporter refuses DIEN (torch.export: data-dependent `if has_hist.any()` in DIEN.forward); nothing
     is kept for it (error recorded below in the run output).
+
+Self-attention models (torch_rechub/models/ranking/bst.py, autoint.py, models/matching/sasrec.py as shipped; 16-dim
+embeddings, 2 heads, MLP [32, 16]; same weight re-draw as above; no dropout at eval). torch-rechub has no BERT4Rec;
+HSTUModel (models/generative/hstu.py) is self-attention too but pointwise (SiLU, no softmax) and not exported here.
+  * BST: built like DIN (target_item/target_cate own the tables, padding_idx=0; hist_item/hist_cate pooling="concat",
+    shared_with the target; user_id/gender context), nhead=2, num_layers=1 (library default; the paper's best),
+    max_seq_len=51 (default). BST appends the target to the history, adds a learned absolute position embedding and
+    builds src_key_padding_mask from `hist == padding_idx` (the target slot is never masked, so an empty history
+    gives no all-masked row); nn.TransformerEncoder takes its slow (exportable) path because BST's LeakyReLU
+    activation disables PyTorch's fused encoder fast path / nested tensors. BST does not pass dim_feedforward, so the
+    encoder FFN is PyTorch's default 32 -> 2048 -> 32 (most of the file size). Dynamo: ONNXExporter as is (batch and
+    history length dynamic; torch.export merges both history lengths into one symbol). Legacy: not through
+    ONNXExporter as is, because with the history axis dynamic the traced nn.MultiheadAttention bakes T+1 into a
+    Reshape (onnxruntime fails at any other T, e.g. T=13: "{14,33,32} cannot be reshaped to {31,66,16}");
+    exported, like DIEN, with ONNXExporter's own ONNXWrapper and settings, only the batch axis dynamic (T = 30
+    static). The BST mask reaches attention as Where(pad, -inf, 0) added to the scores (both exporters).
+  * AutoInt: sparse user_id/gender/target_item/target_cate plus two DenseFeatures price/age (float [B], min-max
+    scaled to [0, 1) as torch-rechub's examples do), num_layers=2 (library default 3), num_heads=2. No sequence, so
+    no mask. ONNXExporter's reflection (utils/model_utils.extract_feature_info) does not know AutoInt's
+    `sparse_features` / `dense_features` attributes and finds no inputs at all; its exporter is used with
+    feature_info["features"] set to sparse + dense features, otherwise as is.
+  * SASRec: features [seq, pos, neg] (SequenceFeature, pooling="concat", pos/neg shared_with seq, padding_idx=0) as in
+    sasrec.py's own __main__, max_len=50, num_blocks=2 (default), num_heads=2; ONNXExporter as is (mode=None: full
+    forward, inputs seq/pos/neg, outputs pos_logits "output" and neg_logits [B, T]). Histories right-padded: pos is seq
+    shifted by one item, neg random, all zero past the length (torch-rechub's user_tower takes position
+    count(seq != 0) - 1 as the last item). Nothing is kept, both exporters fail on SASRec.seq_forward's
+    `positions = np.tile(np.array(range(x.shape[1])), [x.shape[0], 1])`: legacy bakes a [8, 30] position constant
+    (onnxruntime: "Attempting to broadcast an axis by a dimension other than 1. 5 by 8" at B=5); dynamo silently
+    specialises batch and length (graph inputs [8, 30]; onnxruntime refuses B=5). The in-batch user tower
+    (item_feature + mode="user") shares seq_forward and fails the same way (and ONNXExporter(mode="user") refuses
+    SASRec: no user_features attribute). Not patched: recorded in the run output.
 """
 import os
 import sys
@@ -52,6 +87,10 @@ EMB = 8
 T = 30          # padded history length of the export and of the B=8 / B=5 checks
 T3 = 13         # padded history length of the B=33 check where the history axis is dynamic
 TOL = 1e-5
+EMB_TF = 16     # embedding size of the self-attention models (BST, AutoInt, SASRec)
+T3_TF = 45      # padded history length of their B=33 check where the history axis is dynamic
+TF_MODELS = ("BST", "AutoInt", "SASRec")
+STATIC_T_LEGACY = ("DIEN", "BST")   # legacy export with the history axis static (see docstring)
 VOCAB = {"user_id": 1000, "gender": 3, "target_item": 500, "target_cate": 100}
 SEQS = [("hist_item", "target_item"), ("hist_cate", "target_cate")]
 
@@ -66,16 +105,40 @@ def features():
     return ctx, tgt, hist, neg
 
 
+def features_tf(name):
+    from torch_rechub.basic.features import DenseFeature, SequenceFeature, SparseFeature
+    if name == "BST":
+        ctx = [SparseFeature("user_id", VOCAB["user_id"], EMB_TF), SparseFeature("gender", VOCAB["gender"], EMB_TF)]
+        tgt = [SparseFeature(n, VOCAB[n], EMB_TF, padding_idx=0) for n in ("target_item", "target_cate")]
+        hist = [SequenceFeature(n, VOCAB[s], EMB_TF, pooling="concat", shared_with=s, padding_idx=0) for n, s in SEQS]
+        return ctx, hist, tgt
+    if name == "AutoInt":
+        return [SparseFeature(n, v, EMB_TF) for n, v in VOCAB.items()], [DenseFeature("price"), DenseFeature("age")]
+    seq = SequenceFeature("seq", VOCAB["target_item"], EMB_TF, pooling="concat", padding_idx=0)
+    return [seq] + [SequenceFeature(n, VOCAB["target_item"], EMB_TF, pooling="concat", shared_with="seq",
+                                    padding_idx=0) for n in ("pos", "neg")]
+
+
 def make_model(name):
     import torch
-    from torch_rechub.models.ranking import DIEN, DIN
+    from torch_rechub.models.matching import SASRec
+    from torch_rechub.models.ranking import BST, DIEN, DIN, AutoInt
     torch.manual_seed(0)
-    ctx, tgt, hist, neg = features()
+    if name in TF_MODELS:
+        f = features_tf(name)
+    else:
+        ctx, tgt, hist, neg = features()
     if name == "DIN":
         model = DIN(ctx, hist, tgt, mlp_params={"dims": [32, 16]},
                     attention_mlp_params={"dims": [16], "activation": "dice", "use_softmax": False})
-    else:
+    elif name == "DIEN":
         model = DIEN(ctx, hist, neg, tgt, mlp_params={"dims": [32, 16]})
+    elif name == "BST":
+        model = BST(*f, mlp_params={"dims": [32, 16]}, nhead=2, num_layers=1, max_seq_len=51)
+    elif name == "AutoInt":
+        model = AutoInt(*f, num_layers=2, num_heads=2, mlp_params={"dims": [32, 16]})
+    else:
+        model = SASRec(f, max_len=50, num_blocks=2, num_heads=2)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for m in model.modules():
@@ -102,13 +165,28 @@ def gen_data(batch, t, lens, rng):
     return d
 
 
-def batches(dyn_t):
+def gen_data_tf(batch, t, lens, rng):
+    """gen_data plus AutoInt's dense features (float32 [B] in [0, 1)) and SASRec's seq/pos/neg int64 [B, t]
+    (pos = seq shifted by one item, neg random; all 0 past each row's length)."""
+    d = gen_data(batch, t, lens, rng)
+    for n in ("price", "age"):
+        d[n] = rng.random(batch).astype(np.float32)
+    pad = np.arange(t)[None, :] >= np.asarray(lens)[:, None]
+    items = rng.integers(1, VOCAB["target_item"], size=(batch, t + 1)).astype(np.int64)
+    d["seq"], d["pos"] = items[:, :-1].copy(), items[:, 1:].copy()
+    d["neg"] = rng.integers(1, VOCAB["target_item"], size=(batch, t)).astype(np.int64)
+    for n in ("seq", "pos", "neg"):
+        d[n][pad] = 0
+    return d
+
+
+def batches(dyn_t, t3_dyn=T3, gen=gen_data):
     rng = np.random.default_rng(42)
-    d1 = gen_data(8, T, [0, 1, T, 7, 3, T, 12, 5], rng)
-    d2 = gen_data(5, T, [T, 0, 2, T, 1], rng)
-    t3 = T3 if dyn_t else T
+    d1 = gen(8, T, [0, 1, T, 7, 3, T, 12, 5], rng)
+    d2 = gen(5, T, [T, 0, 2, T, 1], rng)
+    t3 = t3_dyn if dyn_t else T
     l3 = np.concatenate([[0, 1, t3, t3, 0, 2], rng.integers(0, t3 + 1, size=27)])
-    d3 = gen_data(33, t3, l3, rng)
+    d3 = gen(33, t3, l3, rng)
     return [d1, d2, d3]
 
 
@@ -116,9 +194,12 @@ def export(model, name, exporter, path, example):
     import torch
     from torch_rechub.utils.onnx_export import ONNXExporter, ONNXWrapper
     ex = ONNXExporter(model)
+    if name == "AutoInt":   # extract_feature_info does not know AutoInt's sparse_features / dense_features
+        ex.feature_info["features"] = model.sparse_features + model.dense_features
     names = [f.name for f in ex.feature_info["features"]]
     dummy = {k: torch.from_numpy(v) for k, v in example.items() if k in names}
-    if name == "DIEN" and exporter == "legacy":   # T static: the tracer unrolls AUGRU's loop over T
+    if name in STATIC_T_LEGACY and exporter == "legacy":
+        # T static: DIEN's tracer unrolls AUGRU's loop over T; BST's traced MultiheadAttention bakes T+1 in a Reshape
         wrapper = ONNXWrapper(model, names).eval()
         with torch.no_grad():
             torch.onnx.export(wrapper, tuple(dummy[n] for n in names), path, dynamo=False, opset_version=OPSET,
@@ -143,9 +224,12 @@ def run(name):
     model = make_model(name)
 
     def eager(d):
+        """Model outputs as ONNXWrapper returns them: DIEN's (output, scalar aux loss) -> output only."""
         with torch.no_grad():
             out = model({k: torch.from_numpy(v) for k, v in d.items()})
-        return (out[0] if isinstance(out, tuple) else out).numpy().copy()
+        if isinstance(out, tuple) and len(out) == 2 and out[1].dim() == 0:
+            out = out[0]
+        return [o.numpy().copy() for o in (out if isinstance(out, tuple) else (out,))]
 
     for exporter in ("legacy", "dynamo"):
         stem = f"torch_rechub_{name}_{exporter}"
@@ -153,8 +237,10 @@ def run(name):
         for ext in (".onnx", ".npz", ".ref.npz"):
             if os.path.exists(os.path.join(HERE, stem + ext)):
                 os.remove(os.path.join(HERE, stem + ext))
-        dyn_t = not (name == "DIEN")
-        data = batches(dyn_t)
+        if name in TF_MODELS:
+            data = batches(not (name in STATIC_T_LEGACY and exporter == "legacy"), T3_TF, gen_data_tf)
+        else:
+            data = batches(not (name == "DIEN"))
         try:
             export(model, name, exporter, path, data[0])
         except Exception as e:  # noqa
@@ -166,12 +252,14 @@ def run(name):
         m = onnx.load(path)
         sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         inputs = [i.name for i in sess.get_inputs()]
-        out_name = sess.get_outputs()[0].name
+        out_names = [o.name for o in sess.get_outputs()]
         errs = []
         for d in data:
             try:
-                got = sess.run(None, {k: d[k] for k in inputs})[0]
-                errs.append(float(np.abs(got - eager(d)).max()))
+                got, ref = sess.run(None, {k: d[k] for k in inputs}), eager(d)
+                if len(got) != len(ref):
+                    raise ValueError(f"{len(got)} ONNX outputs vs {len(ref)} eager outputs")
+                errs.append(max(float(np.abs(g - r).max()) for g, r in zip(got, ref)))
             except Exception as e:  # noqa
                 errs.append(f"{type(e).__name__}: {str(e)[:200]}")
         keep = all(isinstance(e, float) and e <= TOL for e in errs)
@@ -180,11 +268,11 @@ def run(name):
               f"bytes={os.path.getsize(path)} inputs={inputs} ops={dict(ops.most_common())}")
         if keep:
             np.savez(os.path.join(HERE, stem + ".npz"), **{k: data[2][k] for k in inputs})
-            np.savez(os.path.join(HERE, stem + ".ref.npz"), **{out_name: eager(data[2])})
+            np.savez(os.path.join(HERE, stem + ".ref.npz"), **dict(zip(out_names, eager(data[2]))))
         else:
             os.remove(path)
 
 
 if __name__ == "__main__":
-    for n in sys.argv[1:] or ["DIN", "DIEN"]:
+    for n in sys.argv[1:] or ["DIN", "DIEN", *TF_MODELS]:
         run(n)
