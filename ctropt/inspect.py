@@ -9,7 +9,7 @@ import dataclasses
 import onnx
 import onnx_graphsurgeon as gs
 
-from .graph import iter_graphs, nodes_near, op_histogram, to_graph, to_model
+from .graph import annotate_shapes, iter_graphs, nodes_near, op_histogram, to_graph, to_model
 from .kernels import DOMAIN as KERNELS
 from .ops import DOMAIN
 from .ops.rnn import SequenceAttrs, is_sequence_node
@@ -167,6 +167,7 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
                 mask = sorted({n.op for t in (scoring.inputs if scoring else []) for n in _upstream(t, 5)} & MASK_OPS)
                 how = f"{scoring.op} over scores masked with {', '.join(mask) or '?'}" if scoring else "mask not found"
                 out.append(Recurrent("padded attention", node.name, f"MLP over [q, k, q-k, q*k]; {how}"))
+    out += attention_structures(graph)
     for stitch, shards in stitched.items():
         widths = {shape[1] for _, shape in shards}
         rows = sum(shape[0] for _, shape in shards)
@@ -174,6 +175,29 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
                              f"{len(shards)} shards, {rows} rows, width {'/'.join(map(str, sorted(widths)))}"))
     for table, n in bags.items():
         out.append(Recurrent("embedding bag", table, f"{n} lookup(s) reduced per sample"))
+    return out
+
+
+def attention_structures(graph: gs.Graph) -> list[Recurrent]:
+    """Scaled dot-product attention, softmax(s · Q·Kᵀ + bias) · V, as attention-core-kernel reads it (and why it
+    would not fuse one), and the AttentionCore nodes it made."""
+    from .passes.attention_core import CORE_RULES, read_core
+    from .patterns import find_matches
+
+    out = []
+    if any(n.op == "Softmax" and n.outputs[0].shape is None for n in graph.nodes):
+        annotate_shapes(graph)   # the scores' rank, as the pass sees it after infer-shapes
+    for node in graph.nodes:
+        if node.domain == KERNELS and node.op == "AttentionCore":
+            source = "a boolean mask" if len(node.inputs) > 4 and node.inputs[4].name else \
+                "a bias" if len(node.inputs) > 3 and node.inputs[3].name else "no mask"
+            out.append(Recurrent(f"fused attention ({KERNELS})", node.name, f"AttentionCore, {source}"))
+    for m in find_matches(CORE_RULES[0].pattern, graph, subgraphs=False):
+        core = read_core(m)
+        shape = m.root.outputs[0].shape
+        detail = f"softmax(Q·Kᵀ) · V, output {list(shape) if shape is not None else '?'}"
+        out.append(Recurrent("dot-product attention", m.node("softmax").name,
+                             detail + (f"; not fusable: {core}" if isinstance(core, str) else "")))
     return out
 
 

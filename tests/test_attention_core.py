@@ -187,6 +187,21 @@ def test_torch_sequence_first_layout_read_through_strides():
     assert _perm(core, "q_perm") == [1, 0, 2] and _perm(core, "v_perm") == [1, 0, 2] and _perm(core, "y_perm") == [1, 0, 2]
 
 
+def test_inspect_shows_the_attention_and_the_fused_node():
+    from ctropt.graph import to_graph
+    from ctropt.inspect import ctr_structures
+
+    model = torch_legacy()
+    raw = [(s.kind, s.detail) for s in ctr_structures(to_graph(model))]
+    assert raw == [("dot-product attention", "softmax(Q·Kᵀ) · V, output ['batch', 2, 11, 10]")]
+    done, _ = run_pass(model, "attention-core-kernel")
+    assert [(s.kind, s.detail) for s in ctr_structures(to_graph(done))] == [
+        ("fused attention (ai.ctropt.kernels)", "AttentionCore, a bias")]
+    other_axis = paddle_unscaled()
+    other_axis.graph.node[2].attribute[0].i = 2
+    assert "not fusable: not a softmax over the last axis" in ctr_structures(to_graph(other_axis))[0].detail
+
+
 def test_autoint_divided_scores():
     _check(autoint(), feeds())
 

@@ -173,3 +173,69 @@ def test_console_script_has_no_traceback_on_error(tmp_path):
     result = subprocess.run([sys.executable, "-m", "ctropt", "inspect", str(tmp_path / "nope.onnx")],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------- the first five minutes (#28)
+
+
+@pytest.fixture
+def residual_path(tmp_path):
+    """A model where residual-add-as-sum sees a candidate (an Add) and leaves it: a bias, not a residual."""
+    model = make_model([node("Identity", ["x"], ["i"]), node("Add", ["i", "b"], ["a"]), node("Relu", ["a"], ["y"])],
+                       [vi("x", F, ["B", 4])], [vi("y", F, ["B", 4])], [init("b", np.ones(4, np.float32))])
+    return save(model, tmp_path / "r.onnx")
+
+
+def test_optimize_prints_one_compact_table_and_a_closing_line(residual_path):
+    """Each pass once, names whole at 80 columns, a reason for a pass that saw a candidate and left it, the passes
+    that found nothing counted, and one closing line with the nodes, the check and the ratio."""
+    result = runner.invoke(app, ["optimize", str(residual_path)], catch_exceptions=False, env={"COLUMNS": "80"})
+    out = result.output
+    assert result.exit_code == 0, out
+    assert out.count("eliminate-identity") == 1 and "…" not in out.split("skipped")[0]
+    assert "residual-add-as-sum skipped: residual-add-as-sum: matched 1, declined" in " ".join(out.split())
+    assert "a bias, not a residual" in out and "more passes found nothing to do" in out
+    text = " ".join(out.split())
+    closing = text[text.index("3 → 2 nodes, verified (max err"):]
+    assert "× faster on onnxruntime CPU (paired, batch 256, 1 thread" in closing or "× slower on" in closing
+
+
+def test_infer_shapes_is_not_counted_as_rewrites(residual_path):
+    record = next(r for r in ctropt.optimize(onnx.load(residual_path), passes="infer-shapes", speed=False).records)
+    assert record.rewrites == 0 and record.notes and "annotated" in record.notes[0]
+
+
+def test_passes_lists_whole_descriptions_without_markup():
+    listing = runner.invoke(app, ["passes"], env={"COLUMNS": "200"}).output
+    text = " ".join(listing.split())
+    assert "(seed" not in text and "``" not in text and "`" not in text
+    assert "Indicator (multi-hot) columns, OneHot + ReduceSum over the ids, → a scatter-add of ones." in text
+    lower = ctropt.REGISTRY["lower-rnn-ort"].description
+    assert lower.endswith("rnn_ort_form picks one (kernel, standard, scan, gru-op).") and "\n" not in lower
+
+
+def test_bench_rows_per_model_the_ratio_in_words_and_bad_batches(model_path, tmp_path):
+    invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--no-speed-check")
+    result = runner.invoke(app, ["bench", str(model_path), str(tmp_path / "o.onnx"), "--batch", "2", "--seconds",
+                                 "0.2"], catch_exceptions=False, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[:2] == ["2", "A"] for line in lines if line.strip())
+    assert any(line.split()[:2] == ["2", "B"] for line in lines if line.strip())
+    assert "p50 ms" in result.output and "> 1 means B is faster" in " ".join(result.output.split())
+    for bad in ("abc", "0", "1,,x"):
+        r = invoke("bench", model_path, "--batch", bad)
+        assert r.exit_code == 2 and "error: --batch wants" in r.output, r.output
+
+
+@pytest.mark.parametrize("args", [["optimize", "{m}", "--batch", "abc"], ["bench"], ["optimize", "{m}", "--nope"],
+                                  ["nosuch"], ["bench", "{m}", "--threads", "-1"]])
+def test_every_bad_argument_is_one_error_line_and_exit_2(model_path, args):
+    """The console script: typer's usage errors get the same contract as every other bad input."""
+    argv = [a.replace("{m}", str(model_path)) for a in args]
+    result = subprocess.run([sys.executable, "-m", "ctropt", *argv], capture_output=True, text=True,
+                            env={**__import__("os").environ, "COLUMNS": "200"})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -12,6 +13,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich import box
 from rich.table import Table
 
 from ..graph import CtroptError, check_output_path, interface, iter_proto_nodes, load, node_count, save
@@ -139,39 +141,26 @@ def optimize(
         m = load(model)
         feeds = load_inputs(inputs, m) if inputs else None
         status = console.status("starting")
+        done: list[str] = []
 
         def progress(p, record):
             if record is None:
-                status.update(f"running [bold]{p.name}[/]")
+                status.update(f"running [bold]{p.name}[/] ({len(done) + 1}/{len(manager.passes)})")
             else:
-                console.print(f"  {p.name:34s} {record.status}"
-                              + (f" ({record.rewrites} rewrites)" if record.rewrites else "")
-                              + (f": {escape(record.message)}" if record.message else ""))
+                done.append(p.name)
 
         speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes) \
             if speed_check or bench_passes else None
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
                               verify=verify, strict=strict, on_pass=progress, options=options, speed=speed)
-        console.print(f"[bold]{model}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, target {target}")
+        console.print(f"[bold]{escape(model.name)}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, "
+                      f"target {target}")
         with status:
             result = manager.run(m)
         save(result.model, out, protect=(model,))
         for repair in result.repairs:
             console.print(f"[yellow]repaired the export:[/] {escape(repair)}")
-        table = Table(title=f"{model.name} → {out.name}")
-        for col in ("pass", "status", "matches", "rewrites", "nodes", "max err", "speed", "time"):
-            table.add_column(col, justify="left" if col in ("pass", "status") else "right")
-        for r in result.records:
-            style = {"rolled back": "red", "failed": "red", "slower": "yellow", "unchanged": "dim"}.get(r.status, "")
-            table.add_row(r.name, f"[{style}]{r.status}[/]" if style else r.status, str(r.matches), str(r.rewrites),
-                          f"{r.nodes_before}→{r.nodes_after}", _fmt_err(r.max_abs_err),
-                          "-" if r.speedup is None else f"{r.speedup:.2f}×", f"{r.seconds:.2f}s")
-        console.print(table)
-        for r in result.records:  # why a pass was rolled back, or kept although it was slower alone
-            if r.message and r.status in ("rolled back", "failed", "slower", "applied"):
-                color = {"slower": "yellow", "applied": "green"}.get(r.status, "red")
-                console.print(f"[{color}]{r.name} {r.status}[/]: {escape(r.message)}")
-        _print_whole_speed(result)
+        _print_pass_table(result)
         _print_runtime_needs(result)
         for r in result.records:
             if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
@@ -180,8 +169,8 @@ def optimize(
             print_pass_diffs(console, result.records)
         if json_out is not None:
             _write_json(json_out, result, model, out, target)
-        console.print(f"saved {out} ({node_count(m)} → {node_count(result.model)} nodes"
-                      + ("" if verify else ", outputs NOT verified") + ")")
+        console.print(_closing_line(result, node_count(m), verify, target, speed_batch))
+        console.print(f"saved {out}")
         if report is not None:
             applied = sum(r.status == "applied" for r in result.records)
             write_report(report, result.records, title=f"ctropt: {model.name}",
@@ -228,14 +217,58 @@ def _print_runtime_needs(result) -> None:
                 console.print(f"[yellow]{r.name}:[/] {escape(note)}")
 
 
-def _print_whole_speed(result) -> None:
-    """The whole result against the input, as the speed check measured it; loud when the input was kept."""
+def _print_pass_table(result) -> None:
+    """One compact table of the passes that changed the model or were rolled back, why each pass that saw a
+    candidate left it, and a count of the passes that found none."""
+    shown = [r for r in result.records if r.status != "unchanged"]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("pass", no_wrap=True, min_width=max((len(r.name) for r in shown), default=4))
+    table.add_column("status", no_wrap=True)
+    for col in ("rewrites", "nodes", "max err", "speed"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in shown:
+        style = {"rolled back": "red", "failed": "red", "slower": "yellow"}.get(r.status, "")
+        table.add_row(r.name, f"[{style}]{r.status}[/]" if style else r.status, str(r.rewrites),
+                      f"{r.nodes_before}→{r.nodes_after}", _fmt_err(r.max_abs_err),
+                      "-" if r.speedup is None else f"{r.speedup:.2f}×")
+    if shown:
+        console.print(table)
+    for r in shown:  # why a pass was rolled back, or kept although it was slower alone
+        if r.message and r.status in ("rolled back", "failed", "slower", "applied"):
+            color = {"slower": "yellow", "applied": "green"}.get(r.status, "red")
+            console.print(f"[{color}]{r.name} {r.status}[/]: {escape(r.message)}", soft_wrap=True)
+    declined = [(r, _why_not(r)) for r in result.records
+                if r.status == "unchanged" and r.matches and REGISTRY[r.name].group != "cleanup"]
+    for r, why in declined:
+        console.print(f"[dim]{r.name} skipped:[/] {escape(why)}", soft_wrap=True)
+    idle = sum(r.status == "unchanged" for r in result.records) - len(declined)
+    if idle:
+        console.print(f"[dim]{idle} more passes found nothing to do[/]")
+
+
+def _why_not(record) -> str:
+    """A pass that saw a candidate and left it: the first reason it gave (its note, or the check that declined)."""
+    reasons = [re.sub(r"^left as is: ", "", n) for n in record.notes + record.misses]
+    if not reasons:
+        return "declined by its checks (--show-diff explains)"
+    first = reasons[0] if len(reasons[0]) <= 160 else reasons[0][:159] + "…"
+    return first + (" (--show-diff: all reasons)" if first is not reasons[0] or len(reasons) > 1 else "")
+
+
+def _closing_line(result, nodes_before: int, verified: bool, target: str, batch: int) -> str:
+    """"N → M nodes, verified (max err E), X.X× faster on <runtime> (paired, batch B)"."""
+    errors = [r.max_abs_err for r in result.records if r.max_abs_err is not None and r.status == "applied"]
+    check = (f"verified (max err {max(errors):.1e})" if errors else "verified") if verified else "outputs NOT verified"
+    runtime = {"ort": "onnxruntime CPU", "openvino": "OpenVINO CPU"}.get(target, target)
     if result.kept_input:
-        console.print(f"[bold red]SLOWER THAN THE INPUT:[/] {escape(result.speed_note)}")
+        speed = f"[bold red]the input kept: the result was slower[/] ({escape(result.speed_note)})"
     elif result.speed is not None:
-        console.print(f"speed: {result.speed} the input's time / the result's (paired, 1 thread)")
-    elif result.speed_note:
-        console.print(f"speed: {escape(result.speed_note)}")
+        v = result.speed
+        verdict = f"{v.ratio:.2f}× faster" if v.ratio >= 1 else f"{1 / v.ratio:.2f}× slower"
+        speed = f"[bold]{verdict}[/] on {runtime} (paired, batch {batch}, 1 thread; p10–p90 {v.p10:.2f}–{v.p90:.2f})"
+    else:
+        speed = f"speed not measured ({escape(result.speed_note)})" if result.speed_note else "speed not measured"
+    return f"{nodes_before} → {node_count(result.model)} nodes, {check}, {speed}"
 
 
 @app.command()
@@ -270,6 +303,11 @@ def _buckets(batch: str, output: Path) -> list[int]:
     """--batch of the serving commands (positive integers), and -o must be a directory."""
     if output.exists() and not output.is_dir():
         raise CtroptError(f"output {output} is a file; -o wants a directory")
+    return _batch_sizes(batch)
+
+
+def _batch_sizes(batch: str) -> list[int]:
+    """A --batch list: comma-separated positive integers, or a clear error."""
     try:
         sizes = [int(b) for b in batch.split(",") if b.strip()]
     except ValueError:
@@ -605,8 +643,8 @@ def bench(
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
         else:
-            feeds_by_batch = {int(n): generate_inputs(a, batch=int(n), seq_len=seq_len, fill=fill, one_user=one_user)
-                              for n in batch.split(",")}
+            feeds_by_batch = {n: generate_inputs(a, batch=n, seq_len=seq_len, fill=fill, one_user=one_user)
+                              for n in _batch_sizes(batch)}
         results = []
         with Progress(console=console, transient=True) as progress:
             for n, feeds in feeds_by_batch.items():
@@ -619,21 +657,16 @@ def bench(
         labels = "AB"[: len(names)]
         console.print("  ".join(f"{k} = {escape(n)}" for k, n in zip(labels, names))
                       + ("" if sweep else f"  on {backend}") + f", threads {threads or 'default'}")
-        table = Table()
-        table.add_column("batch", justify="right")
-        for k in labels:
-            table.add_column(f"{k} p50 / p90 / p99 ms", justify="right")
-            table.add_column(f"{k} samples/s", justify="right")
-        if len(runners) == 2:
-            table.add_column("A/B time (p10–p90)", justify="right")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for col in ("batch", "model", "p50 ms", "p90 ms", "p99 ms", "samples/s"):
+            table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
         for r in results:
-            row = [str(r.batch)]
-            for lat in r.latency:
-                row += [f"{lat.p50_ms:.3f} / {lat.p90_ms:.3f} / {lat.p99_ms:.3f}", f"{lat.throughput:,.0f}"]
-            if r.ratio is not None:
-                row.append(f"[bold]{r.ratio:.2f}×[/] ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})")
-            table.add_row(*row)
+            for k, lat in zip(labels, r.latency):
+                table.add_row(str(r.batch), k, f"{lat.p50_ms:.3f}", f"{lat.p90_ms:.3f}", f"{lat.p99_ms:.3f}",
+                              f"{lat.throughput:,.0f}")
         console.print(table)
+        for r in results if len(runners) == 2 else ():
+            console.print(_ratio_line(r), soft_wrap=True)
         if sweep:
             ordered = sorted(results, key=lambda r: r.batch)
             wins = [r.batch for i, r in enumerate(ordered) if all(x.ratio > 1 for x in ordered[i:])]
@@ -642,6 +675,17 @@ def bench(
         if json_out:
             json_out.write_text(json.dumps({"models": names, "backend": backend, "threads": threads,
                                             "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+
+
+def _ratio_line(r) -> str:
+    """One paired ratio in words: which model is faster and by how much; a warning when the spread is wide."""
+    faster = f"B is [bold]{r.ratio:.2f}×[/] faster than A" if r.ratio >= 1 else \
+        f"B is [bold]{1 / r.ratio:.2f}×[/] slower than A"
+    line = (f"batch {r.batch}: {faster} (the median of paired time(A)/time(B) = {r.ratio:.2f}; > 1 means B is "
+            f"faster; p10–p90 {r.ratio_p10:.2f}–{r.ratio_p90:.2f})")
+    if (r.ratio_p90 - r.ratio_p10) > 0.25 * r.ratio:
+        line += " [yellow]wide spread: the machine was busy or the runs short; rerun with more --seconds[/]"
+    return line
 
 
 zoo_app = typer.Typer(no_args_is_help=True, help="Reference CTR models (TensorFlow and PyTorch).")
@@ -713,8 +757,18 @@ def kernels_status():
 
 
 def main() -> None:
+    """The console script: a bad argument is a one-line `error:` and exit 2, like every other bad input."""
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+
     try:
-        app()
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError:   # the help is printed already
+        sys.exit(2)
+    except UsageError as e:
+        command = e.ctx.command_path if e.ctx else "ctropt"
+        err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see {command} --help)", soft_wrap=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

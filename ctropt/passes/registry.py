@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import pathlib
+import re
 import sys
 from typing import Callable
 
@@ -45,6 +47,14 @@ class PassContext:
 
     def note(self, text: str) -> None:
         self.notes.append(text)
+
+
+def describe(doc: str) -> str:
+    """A pass's description for users: its docstring's first paragraph in one line, without reST markup and
+    without the references to this project's seed notes."""
+    first = inspect.cleandoc(doc).split("\n\n")[0]
+    text = re.sub(r"\s*\(seeds? [0-9, ]+\)", "", " ".join(first.split()))
+    return re.sub(r"`+([^`]*)`+", r"\1", text)
 
 
 @dataclasses.dataclass
@@ -97,7 +107,7 @@ class Pass:
         if bad:
             raise ValueError(f"pass {self.name}: unknown targets {bad}; use {TARGETS}")
         if not self.description:
-            self.description = ((self.fn.__doc__ or "").strip().splitlines() or [""])[0]
+            self.description = describe(self.fn.__doc__ or "")
         if self.speed is None:
             self.speed = self.group in ("fusion", "lower")
 
