@@ -48,6 +48,25 @@ def test_absent_backends_say_so(mlp_paths, backend):
     assert result.exit_code == 2 and "not available" in result.output and "Traceback" not in result.output
 
 
+def test_ort_openvino_through_its_plugin_package(mlp_paths):
+    """onnxruntime's OpenVINO EP from onnxruntime-ep-openvino: registered as a plugin EP; where it claims this
+    machine's CPU the models run there (and bench compares them), else the reason is the plugin's."""
+    pytest.importorskip("onnxruntime_ep_openvino", reason="the plugin package is not installed")
+    from ctropt.runtime.session import openvino_plugin_devices
+
+    devices, why = openvino_plugin_devices()
+    assert openvino_plugin_devices() == (devices, why)   # registered once: asking again is the same answer
+    if not devices:
+        assert "OpenVINO EP plugin" in why and available_backends()["ort-openvino"] == f"not available: {why}"
+        pytest.skip(f"ort-openvino here: {why}")
+    feeds = generate_inputs(__import__("onnx").load(mlp_paths[1]), batch=5)
+    want = Runner(str(mlp_paths[1]), "ort-cpu").run(feeds)["y"]
+    assert np.allclose(Runner(str(mlp_paths[1]), "ort-openvino").run(feeds)["y"], want, atol=1e-4)
+    result = runner.invoke(app, ["bench", *map(str, mlp_paths), "--backend", "ort-openvino", "--batch", "4",
+                                 "--seconds", "0.2"])
+    assert result.exit_code == 0 and "time(A)/time(B)" in result.output, result.output
+
+
 def test_unknown_backend_and_precision(mlp_paths):
     with pytest.raises(CtroptError, match="unknown backend"):
         Runner(str(mlp_paths[1]), "tpu")
@@ -75,7 +94,7 @@ def test_bench_cli_one_and_two_models(mlp_paths, tmp_path):
     two = runner.invoke(app, ["bench", *map(str, mlp_paths), "--batch", "4", "--seconds", "0.2",
                               "--json", str(tmp_path / "b.json")])
     assert two.exit_code == 0, two.output
-    assert "A/B time" in two.output and "×" in two.output
+    assert "time(A)/time(B)" in two.output and "×" in two.output
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["models"] == ["slow.onnx", "fast.onnx"] and data["results"][0]["ratio"] > 0
 

@@ -23,7 +23,7 @@ BACKENDS = {
 PRECISIONS = ("f32", "f16", "bf16")
 _INSTALL_HINT = {
     "CUDAExecutionProvider": "install onnxruntime-gpu on a machine with an NVIDIA GPU and CUDA",
-    "OpenVINOExecutionProvider": "install onnxruntime-openvino",
+    "OpenVINOExecutionProvider": "install its plugin: pip install onnxruntime-ep-openvino",
     "GPU": "OpenVINO needs an Intel GPU and its driver",
 }
 
@@ -38,6 +38,36 @@ def _quiet_onnxruntime() -> None:
 _quiet_onnxruntime()
 
 
+def openvino_plugin_devices() -> tuple[list, str]:
+    """onnxruntime's OpenVINO execution provider as its plugin package ships it (onnxruntime-ep-openvino, the EP
+    ABI): registered once per process, as onnxruntime documents plugin EPs; (the EP devices of OpenVINO's CPU, "")
+    or ([], why there are none)."""
+    import onnxruntime as ort
+
+    try:
+        import onnxruntime_ep_openvino as plugin
+    except ImportError:
+        return [], _INSTALL_HINT["OpenVINOExecutionProvider"]
+    name = plugin.get_ep_name()
+    if not _PLUGINS_REGISTERED:
+        try:
+            ort.register_execution_provider_library("ctropt-openvino-ep", plugin.get_library_path())
+        except Exception as e:  # a library onnxruntime cannot load (another onnxruntime ABI)
+            return [], f"onnxruntime cannot load the OpenVINO EP plugin: {_first_line(e)}"
+        _PLUGINS_REGISTERED.append(name)
+    found = [d for d in ort.get_ep_devices() if d.ep_name == name]
+    cpu = [d for d in found if d.ep_metadata.get("ov_device") == "CPU"]
+    if not cpu:
+        host = next((d.device for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"), None)
+        vendor = f" (this machine's CPU: {host.vendor})" if host is not None else ""
+        return [], ("the OpenVINO EP plugin loads but claims no CPU here: it takes Intel devices only" + vendor
+                    if not found else "the OpenVINO EP plugin offers no CPU device here")
+    return cpu, ""
+
+
+_PLUGINS_REGISTERED: list[str] = []
+
+
 def available_backends() -> dict[str, str]:
     """Every backend with 'available' or the reason it is not."""
     import onnxruntime as ort
@@ -48,7 +78,11 @@ def available_backends() -> dict[str, str]:
     status = {}
     for name, (runtime, device) in BACKENDS.items():
         present = device in providers if runtime == "ort" else any(d.split(".")[0] == device for d in devices)
-        status[name] = "available" if present else f"not available: {_INSTALL_HINT.get(device, 'missing')}"
+        why = _INSTALL_HINT.get(device, "missing")
+        if not present and device == "OpenVINOExecutionProvider":   # the plugin package, not a build of its own
+            plugin, why = openvino_plugin_devices()
+            present = bool(plugin)
+        status[name] = "available" if present else f"not available: {why}"
     return status
 
 
@@ -112,7 +146,14 @@ class Runner:
             opts.inter_op_num_threads = 1
         if self._needs_kernels:
             kernels.register(opts)
-        self._sess = ort.InferenceSession(source, opts, providers=[provider])
+        if provider == "OpenVINOExecutionProvider" and provider not in ort.get_available_providers():
+            devices, why = openvino_plugin_devices()
+            if not devices:
+                raise CtroptError(f"ort-openvino is not available: {why}")
+            opts.add_provider_for_devices(devices, {"num_of_threads": str(threads)} if threads else {})
+            self._sess = ort.InferenceSession(source, opts)
+        else:
+            self._sess = ort.InferenceSession(source, opts, providers=[provider])
         self.output_names = [o.name for o in self._sess.get_outputs()]
 
     def _init_openvino(self, source, device, threads, precision):
