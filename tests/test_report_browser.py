@@ -57,8 +57,7 @@ def dien_report(tmp_path_factory):
     result = CliRunner().invoke(app, ["optimize", str(model), "--passes", "all", "--report", str(tmp / "r.html")],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    applied = [line.split()[0] for line in result.output.splitlines()
-               if line.startswith("  ") and " applied" in line]
+    applied = [line.split()[0] for line in result.output.splitlines() if line.split()[1:2] == ["applied"]]
     return tmp / "r.html", applied
 
 

@@ -137,7 +137,7 @@ PIPELINE_ORDER = {
     # fusion: tables first (they change the lookups the others read), then sequences, attention, FC layers
     "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
     "rewrite-indicator-columns": 15, "fuse-rnn": 30, "dedup-user-side": 35, "remove-attention-padding": 40,
-    "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
+    "project-query-once": 42, "compute-read-rows-only": 44, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
     "fuse-fc": 60, "fold-fc-affine": 62,
     # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
     "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "residual-add-as-sum": 5, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,

@@ -1,0 +1,137 @@
+"""compute-read-rows-only: a transformer block whose output is read at one position (torch-rechub's BST reads the
+target's row, `out[:, -1]`) computes its row-wise ops for that position only; in the torch dialects (3-D MatMuls
+over [B, T, D]; heads split by Reshape/Transpose) and the legacy one (Gemm over [B·T, D], which the selection does
+not pass: it stops there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import F, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+
+import ctropt
+from ctropt.runtime import run_model
+
+RNG = np.random.default_rng(11)
+T, D, H, DH, FF = 6, 8, 2, 4, 16
+
+
+def w(*shape):
+    return RNG.normal(0, 0.4, shape).astype(np.float32)
+
+
+def block(read=("Gather", -1), legacy_ffn=False):
+    """x [B, T, D] → self-attention (2 heads) + residual + LayerNorm → FFN + residual + LayerNorm → read."""
+    n = [node("MatMul", ["x", "wq"], ["q"]), node("MatMul", ["x", "wk"], ["k"]), node("MatMul", ["x", "wv"], ["v"])]
+    for t in "qkv":
+        n += [node("Reshape", [t, "heads"], [f"{t}4"]), node("Transpose", [f"{t}4"], [f"{t}h"], perm=[0, 2, 1, 3])]
+    n += [node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["qh", "kt"], ["s"]),
+          node("Mul", ["s", "scale"], ["ss"]), node("Softmax", ["ss"], ["p"], axis=-1), node("MatMul", ["p", "vh"], ["o"]),
+          node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]), node("Reshape", ["ot", "merged"], ["om"]),
+          node("MatMul", ["om", "wo"], ["a"]), node("Add", ["a", "x"], ["r1"]),
+          node("LayerNormalization", ["r1", "g1", "b1"], ["n1"], axis=-1)]
+    if legacy_ffn:   # torch legacy: Linear over rows [B·T, D]
+        n += [node("Reshape", ["n1", "rows2d"], ["n1r"]), node("Gemm", ["n1r", "w1", "c1"], ["f1"]),
+              node("Relu", ["f1"], ["f1r"]), node("Gemm", ["f1r", "w2", "c2"], ["f2"]),
+              node("Reshape", ["f2", "back3d"], ["f3"])]
+    else:
+        n += [node("MatMul", ["n1", "w1"], ["f1"]), node("Add", ["f1", "c1"], ["f1b"]), node("Relu", ["f1b"], ["f1r"]),
+              node("MatMul", ["f1r", "w2"], ["f2"]), node("Add", ["f2", "c2"], ["f3"])]
+    n += [node("Add", ["f3", "n1"], ["r2"]), node("LayerNormalization", ["r2", "g2", "b2"], ["n2"], axis=-1)]
+    op, idx = read
+    n.append(node(op, ["n2", "at"], ["y"], axis=1))
+    inits = [init("wq", w(D, D)), init("wk", w(D, D)), init("wv", w(D, D)), init("wo", w(D, D)),
+             init("heads", np.array([0, T, H, DH], np.int64)), init("merged", np.array([0, T, D], np.int64)),
+             init("scale", np.array(DH ** -0.5, np.float32)), init("g1", w(D) + 1), init("b1", w(D)),
+             init("w1", w(D, FF)), init("c1", w(FF)), init("w2", w(FF, D)), init("c2", w(D)), init("g2", w(D) + 1),
+             init("b2", w(D)), init("at", np.array(idx, np.int64)), init("rows2d", np.array([-1, D], np.int64)),
+             init("back3d", np.array([-1, T, D], np.int64))]
+    out_shape = ["B", D] if np.ndim(idx) == 0 else ["B", len(idx), D]
+    return make_model(n, [vi("x", F, ["B", T, D])], [vi("y", F, out_shape)], inits)
+
+
+def _ffn_rows(model) -> set:
+    """The row counts (axis 1) the feed-forward MatMul/Gemm ops see, from onnxruntime's shapes."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in inferred.graph.value_info}
+    w1_reader = next(nd for nd in inferred.graph.node if "w1" in nd.input)
+    return shapes.get(w1_reader.input[0])
+
+
+def _check(model, feeds):
+    done, ctx = run_pass(model, "compute-read-rows-only")
+    assert ctx.rewrites == 1, ctx
+    want, got = run_model(model, feeds)["y"], run_model(done, feeds)["y"]
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    again, ctx2 = run_pass(done, "compute-read-rows-only")
+    assert ctx2.rewrites == 0 and sorted(ops(again)) == sorted(ops(done))
+    assert ctropt.graph.interface(done) == ctropt.graph.interface(model)
+    return done
+
+
+def test_the_target_row_of_a_transformer_block():
+    """Gather(out, -1, axis=1): the FFN, both layer norms, the residuals, the output projection and the queries run
+    on one row; the keys and values (read whole) get the full input."""
+    model = block()
+    done = _check(model, {"x": RNG.normal(size=(3, T, D)).astype(np.float32)})
+    assert _ffn_rows(model)[1] == T and _ffn_rows(done)[1] == 1
+    picked = [nd for nd in done.graph.node if nd.op_type == "Gather"]
+    assert [nd.input[0] for nd in picked] == ["x"]   # one cut: the queries' rows of the block's input
+    q_proj = next(nd for nd in done.graph.node if "wq" in nd.input)
+    assert q_proj.input[0] == picked[0].output[0]
+
+
+def test_two_positions_read():
+    model = block(read=("Gather", [0, -1]))
+    done = _check(model, {"x": RNG.normal(size=(2, T, D)).astype(np.float32)})
+    assert _ffn_rows(done)[1] == 2
+
+
+def test_a_legacy_feed_forward_over_merged_rows_stops_the_selection():
+    """Reshape to [B·T, D] merges the axis: the selection stops after it (the FFN runs whole), still exact."""
+    model = block(legacy_ffn=True)
+    done = _check(model, {"x": RNG.normal(size=(2, T, D)).astype(np.float32)})
+    rows = [nd for nd in done.graph.node if nd.op_type == "Gather"]
+    assert len(rows) == 2   # the residual's n1 and the FFN's output, each cut where the selection stops
+
+
+def test_reads_it_leaves():
+    """The last axis (features), every position, a value also read whole: no rewrite."""
+    features = block(read=("Gather", [0, 1]))
+    features.graph.node[-1].attribute[0].i = 2
+    features.graph.output[0].type.tensor_type.shape.dim[1].dim_value = T
+    every = block(read=("Gather", list(range(T))))
+    twice = block()
+    twice.graph.output.append(vi("n2", F, ["B", T, D]))
+    for model in (features, every, twice):
+        done, ctx = run_pass(model, "compute-read-rows-only")
+        assert ctx.rewrites == 0 and sorted(ops(done)) == sorted(ops(model))
+    assert_same_outputs(twice, run_pass(twice, "compute-read-rows-only")[0])
+
+
+def test_softmax_over_the_read_axis_is_not_passed():
+    """A softmax across positions mixes them: the selection stops there."""
+    model = make_model([node("Softmax", ["x"], ["s"], axis=1), node("Relu", ["s"], ["r"]),
+                        node("Gather", ["r", "at"], ["y"], axis=1)],
+                       [vi("x", F, ["B", T, D])], [vi("y", F, ["B", D])], [init("at", np.array(2, np.int64))])
+    done = _check(model, {"x": RNG.normal(size=(2, T, D)).astype(np.float32)})
+    assert ops(done) == ["Softmax", "Gather", "Relu", "Squeeze"]
+
+
+@pytest.mark.parametrize("name", ["torch_rechub_BST_legacy", "torch_rechub_BST_dynamo"])
+def test_torch_rechub_bst_computes_the_target_row_only(name):
+    from pathlib import Path
+
+    from ctropt.graph import load
+
+    path = Path(__file__).parent / "data" / "thirdparty" / f"{name}.onnx"
+    result = ctropt.optimize(load(path), passes="all", speed=False)
+    record = next(r for r in result.records if r.name == "compute-read-rows-only")
+    assert record.status == "applied" and record.rewrites == 1
+    with np.load(path.with_suffix(".npz")) as data, np.load(path.with_suffix(".ref.npz")) as ref:
+        got = run_model(result.model, {k: data[k] for k in data.files})
+        for k in ref.files:
+            np.testing.assert_allclose(got[k], ref[k], atol=1e-5, rtol=1e-4)
