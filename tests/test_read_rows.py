@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import F, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
 
 import ctropt
 from ctropt.runtime import run_model
@@ -59,6 +59,16 @@ def _ffn_rows(model) -> set:
               for v in inferred.graph.value_info}
     w1_reader = next(nd for nd in inferred.graph.node if "w1" in nd.input)
     return shapes.get(w1_reader.input[0])
+
+
+def _ffn_input(model, feeds):
+    """The value the first feed-forward MatMul reads, as onnxruntime computes it."""
+    import copy
+
+    probe = copy.deepcopy(model)
+    name = next(nd for nd in probe.graph.node if "w1" in nd.input).input[0]
+    probe.graph.output.append(vi(name, F, None))
+    return run_model(probe, feeds)[name]
 
 
 def _check(model, feeds):
@@ -121,8 +131,38 @@ def test_softmax_over_the_read_axis_is_not_passed():
     assert ops(done) == ["Softmax", "Gather", "Relu", "Squeeze"]
 
 
-@pytest.mark.parametrize("name", ["torch_rechub_BST_legacy", "torch_rechub_BST_dynamo"])
-def test_torch_rechub_bst_computes_the_target_row_only(name):
+def sasrec_read(model, varying=False):
+    """RecBole SASRec's gather_indexes: GatherElements(out, Expand(Reshape(lengths - 1, [-1, 1, 1]), [1, 1, D]),
+    axis=1): each row's last valid position (`varying`: an index that also varies over the features)."""
+    g = model.graph
+    del g.node[-1]
+    g.input.append(vi("lengths", I64, ["B"]))
+    g.node.extend([node("Sub", ["lengths", "one"], ["last"]), node("Reshape", ["last", "r3"], ["last3"]),
+                   node("Expand", ["last3", "wide"], ["index"]), node("GatherElements", ["n2", "index"], ["y"], axis=1)])
+    if varying:
+        g.node[-2].input[0] = "lengths_grid"
+        g.input.append(vi("lengths_grid", I64, ["B", 1, D]))
+    g.initializer.extend([init("one", np.array(1, np.int64)), init("r3", np.array([-1, 1, 1], np.int64)),
+                          init("wide", np.array([1, 1, D], np.int64))])
+    g.output[0].CopyFrom(vi("y", F, ["B", 1, D]))
+    return model
+
+
+def test_one_position_per_row_sasrec():
+    """Each row read at its own last valid position: the FFN and norms run on one row per sequence, a
+    GatherElements takes each row's position where the region ends."""
+    model = sasrec_read(block())
+    feeds = {"x": RNG.normal(size=(4, T, D)).astype(np.float32), "lengths": np.array([T, 1, 3, 5], np.int64)}
+    done = _check(model, feeds)
+    assert _ffn_input(model, feeds).shape == (4, T, D) and _ffn_input(done, feeds).shape == (4, 1, D)
+    assert [nd.input[0] for nd in done.graph.node if nd.op_type == "GatherElements"] == ["x"]
+    grid = sasrec_read(block(), varying=True)
+    out, ctx = run_pass(grid, "compute-read-rows-only")
+    assert ctx.rewrites == 0
+
+
+@pytest.mark.parametrize("name", ["torch_rechub_BST_legacy", "torch_rechub_BST_dynamo", "recbole_SASRec_dynamo"])
+def test_third_party_exports_compute_the_rows_read_only(name):
     from pathlib import Path
 
     from ctropt.graph import load

@@ -1,5 +1,6 @@
 """`compute-read-rows-only`: a sequence read at a few positions only (BST's `out[:, -1]`, the target token's row
-of the last transformer block) → the token-wise ops before that read run on those positions only.
+of the last transformer block; SASRec's last valid position of each row, a GatherElements) → the token-wise ops
+before that read run on those positions only.
 
 A transformer block computes every position of the sequence: its feed-forward layers, layer norms, residual adds
 and the attention's queries, each row by itself (the attention mixes over keys, not over queries). When the model
@@ -15,6 +16,7 @@ the permutation) and Reshapes that keep the axes up to the selected one. Exact: 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
@@ -29,63 +31,77 @@ MAX_NODES = 400  # a bound on the walk: each rewrite visits at most this many no
 
 
 class _Walk:
-    """One selection (positions `rows`, a 1-D constant, along an axis) pushed up from a read. First the region: the
-    values whose every reader is inside it, each with the axis its positions are on (a value read whole by an op
-    outside the region is cut: a Gather takes its rows); then the row-wise ops of the region copied onto the rows."""
+    """One selection pushed up from a read: constant positions `rows` (1-D) along an axis, or one position per row
+    (`per_row`, [B] int64: SASRec's last valid position) along an axis with the batch on another. A place is
+    (axis, batch axis or None). First the region: the values whose every reader is inside it, each with its place (a
+    value read whole by an op outside the region is cut: a Gather, or a GatherElements per row, takes its rows);
+    then the row-wise ops of the region copied onto the rows."""
 
-    def __init__(self, graph: gs.Graph, rows: gs.Constant, prefix: str):
-        self.graph, self.rows = graph, rows
+    def __init__(self, graph: gs.Graph, prefix: str, rows: gs.Constant | None = None):
+        self.graph, self.rows, self.per_row = graph, rows, None
+        self.count = 1 if rows is None else rows.values.size   # positions kept per row
         self.b = Builder(graph, prefix)
         self.outputs = {id(t) for t in graph.outputs}
 
-    def region(self, root: gs.Tensor, axis: int) -> None:
-        """self.axes: value id → the axis of its positions, over the region; self.cut: the values taken by Gather."""
+    def region(self, root: gs.Tensor, where: tuple) -> None:
+        """self.places: value id → its place, over the region; self.cut: the values taken whole."""
         self.cut: set[int] = set()
         while True:
-            self.axes, self.plans, self.nodes, self._tensors = {}, {}, set(), {}
-            self._visit(root, axis, budget=[MAX_NODES])
-            inside = self.nodes
+            self.places, self.plans, self.nodes, self._tensors = {}, {}, set(), {}
+            self._visit(root, where, budget=[MAX_NODES])
             cut = {i for i, t in self._tensors.items() if i != id(root) and i not in self.cut and
-                   (i in self.outputs or any(id(r) not in inside for r in t.outputs))}
+                   (i in self.outputs or any(id(r) not in self.nodes for r in t.outputs))}
             if not cut:
                 return
             self.cut |= cut
 
-    def _visit(self, t: gs.Tensor, axis: int, budget: list) -> None:
-        if id(t) in self.axes:
-            if self.axes[id(t)] != axis:   # reached on two axes: take it whole
+    def _visit(self, t: gs.Tensor, where: tuple, budget: list) -> None:
+        if id(t) in self.places:
+            if self.places[id(t)] != where:   # reached in two places: take it whole
                 self.cut.add(id(t))
             return
-        self.axes[id(t)], self._tensors[id(t)] = axis, t
+        self.places[id(t)], self._tensors[id(t)] = where, t
         budget[0] -= 1
         node = t.inputs[0] if t.inputs else None
         if id(t) in self.cut or node is None or budget[0] <= 0 or shape_of(t) is None:
             return
-        plan = _plan(node, t, axis, len(shape_of(t)), int(self.graph.opset or 13))
+        plan = _plan(node, t, where, len(shape_of(t)), int(self.graph.opset or 13))
         if plan is None:
             return
         self.plans[id(t)] = plan
         self.nodes.add(id(node))
-        for u, at in plan:
-            if at is not None:
-                self._visit(u, at, budget)
+        for u, place in plan:
+            if place is not None:
+                self._visit(u, place, budget)
 
     def take(self, t: gs.Tensor) -> gs.Tensor:
-        """t's selected rows: its producer copied onto the rows of its inputs, or a Gather where the region ends."""
+        """t's selected rows: its producer copied onto the rows of its inputs, or a selection where the region ends."""
         made = self.__dict__.setdefault("_made", {})
         if id(t) not in made:
             plan = None if id(t) in self.cut else self.plans.get(id(t))
             if plan is None:
-                made[id(t)] = self.b.op("Gather", [t, self.rows], {"axis": self.axes[id(t)]}, name="rows",
-                                        dtype=t.dtype)
+                made[id(t)] = self._select(t, *self.places[id(t)])
             else:
                 node = t.inputs[0]
-                ins = [self.take(u) if at is not None else u for u, at in plan]
+                ins = [self.take(u) if place is not None else u for u, place in plan]
                 if node.op == "Reshape":
-                    ins[1] = self._reshape_target(node, self.axes[id(t)])
+                    ins[1] = self._reshape_target(node, self.places[id(t)][0])
                 made[id(t)] = self.b.op(node.op, ins, dict(node.attrs), name=node.op, dtype=t.dtype,
                                         domain=node.domain or None)
         return made[id(t)]
+
+    def _select(self, t: gs.Tensor, axis: int, batch: int | None) -> gs.Tensor:
+        """The rows of a value taken whole: a Gather of the positions, or a GatherElements of each row's position."""
+        if self.per_row is None:
+            return self.b.op("Gather", [t, self.rows], {"axis": axis}, name="rows", dtype=t.dtype)
+        rank, b = len(shape_of(t)), self.b
+        at, keep, one = np.ones(rank, np.int64), np.ones(rank, np.int64), np.zeros(rank, np.int64)
+        at[batch], keep[axis], one[axis] = -1, 0, 1
+        shape = b.op("Add", [b.op("Mul", [b.op("Shape", [t], dtype=np.int64), b.const("keep", keep)], dtype=np.int64),
+                             b.const("one", one)], dtype=np.int64)   # t's shape, 1 along the axis
+        index = b.op("Expand", [b.op("Reshape", [self.per_row, b.const("at", at)], dtype=np.int64), shape],
+                     dtype=np.int64)
+        return b.op("GatherElements", [t, index], {"axis": axis}, name="row", dtype=t.dtype)
 
     def moved(self, root: gs.Tensor) -> bool:
         return id(root) not in self.cut and id(root) in self.plans
@@ -93,46 +109,59 @@ class _Walk:
     def _reshape_target(self, node: gs.Node, axis: int) -> gs.Tensor:
         new = np.array(const_value(node.inputs[1]), np.int64)
         if new[axis] > 0:
-            new[axis] = self.rows.values.size
+            new[axis] = self.count
         return self.b.const("shape", new)
 
 
-def _plan(node: gs.Node, t: gs.Tensor, axis: int, rank: int, opset: int) -> list | None:
-    """How `node` (which makes t) passes a selection on `axis` of t: [(input, its axis or None to keep it whole)],
-    or None when it cannot."""
+def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> list | None:
+    """How `node` (which makes t) passes a selection at `where` (axis, batch axis or None) of t: [(input, its place,
+    or None to keep it whole)], or None when it cannot."""
     op, attrs, ins = node.op, node.attrs, list(node.inputs)
+    axis, batch = where
+    last = max(axis, -1 if batch is None else batch)
     if op in UNARY and all(const_value(u) is not None for u in ins[1:]):
-        return [(ins[0], axis)] + [(u, None) for u in ins[1:]]
+        return [(ins[0], where)] + [(u, None) for u in ins[1:]]
     if op in BINARY:
-        plan = [(u, _broadcast_axis(u, axis, rank)) for u in ins]
-        return None if any(at == -1 for _, at in plan) else plan
+        return _elementwise(ins, where, rank)
     if op in ("LayerNormalization", "Softmax", "LogSoftmax"):
-        norm = attrs.get("axis", -1 if op == "LayerNormalization" or opset >= 13 else 1)
-        return None if axis >= norm % rank else [(ins[0], axis)] + [(u, None) for u in ins[1:]]
+        norm = attrs.get("axis", -1 if op == "LayerNormalization" or opset >= 13 else 1) % rank
+        return None if last >= norm else [(ins[0], where)] + [(u, None) for u in ins[1:]]
     if op == "MatMul":
         sa, sb = shape_of(ins[0]), shape_of(ins[1])
-        if sa is None or sb is None or len(sa) < 2 or len(sb) < 2 or axis == rank - 1:
+        if sa is None or sb is None or len(sa) < 2 or len(sb) < 2 or rank - 1 in (axis, batch):
             return None
         if axis == rank - 2:   # rows of the product: rows of the left operand, the right one whole
-            return [(ins[0], len(sa) - 2), (ins[1], None)]
-        plan = [(u, _broadcast_axis(u, axis, rank)) for u in ins]   # a batch axis
-        return None if any(at == -1 for _, at in plan) else plan
+            place = _place(sa, where, rank)
+            return None if place in (None, -1) else [(ins[0], place), (ins[1], None)]
+        return _elementwise(ins, where, rank)   # a batch axis of the product
     if op == "Transpose":
-        perm = list(attrs.get("perm", range(rank - 1, -1, -1)))
-        return [(ins[0], int(perm[axis]))]
-    if op == "Reshape" and _keeps_axes(node, t, axis):
-        return [(ins[0], axis), (ins[1], None)]
+        perm = [int(p) for p in attrs.get("perm", range(rank - 1, -1, -1))]
+        return [(ins[0], (perm[axis], None if batch is None else perm[batch]))]
+    if op == "Reshape" and _keeps_axes(node, t, last):
+        return [(ins[0], where), (ins[1], None)]
     return None
 
 
-def _broadcast_axis(u: gs.Tensor, axis: int, rank: int) -> int | None:
-    """The axis of an elementwise operand that the output's `axis` reads (None: it broadcasts along it; -1: its shape
-    is unknown)."""
-    shape = shape_of(u)
+def _elementwise(ins: list, where: tuple, rank: int) -> list | None:
+    plan = [(u, _place(shape_of(u), where, rank)) for u in ins]
+    return None if any(place == -1 for _, place in plan) else plan
+
+
+def _place(shape: list | None, where: tuple, rank: int):
+    """Where an operand of rank len(shape), broadcast to `rank`, holds the output's selected axis (and batch axis):
+    None when it broadcasts along the axis (read whole), -1 when that cannot be told, or when a selection per row
+    would need a batch axis the operand broadcasts."""
     if shape is None:
         return -1
-    at = axis - (rank - len(shape))
-    return None if at < 0 or shape[at] == 1 else at
+    axis, batch = where
+    off = rank - len(shape)
+    if axis - off < 0 or shape[axis - off] == 1:
+        return None
+    if batch is None:
+        return (axis - off, None)
+    if batch - off < 0 or shape[batch - off] == 1:
+        return -1
+    return (axis - off, batch - off)
 
 
 def _keeps_axes(node: gs.Node, t: gs.Tensor, axis: int) -> bool:
@@ -161,33 +190,73 @@ def _read_rows(m: Match) -> bool | str:
     return True
 
 
+
 def _move_up(m: Match) -> list | None:
     read, x = m.node("read"), m["x"]
     idx = const_value(read.inputs[1])
     axis = read.attrs.get("axis", 0) % len(shape_of(x))
-    walk = _Walk(m.graph, gs.Constant(f"{read.name}/rows", np.atleast_1d(idx).astype(np.int64)), read.name)
-    walk.region(x, axis)
+    walk = _Walk(m.graph, read.name, rows=gs.Constant(f"{read.name}/rows", np.atleast_1d(idx).astype(np.int64)))
+    walk.region(x, (axis, None))
     if not walk.moved(x):   # nothing to pass: leave the read as it is
         return None
     picked = walk.take(x)
-    out = read.outputs[0]
     if idx.ndim == 0:
-        picked = walk.b.axes_op("Squeeze", picked, [axis], name="read", dtype=out.dtype)
+        picked = walk.b.axes_op("Squeeze", picked, [axis], name="read", dtype=read.outputs[0].dtype)
     return [picked]
+
+
+def _per_row(m: Match) -> gs.Tensor | str:
+    """GatherElements(x, idx, axis) with idx the same along every axis but the batch (axis 0): one position per row,
+    idx[b, 0, ...] (SASRec's last valid position, item_length - 1, expanded over the features); its [B, 1, ...]
+    source, or why not."""
+    read, x, idx = m.node("read"), m["x"], m["i"]
+    shape = shape_of(x)
+    source = idx.inputs[0].inputs[0] if idx.inputs and idx.inputs[0].op == "Expand" else idx
+    small, index_shape = shape_of(source), shape_of(idx)
+    if shape is None or len(shape) < 3 or small is None or index_shape is None:
+        return "not one position per row of a [B, T, ...] value"
+    axis = read.attrs.get("axis", 0) % len(shape)
+    if axis in (0, len(shape) - 1) or len(small) != len(shape) or index_shape[axis] != 1:
+        return "not one position per row of a [B, T, ...] value"
+    if any(d != 1 for d in small[1:]) or small[0] == 1:
+        return "the index varies along more than the batch axis"
+    if len(x.outputs) > 1 or any(o is x for o in m.graph.outputs):
+        return "the value is read elsewhere too"
+    return source
+
+
+def _per_row_condition(m: Match) -> bool | str:
+    found = _per_row(m)
+    return found if isinstance(found, str) else True
+
+
+def _move_up_per_row(m: Match) -> list | None:
+    read, x, source = m.node("read"), m["x"], _per_row(m)
+    walk = _Walk(m.graph, read.name)
+    walk.per_row = walk.b.op("Reshape", [source, walk.b.const("flat", np.array([-1], np.int64))], dtype=source.dtype)
+    if source.dtype != np.int64:
+        walk.per_row = walk.b.op("Cast", [walk.per_row], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
+    walk.region(x, (read.attrs.get("axis", 0) % len(shape_of(x)), 0))
+    return [walk.take(x)] if walk.moved(x) else None
 
 
 def _computed(t: gs.Tensor) -> bool:
     return bool(t.inputs) and const_value(t) is None   # not an embedding table's lookup
 
 
-READ_RULES = (Rewrite("rows-read-first", P.Gather(Var("x", _computed), Var("i"), _name="read"), _move_up, _read_rows,
-                      subgraphs=False),)
+READ_RULES = (
+    Rewrite("rows-read-first", P.Gather(Var("x", _computed), Var("i"), _name="read"), _move_up, _read_rows,
+            subgraphs=False),
+    Rewrite("row-per-sequence-read-first", P.GatherElements(Var("x", _computed), Var("i"), _name="read"),
+            _move_up_per_row, _per_row_condition, subgraphs=False),
+)
 
 
 @register_pass("compute-read-rows-only", rules=READ_RULES)
 def compute_read_rows_only(ctx: PassContext) -> None:
-    """A sequence read at a few constant positions (BST's target row `out[:, -1]`) → the row-wise ops before the
-    read (feed-forward layers, layer norms, residual adds, the attention's queries) run on those positions only."""
+    """A sequence read at a few constant positions (BST's target row `out[:, -1]`) or at one position per row
+    (SASRec's last valid one) → the row-wise ops before the read (feed-forward layers, layer norms, residual adds,
+    the attention's queries) run on those positions only."""
     if any(t.shape is None for n in ctx.graph.nodes for t in n.outputs):
         annotate_shapes(ctx.graph)   # the walk reads ranks and broadcast axes (the manager has done it; a lone run may not)
     ctx.apply(*READ_RULES)
