@@ -22,6 +22,7 @@ import onnx_graphsurgeon as gs
 from ..graph import annotate_shapes
 from ..graph.edit import Builder, const_value, shape_of
 from ..patterns import Match, P, Rewrite, Var
+from .cleanup import tidy
 from .registry import PassContext, register_pass
 
 UNARY = {"Relu", "LeakyRelu", "Gelu", "Erf", "Sigmoid", "Tanh", "Neg", "Sqrt", "Exp", "Log", "Abs", "Elu", "Selu",
@@ -259,4 +260,5 @@ def compute_read_rows_only(ctx: PassContext) -> None:
     the attention's queries) run on those positions only."""
     if any(t.shape is None for n in ctx.graph.nodes for t in n.outputs):
         annotate_shapes(ctx.graph)   # the walk reads ranks and broadcast axes (the manager has done it; a lone run may not)
-    ctx.apply(*READ_RULES)
+    if ctx.apply(*READ_RULES):
+        tidy(ctx)   # the per-row index's reshapes, as the cleanup passes would leave them
