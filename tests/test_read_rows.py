@@ -175,3 +175,54 @@ def test_third_party_exports_compute_the_rows_read_only(name):
         got = run_model(result.model, {k: data[k] for k in data.files})
         for k in ref.files:
             np.testing.assert_allclose(got[k], ref[k], atol=1e-5, rtol=1e-4)
+
+
+def _exact(model, feeds, rewrites):
+    done, ctx = run_pass(model, "compute-read-rows-only")
+    assert ctx.rewrites == rewrites
+    want, got = run_model(model, feeds)["y"], run_model(done, feeds)["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert run_pass(done, "compute-read-rows-only")[1].rewrites == 0
+    return done
+
+
+def test_a_value_reached_in_two_places_is_taken_in_each():
+    """u read as is and transposed: its rows along each reader's own axis (review: one cached place was wrong)."""
+    model = make_model([node("Relu", ["x"], ["u"]), node("Transpose", ["u"], ["ut"], perm=[0, 2, 1]),
+                        node("Add", ["u", "ut"], ["s"]), node("Gather", ["s", "at"], ["y"], axis=1)],
+                       [vi("x", F, ["B", 5, 5])], [vi("y", F, ["B", 5])], [init("at", np.array(1, np.int64))])
+    _exact(model, {"x": RNG.normal(size=(3, 5, 5)).astype(np.float32)}, 1)
+
+
+def test_per_row_reads_that_are_not_one_position_of_each_whole_row_are_left():
+    """An index not expanded over the features (or over fewer of them) reads a corner: no rewrite."""
+    for wide in (None, [1, 1, 2]):
+        nodes = [node("Relu", ["x"], ["u"]), node("Sub", ["lengths", "one"], ["last"]),
+                 node("Reshape", ["last", "r3"], ["i3"])]
+        inits = [init("one", np.array(1, np.int64)), init("r3", np.array([-1, 1, 1], np.int64))]
+        if wide:
+            nodes.append(node("Expand", ["i3", "wide"], ["i"]))
+            inits.append(init("wide", np.array(wide, np.int64)))
+        nodes.append(node("GatherElements", ["u", "i" if wide else "i3"], ["y"], axis=1))
+        model = make_model(nodes, [vi("x", F, ["B", 5, 4]), vi("lengths", I64, ["B"])], [vi("y", F, None)], inits)
+        _exact(model, {"x": RNG.normal(size=(3, 5, 4)).astype(np.float32), "lengths": np.array([5, 1, 3])}, 0)
+
+
+def test_a_layer_norms_mean_output_is_not_its_normalized_one():
+    model = make_model([node("Relu", ["x"], ["r"]), node("LayerNormalization", ["r", "g"], ["n", "mean"], axis=-1),
+                        node("Gather", ["mean", "at"], ["y"], axis=1)],
+                       [vi("x", F, ["B", 5, 4])], [vi("y", F, None)],
+                       [init("g", np.ones(4, np.float32)), init("at", np.array(1, np.int64))])
+    _exact(model, {"x": RNG.normal(size=(3, 5, 4)).astype(np.float32)}, 0)
+
+
+def test_an_operand_whose_axis_is_only_named_is_not_selected():
+    """p [S, D] with S = 1 at run time broadcasts: a dim neither 1 nor the output's own stops the selection there."""
+    model = make_model([node("Relu", ["x"], ["r"]), node("Add", ["r", "p"], ["s"]), node("Tanh", ["s"], ["t"]),
+                        node("Gather", ["t", "at"], ["y"], axis=1)],
+                       [vi("x", F, ["B", 5, 4]), vi("p", F, ["S", 4])], [vi("y", F, None)],
+                       [init("at", np.array(2, np.int64))])
+    done = _exact(model, {"x": RNG.normal(size=(3, 5, 4)).astype(np.float32),
+                          "p": RNG.normal(size=(1, 4)).astype(np.float32)}, 1)
+    assert [n.op_type for n in done.graph.node].count("Add") == 1 and "Tanh" in ops(done)

@@ -240,7 +240,7 @@ def _print_pass_table(result) -> None:
     declined = [(r, _why_not(r)) for r in result.records
                 if r.status == "unchanged" and r.matches and REGISTRY[r.name].group != "cleanup"]
     for r, why in declined:
-        console.print(f"[dim]{r.name} skipped:[/] {escape(why)}", soft_wrap=True)
+        console.print(f"[dim]{r.name} declined:[/] {escape(why)}", soft_wrap=True)
     idle = sum(r.status == "unchanged" for r in result.records) - len(declined)
     if idle:
         console.print(f"[dim]{idle} more passes found nothing to do[/]")
@@ -248,7 +248,7 @@ def _print_pass_table(result) -> None:
 
 def _why_not(record) -> str:
     """A pass that saw a candidate and left it: the first reason it gave (its note, or the check that declined)."""
-    reasons = [re.sub(r"^left as is: ", "", n) for n in record.notes + record.misses]
+    reasons = [re.sub(rf"^(left as is|{re.escape(record.name)}): ", "", n) for n in record.notes + record.misses]
     if not reasons:
         return "declined by its checks (--show-diff explains)"
     first = reasons[0] if len(reasons[0]) <= 160 else reasons[0][:159] + "…"
@@ -257,7 +257,8 @@ def _why_not(record) -> str:
 
 def _closing_line(result, nodes_before: int, verified: bool, target: str, batch: int) -> str:
     """"N → M nodes, verified (max err E), X.X× faster on <runtime> (paired, batch B)"."""
-    errors = [r.max_abs_err for r in result.records if r.max_abs_err is not None and r.status == "applied"]
+    errors = [r.max_abs_err for r in result.records if r.max_abs_err is not None and r.status == "applied"
+              and not result.kept_input]
     check = (f"verified (max err {max(errors):.1e})" if errors else "verified") if verified else "outputs NOT verified"
     runtime = {"ort": "onnxruntime CPU", "openvino": "OpenVINO CPU"}.get(target, target)
     if result.kept_input:
@@ -425,7 +426,7 @@ def list_passes(plugin: Optional[List[str]] = PLUGIN):
         for col in ("pass", "group", "targets", "in all", "description"):
             table.add_column(col)
         for p in sorted(REGISTRY.values(), key=lambda p: p.sort_key):
-            table.add_row(p.name, p.group, ",".join(p.targets), "yes" if p.default else "opt-in", p.description)
+            table.add_row(p.name, p.group, ",".join(p.targets), "yes" if p.default else "opt-in", escape(p.description))
         console.print(table)
 
 
@@ -758,7 +759,11 @@ def kernels_status():
 
 def main() -> None:
     """The console script: a bad argument is a one-line `error:` and exit 2, like every other bad input."""
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    try:   # typer >= 0.2x bundles its click; older ones use the click package
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    UsageError, NoArgsIsHelpError = exceptions.UsageError, getattr(exceptions, "NoArgsIsHelpError", ())
 
     try:
         code = app(standalone_mode=False)

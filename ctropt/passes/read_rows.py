@@ -38,10 +38,11 @@ class _Walk:
     value read whole by an op outside the region is cut: a Gather, or a GatherElements per row, takes its rows);
     then the row-wise ops of the region copied onto the rows."""
 
-    def __init__(self, graph: gs.Graph, prefix: str, rows: gs.Constant | None = None):
-        self.graph, self.rows, self.per_row = graph, rows, None
-        self.count = 1 if rows is None else rows.values.size   # positions kept per row
+    def __init__(self, graph: gs.Graph, prefix: str, rows: np.ndarray | None = None):
+        self.graph, self.per_row = graph, None
         self.b = Builder(graph, prefix)
+        self.rows = None if rows is None else self.b.const("rows", rows)
+        self.count = 1 if rows is None else rows.size   # positions kept per row
         self.outputs = {id(t) for t in graph.outputs}
 
     def region(self, root: gs.Tensor, where: tuple) -> None:
@@ -57,6 +58,8 @@ class _Walk:
             self.cut |= cut
 
     def _visit(self, t: gs.Tensor, where: tuple, budget: list) -> None:
+        if shape_of(t) is None:   # no rank: cannot be selected here (its reader's plan refuses it)
+            return
         if id(t) in self.places:
             if self.places[id(t)] != where:   # reached in two places: take it whole
                 self.cut.add(id(t))
@@ -75,21 +78,22 @@ class _Walk:
             if place is not None:
                 self._visit(u, place, budget)
 
-    def take(self, t: gs.Tensor) -> gs.Tensor:
-        """t's selected rows: its producer copied onto the rows of its inputs, or a selection where the region ends."""
-        made = self.__dict__.setdefault("_made", {})
-        if id(t) not in made:
-            plan = None if id(t) in self.cut else self.plans.get(id(t))
+    def take(self, t: gs.Tensor, place: tuple) -> gs.Tensor:
+        """t's selected rows at `place` (where its reader wants them): its producer copied onto the rows of its
+        inputs, or a selection where the region ends (a value cut, or wanted in another place than the region's)."""
+        made, key = self.__dict__.setdefault("_made", {}), (id(t), place)
+        if key not in made:
+            plan = None if id(t) in self.cut or self.places.get(id(t)) != place else self.plans.get(id(t))
             if plan is None:
-                made[id(t)] = self._select(t, *self.places[id(t)])
+                made[key] = self._select(t, *place)
             else:
                 node = t.inputs[0]
-                ins = [self.take(u) if place is not None else u for u, place in plan]
+                ins = [self.take(u, at) if at is not None else u for u, at in plan]
                 if node.op == "Reshape":
-                    ins[1] = self._reshape_target(node, self.places[id(t)][0])
-                made[id(t)] = self.b.op(node.op, ins, dict(node.attrs), name=node.op, dtype=t.dtype,
-                                        domain=node.domain or None)
-        return made[id(t)]
+                    ins[1] = self._reshape_target(node, place[0])
+                made[key] = self.b.op(node.op, ins, dict(node.attrs), name=node.op, dtype=t.dtype,
+                                      domain=node.domain or None)
+        return made[key]
 
     def _select(self, t: gs.Tensor, axis: int, batch: int | None) -> gs.Tensor:
         """The rows of a value taken whole: a Gather of the positions, or a GatherElements of each row's position."""
@@ -116,14 +120,23 @@ class _Walk:
 
 def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> list | None:
     """How `node` (which makes t) passes a selection at `where` (axis, batch axis or None) of t: [(input, its place,
-    or None to keep it whole)], or None when it cannot."""
+    or None to keep it whole)], or None when it cannot (an input to select of unknown shape included)."""
+    plan = _row_wise(node, t, where, rank, opset)
+    if plan is None or any(place is not None and shape_of(u) is None for u, place in plan):
+        return None
+    return plan
+
+
+def _row_wise(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> list | None:
     op, attrs, ins = node.op, node.attrs, list(node.inputs)
     axis, batch = where
     last = max(axis, -1 if batch is None else batch)
+    if (node.domain or "") not in ("", "ai.onnx") or not ins or t is not node.outputs[0]:
+        return None
     if op in UNARY and all(const_value(u) is not None for u in ins[1:]):
         return [(ins[0], where)] + [(u, None) for u in ins[1:]]
     if op in BINARY:
-        return _elementwise(ins, where, rank)
+        return _elementwise(ins, shape_of(t), where)
     if op in ("LayerNormalization", "Softmax", "LogSoftmax"):
         norm = attrs.get("axis", -1 if op == "LayerNormalization" or opset >= 13 else 1) % rank
         return None if last >= norm else [(ins[0], where)] + [(u, None) for u in ins[1:]]
@@ -132,9 +145,11 @@ def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> l
         if sa is None or sb is None or len(sa) < 2 or len(sb) < 2 or rank - 1 in (axis, batch):
             return None
         if axis == rank - 2:   # rows of the product: rows of the left operand, the right one whole
-            place = _place(sa, where, rank)
+            place = _place(sa, shape_of(t), where)
             return None if place in (None, -1) else [(ins[0], place), (ins[1], None)]
-        return _elementwise(ins, where, rank)   # a batch axis of the product
+        if batch is not None and batch >= rank - 2:   # the batch on the rows or columns of the product
+            return None
+        return _elementwise(ins, shape_of(t), where)   # a batch axis of the product
     if op == "Transpose":
         perm = [int(p) for p in attrs.get("perm", range(rank - 1, -1, -1))]
         return [(ins[0], (perm[axis], None if batch is None else perm[batch]))]
@@ -143,24 +158,27 @@ def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> l
     return None
 
 
-def _elementwise(ins: list, where: tuple, rank: int) -> list | None:
-    plan = [(u, _place(shape_of(u), where, rank)) for u in ins]
+def _elementwise(ins: list, out: list, where: tuple) -> list | None:
+    plan = [(u, _place(shape_of(u), out, where)) for u in ins]
     return None if any(place == -1 for _, place in plan) else plan
 
 
-def _place(shape: list | None, where: tuple, rank: int):
-    """Where an operand of rank len(shape), broadcast to `rank`, holds the output's selected axis (and batch axis):
-    None when it broadcasts along the axis (read whole), -1 when that cannot be told, or when a selection per row
-    would need a batch axis the operand broadcasts."""
+def _place(shape: list | None, out: list, where: tuple):
+    """Where an operand of shape `shape`, broadcast to the output's `out`, holds the output's selected axis (and
+    batch axis): None when it broadcasts along the axis (a literal 1, or no such axis: read whole), -1 when that
+    cannot be told (a dim neither 1 nor the output's own) or a selection per row would need a batch axis the operand
+    broadcasts."""
     if shape is None:
         return -1
     axis, batch = where
-    off = rank - len(shape)
+    off = len(out) - len(shape)
     if axis - off < 0 or shape[axis - off] == 1:
         return None
+    if shape[axis - off] != out[axis] or shape[axis - off] is None:
+        return -1
     if batch is None:
         return (axis - off, None)
-    if batch - off < 0 or shape[batch - off] == 1:
+    if batch - off < 0 or shape[batch - off] != out[batch] or shape[batch - off] is None:
         return -1
     return (axis - off, batch - off)
 
@@ -196,11 +214,11 @@ def _move_up(m: Match) -> list | None:
     read, x = m.node("read"), m["x"]
     idx = const_value(read.inputs[1])
     axis = read.attrs.get("axis", 0) % len(shape_of(x))
-    walk = _Walk(m.graph, read.name, rows=gs.Constant(f"{read.name}/rows", np.atleast_1d(idx).astype(np.int64)))
+    walk = _Walk(m.graph, read.name, rows=np.atleast_1d(idx).astype(np.int64))
     walk.region(x, (axis, None))
     if not walk.moved(x):   # nothing to pass: leave the read as it is
         return None
-    picked = walk.take(x)
+    picked = walk.take(x, (axis, None))
     if idx.ndim == 0:
         picked = walk.b.axes_op("Squeeze", picked, [axis], name="read", dtype=read.outputs[0].dtype)
     return [picked]
@@ -221,6 +239,9 @@ def _per_row(m: Match) -> gs.Tensor | str:
         return "not one position per row of a [B, T, ...] value"
     if any(d != 1 for d in small[1:]) or small[0] == 1:
         return "the index varies along more than the batch axis"
+    if any(index_shape[i] != shape[i] or shape[i] is None for i in range(1, len(shape)) if i != axis) or \
+            (isinstance(index_shape[0], int) and index_shape[0] != shape[0]):
+        return "the index does not cover the value's other axes (the read would take a corner of them)"
     if len(x.outputs) > 1 or any(o is x for o in m.graph.outputs):
         return "the value is read elsewhere too"
     return source
@@ -237,8 +258,9 @@ def _move_up_per_row(m: Match) -> list | None:
     walk.per_row = walk.b.op("Reshape", [source, walk.b.const("flat", np.array([-1], np.int64))], dtype=source.dtype)
     if source.dtype != np.int64:
         walk.per_row = walk.b.op("Cast", [walk.per_row], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
-    walk.region(x, (read.attrs.get("axis", 0) % len(shape_of(x)), 0))
-    return [walk.take(x)] if walk.moved(x) else None
+    where = (read.attrs.get("axis", 0) % len(shape_of(x)), 0)
+    walk.region(x, where)
+    return [walk.take(x, where)] if walk.moved(x) else None
 
 
 def _computed(t: gs.Tensor) -> bool:

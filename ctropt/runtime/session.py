@@ -49,7 +49,7 @@ def openvino_plugin_devices() -> tuple[list, str]:
     except ImportError:
         return [], _INSTALL_HINT["OpenVINOExecutionProvider"]
     name = plugin.get_ep_name()
-    if not _PLUGINS_REGISTERED:
+    if not _PLUGINS_REGISTERED and not any(d.ep_name == name for d in ort.get_ep_devices()):   # not by the host
         try:
             ort.register_execution_provider_library("ctropt-openvino-ep", plugin.get_library_path())
         except Exception as e:  # a library onnxruntime cannot load (another onnxruntime ABI)
