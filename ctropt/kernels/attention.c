@@ -77,7 +77,7 @@ static inline vec exp_vec(vec x) {
 
 typedef struct {
     const Kernel *k;
-    int64_t S, L, dk, dv, lead1;
+    int64_t S, L, dk, dv, lead[2];   /* lead: the output's leading axes */
     const float *q, *kk, *v, *bias;
     const uint8_t *mask, *mask_end;       /* or the mask (bs: its strides) */
     int64_t qs[4], ks[4], vs[4], bs[4], ys[4];   /* element strides per axis [lead, lead, row, column] (0: broadcast) */
@@ -162,7 +162,7 @@ static vec scores(const Job *j, const float *qt, const float *k, const float *bi
 /* Head n: its query rows LANES at a time, each row's softmax in a lane (no reductions across lanes). */
 static void run_head(const Job *j, int64_t n, float *e) {
     const int64_t S = j->S, L = j->L, dk = j->dk, dv = j->dv;
-    const int64_t i0 = n / j->lead1, i1 = n % j->lead1;
+    const int64_t i0 = n / j->lead[1], i1 = n % j->lead[1];
     const float *q = j->q + i0 * j->qs[0] + i1 * j->qs[1];
     const float *k = j->kk + i0 * j->ks[0] + i1 * j->ks[1];
     const float *v = j->v + i0 * j->vs[0] + i1 * j->vs[1];
@@ -230,40 +230,35 @@ static void viewed(const int64_t *dims, size_t r, const int64_t *perm, int64_t *
     }
 }
 
-static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
-    const Kernel *kn = kernel;
-    size_t n_in, rank[5];
-    int64_t d[5][4], a[5][4], lead[2];
-    const float *in[5];
-    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
-    for (size_t i = 0; i < 5; ++i)
-        TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "AttentionCore: an input has rank > 4"));
+/* The inputs' layout into the job: Q, K, V and the bias or mask broadcast as numpy does (the bias may widen the
+ * leading axes, and the query rows when Q has one), their element strides, and the output's rank. */
+static OrtStatus *layout(const Kernel *kn, const float *in[5], size_t rank[5], int64_t d[5][4], Job *j,
+                         size_t *out_rank) {
+    int64_t a[4][4], st[3][4], lead[2];
     if (in[3] && in[4]) return error("AttentionCore: a bias or a mask, not both");
     if (in[4]) {   /* the mask in the bias's place (its slot: shapes, strides) */
         in[3] = in[4];
         rank[3] = rank[4];
         memcpy(d[3], d[4], sizeof d[3]);
     }
-    for (size_t i = 0; i < 3; ++i)
+    for (int i = 0; i < 3; ++i) {
         if (!in[i] || rank[i] < 2) return error("AttentionCore: Q, K and V need two axes at least");
-    align(d[3], rank[3], 4, a[3]);
-    int64_t st[3][4];
-    for (int i = 0; i < 3; ++i)
         if (kn->perm_rank[i] && (size_t)kn->perm_rank[i] != rank[i]) return error("AttentionCore: a perm of another rank");
-    for (int i = 0; i < 3; ++i) viewed(d[i], rank[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
-    /* numpy's broadcasting over the whole expression: the bias may widen the leading axes and the query rows too */
+        viewed(d[i], rank[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
+    }
+    align(d[3], rank[3], 4, a[3]);
     const int64_t S = a[0][2] == 1 && in[3] ? a[3][2] : a[0][2], dk = a[0][3], L = a[1][2], dv = a[2][3];
     if (a[1][3] != dk) return error("AttentionCore: Q and K differ in depth");
     if (a[2][2] != L) return error("AttentionCore: K and V differ in length");
     if (S > MAX_DIM || L > MAX_DIM || dk > MAX_DIM || dv > MAX_DIM) return error("AttentionCore: an axis is too long");
-    size_t out_rank = 2;
-    for (int i = 0; i < 4; ++i) out_rank = rank[i] > out_rank ? rank[i] : out_rank;
-    Job j = {.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2],
-             .bias = in[4] ? NULL : in[3], .mask = in[4] ? (const uint8_t *)in[4] : NULL};
-    if (j.mask) {
+    *out_rank = 2;
+    for (int i = 0; i < 4; ++i) *out_rank = rank[i] > *out_rank ? rank[i] : *out_rank;
+    *j = (Job){.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2],
+               .bias = in[4] ? NULL : in[3], .mask = in[4] ? (const uint8_t *)in[4] : NULL};
+    if (j->mask) {
         int64_t bytes = 1;
         for (size_t x = 0; x < rank[4]; ++x) bytes *= d[4][x];
-        j.mask_end = j.mask + bytes;
+        j->mask_end = j->mask + bytes;
     }
     for (int x = 0; x < 2; ++x) {
         lead[x] = 1;
@@ -273,39 +268,53 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
             if (a[i][x] != 1) lead[x] = a[i][x];
         }
     }
-    int64_t *strides[3] = {j.qs, j.ks, j.vs};
+    int64_t *strides[3] = {j->qs, j->ks, j->vs};
     for (int i = 0; i < 3; ++i)
         for (int x = 0; x < 4; ++x) strides[i][x] = x < 2 && a[i][x] == 1 ? 0 : st[i][x];
-    if (a[0][2] == 1) j.qs[2] = 0;   /* one query row, repeated over the bias's rows */
-    if (in[3]) {
-        const int64_t full[4] = {lead[0], lead[1], S, L};
-        int64_t step = 1;
-        for (int x = 3; x >= 0; --x) {
-            if (a[3][x] != 1 && a[3][x] != full[x])
-                return error("AttentionCore: the bias or mask does not broadcast to the scores");
-            j.bs[x] = a[3][x] == 1 ? 0 : step;
-            step *= a[3][x];
-        }
+    if (a[0][2] == 1) j->qs[2] = 0;   /* one query row, repeated over the bias's rows */
+    const int64_t full[4] = {lead[0], lead[1], S, L};
+    for (int64_t x = 3, step = 1; x >= 0 && in[3]; step *= a[3][x--]) {
+        if (a[3][x] != 1 && a[3][x] != full[x]) return error("AttentionCore: the bias or mask does not broadcast to the scores");
+        j->bs[x] = a[3][x] == 1 ? 0 : step;
     }
-    j.lead1 = lead[1];
-    const int64_t y_dims[4] = {lead[0], lead[1], S, dv}, *y_perm = kn->perm_rank[3] ? kn->perm[3] : NULL;
+    j->lead[0] = lead[0];
+    j->lead[1] = lead[1];
+    return NULL;
+}
+
+/* The output's dims (`written`: Y's [lead, lead, S, dv] cut to out_rank, permuted by y_perm) and Y's element strides
+ * in it. */
+static OrtStatus *output_layout(const Kernel *kn, Job *j, size_t out_rank, int64_t written[4]) {
+    const int64_t y_dims[4] = {j->lead[0], j->lead[1], j->S, j->dv}, *y_perm = kn->perm_rank[3] ? kn->perm[3] : NULL;
     if (y_perm && (size_t)kn->perm_rank[3] != out_rank) return error("AttentionCore: y_perm of another rank");
-    int64_t written[4];   /* the output's dims: Y's, permuted; then Y's element strides in it */
-    for (size_t a = 0; a < out_rank; ++a) written[a] = y_dims[4 - out_rank + (y_perm ? y_perm[a] : (int64_t)a)];
-    for (int64_t a = (int64_t)out_rank - 1, step = 1; a >= 0; step *= written[a--])
-        j.ys[4 - out_rank + (y_perm ? y_perm[a] : a)] = step;
-    for (size_t x = 0; x < 4 - out_rank; ++x) j.ys[x] = 0;
+    for (size_t x = 0; x < out_rank; ++x) written[x] = y_dims[4 - out_rank + (y_perm ? y_perm[x] : (int64_t)x)];
+    for (int64_t x = (int64_t)out_rank - 1, step = 1; x >= 0; step *= written[x--])
+        j->ys[4 - out_rank + (y_perm ? y_perm[x] : x)] = step;
+    for (size_t x = 0; x < 4 - out_rank; ++x) j->ys[x] = 0;
+    return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+    size_t n_in, rank[5], out_rank = 2;
+    int64_t d[5][4], written[4];
+    const float *in[5];
+    Job j;
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    for (size_t i = 0; i < 5; ++i)
+        TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "AttentionCore: an input has rank > 4"));
+    TRY(layout(kernel, in, rank, d, &j, &out_rank));
+    TRY(output_layout(kernel, &j, out_rank, written));
     OrtValue *out;
     TRY(ort->KernelContext_GetOutput(ctx, 0, written, out_rank, &out));
     TRY(ort->GetTensorMutableData(out, (void **)&j.y));
-    j.heads = lead[0] * lead[1];
-    if (j.heads == 0 || S == 0 || dv == 0) return NULL;
-    if (L == 0) {   /* softmax over no columns: onnxruntime's Softmax gives an empty row, its MatMul zeros */
-        memset(j.y, 0, (size_t)(j.heads * S * dv) * sizeof(float));
+    j.heads = j.lead[0] * j.lead[1];
+    if (j.heads == 0 || j.S == 0 || j.dv == 0) return NULL;
+    if (j.L == 0) {   /* softmax over no columns: onnxruntime's Softmax gives an empty row, its MatMul zeros */
+        memset(j.y, 0, (size_t)(j.heads * j.S * j.dv) * sizeof(float));
         return NULL;
     }
     j.blocks = j.heads < MAX_BLOCKS ? j.heads : MAX_BLOCKS;
-    j.scratch_floats = (L + dk) * LANES + 2 * L;   /* and the keys kept, L int64 */
+    j.scratch_floats = (j.L + j.dk) * LANES + 2 * j.L;   /* and the keys kept, L int64 */
     j.scratch = calloc((size_t)(j.blocks * j.scratch_floats), sizeof(float));
     if (!j.scratch) return ort->CreateStatus(ORT_FAIL, "AttentionCore: out of memory");
     OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
