@@ -227,6 +227,11 @@ def replace_outputs(graph: gs.Graph, root: gs.Node, new: list) -> None:
     root.outputs.clear()
 
 
+def read_once(t: gs.Tensor, graph: gs.Graph) -> bool:
+    """`t` has one reader, a node (not also a graph output): a rewrite of that reader may drop it."""
+    return len(t.outputs) == 1 and not any(o is t for o in graph.outputs)
+
+
 def renameable(graph: gs.Graph, t: gs.Tensor) -> bool:
     """True if `t` is made by a node of `graph` and is not itself a graph output (so it may take another name)."""
     if len(t.inputs) != 1 or any(o is t for o in graph.outputs):

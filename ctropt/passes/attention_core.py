@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError, annotate_shapes
-from ..graph.edit import const_value, is_all_zeros, rank_of, replace_outputs, shape_of
+from ..graph.edit import const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -39,14 +39,10 @@ def _scalar(t: gs.Tensor, of: gs.Tensor) -> float | None:
     return float(v.reshape(-1)[0])
 
 
-def _only_reader(t: gs.Tensor, graph: gs.Graph) -> bool:
-    return len(t.outputs) == 1 and not any(o is t for o in graph.outputs)
-
-
 def _unscaled(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float]:
     """`t` without the Mul/Div by scalar constants that made it (each read only here), and their product."""
     scale = 1.0
-    while t.inputs and t.inputs[0].op in ("Mul", "Div") and _only_reader(t, graph):
+    while t.inputs and t.inputs[0].op in ("Mul", "Div") and read_once(t, graph):
         node = t.inputs[0]
         c, x = _scalar(node.inputs[1], node.inputs[0]), node.inputs[0]
         if node.op == "Mul" and c is None:
@@ -62,7 +58,7 @@ def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[int] | None,
     Mul/Div it strips each read only here."""
     t, scale = _unscaled(t, graph)
     node = t.inputs[0] if t.inputs else None
-    if node is None or node.op != "Transpose" or not _only_reader(t, graph) or rank_of(node.inputs[0]) is None:
+    if node is None or node.op != "Transpose" or not read_once(t, graph) or rank_of(node.inputs[0]) is None:
         return t, None, scale
     rank = rank_of(node.inputs[0])
     perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
@@ -73,7 +69,7 @@ def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[int] | None,
 def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] | None:
     """A bias that is Where(mask, c, 0) or Where(mask, 0, c) (c one float, the zeros no larger than the mask, the
     Where read only as the bias) as (mask, c, the mask's value where c is added); None otherwise."""
-    node = bias.inputs[0] if bias.inputs and _only_reader(bias, graph) else None
+    node = bias.inputs[0] if bias.inputs and read_once(bias, graph) else None
     if node is None or node.op != "Where" or node.inputs[0].dtype != np.bool_:
         return None
     cond, rank = node.inputs[0], rank_of(node.inputs[0])
@@ -97,7 +93,7 @@ def read_core(m: Match) -> dict | str:
         return "not a softmax over the last axis of a rank 2-4 value"
     core = {"bias": None, "bias_scale": 1.0}
     t, outer = _unscaled(scores, g)
-    node = t.inputs[0] if t.inputs and _only_reader(t, g) else None
+    node = t.inputs[0] if t.inputs and read_once(t, g) else None
     if node is not None and node.op in ("Add", "Sub"):
         for i in (0,) if node.op == "Sub" else (0, 1):   # a Sub's bias is what it subtracts
             base, _ = _unscaled(node.inputs[i], g)
@@ -110,7 +106,7 @@ def read_core(m: Match) -> dict | str:
         if outer != 1.0:
             return "a scale after the bias"
     t, inner = _unscaled(t, g)
-    mm = t.inputs[0] if t.inputs and _only_reader(t, g) else None
+    mm = t.inputs[0] if t.inputs and read_once(t, g) else None
     if mm is None or mm.op != "MatMul":
         return "the softmax does not read a MatMul of Q and Kᵀ"
     q, q_perm, sq = _source(mm.inputs[0], g)
@@ -151,7 +147,7 @@ def _to_kernel(m: Match) -> list:
         attrs.update(mask_value=float(core["mask_value"]), mask_on=core["mask_on"])
     while inputs[-1] is empty:
         inputs.pop()
-    reader = out.outputs[0] if _only_reader(out, m.graph) else None
+    reader = out.outputs[0] if read_once(out, m.graph) else None
     if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
             len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
         core["y_perm"] = [int(a) for a in reader.attrs["perm"]]

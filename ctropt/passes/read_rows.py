@@ -20,7 +20,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
-from ..graph.edit import Builder, const_value, shape_of
+from ..graph.edit import Builder, const_value, read_once, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .cleanup import tidy
 from .registry import PassContext, register_pass
@@ -202,7 +202,7 @@ def _read_rows(m: Match) -> bool | str:
     axis = m.node("read").attrs.get("axis", 0) % len(shape)
     if axis == len(shape) - 1:
         return "a selection of features (the last axis), not of positions"
-    if len(m["x"].outputs) > 1 or any(o is m["x"] for o in m.graph.outputs):
+    if not read_once(m["x"], m.graph):
         return "the value is read elsewhere too"
     if isinstance(shape[axis], int) and idx.size >= shape[axis]:
         return "every position is read"
@@ -242,7 +242,7 @@ def _per_row(m: Match) -> gs.Tensor | str:
     if any(index_shape[i] != shape[i] or shape[i] is None for i in range(1, len(shape)) if i != axis) or \
             (isinstance(index_shape[0], int) and index_shape[0] != shape[0]):
         return "the index does not cover the value's other axes (the read would take a corner of them)"
-    if len(x.outputs) > 1 or any(o is x for o in m.graph.outputs):
+    if not read_once(x, m.graph):
         return "the value is read elsewhere too"
     return source
 
