@@ -161,7 +161,8 @@ def test_one_position_per_row_sasrec():
     assert ctx.rewrites == 0
 
 
-@pytest.mark.parametrize("name", ["torch_rechub_BST_legacy", "torch_rechub_BST_dynamo", "recbole_SASRec_dynamo"])
+@pytest.mark.parametrize("name", ["torch_rechub_BST_legacy", "torch_rechub_BST_dynamo", "recbole_SASRec_dynamo",
+                                  "recbole_SASRec_legacy"])
 def test_third_party_exports_compute_the_rows_read_only(name):
     from pathlib import Path
 

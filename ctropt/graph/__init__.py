@@ -382,6 +382,15 @@ def interface(model: onnx.ModelProto) -> list[tuple]:
     ]
 
 
+def annotate_shapes_if_bare(graph: gs.Graph) -> None:
+    """Shapes for a graph whose intermediate values have none (a pass run alone, on a model no infer-shapes has
+    seen); a graph the pass manager annotated is left as it is, so that a pass which rewrites nothing leaves the
+    model unchanged."""
+    outputs = {id(t) for t in graph.outputs}
+    if not any(t.shape is not None for n in graph.nodes for t in n.outputs if id(t) not in outputs):
+        annotate_shapes(graph)
+
+
 def annotate_shapes(graph: gs.Graph) -> tuple[int, str]:
     """Fill in missing dtypes/shapes of node outputs (all scopes) by onnx shape inference.
 

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from .. import kernels
-from ..graph import CtroptError, annotate_shapes
+from ..graph import CtroptError, annotate_shapes_if_bare
 from ..graph.edit import const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
@@ -186,8 +186,7 @@ def attention_core_kernel(ctx: PassContext) -> None:
                               f"{problem}")
         ctx.note(f"attention left as standard ops: ctropt's kernel library is not available ({problem})")
         return
-    if any(n.op == "Softmax" and n.outputs[0].shape is None for n in ctx.graph.nodes):
-        annotate_shapes(ctx.graph)   # the rank of the scores (the pass manager has done it; a lone run may not)
+    annotate_shapes_if_bare(ctx.graph)   # the rank of the scores
     if ctx.apply(*CORE_RULES):
         ctx.note(f"AttentionCore kernels: the model needs ctropt's kernel library at run time "
                  f"({kernels.library_path()})")

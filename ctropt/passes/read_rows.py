@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes
+from ..graph import annotate_shapes_if_bare
 from ..graph.edit import Builder, const_value, read_once, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .cleanup import tidy
@@ -230,8 +230,12 @@ def _per_row(m: Match) -> gs.Tensor | str:
     source, or why not."""
     read, x, idx = m.node("read"), m["x"], m["i"]
     shape = shape_of(x)
-    source = idx.inputs[0].inputs[0] if idx.inputs and idx.inputs[0].op == "Expand" else idx
+    expand = idx.inputs[0] if idx.inputs and idx.inputs[0].op == "Expand" else None
+    source = expand.inputs[0] if expand is not None else idx
     small, index_shape = shape_of(source), shape_of(idx)
+    target = const_value(expand.inputs[1]) if expand is not None else None
+    if target is not None and small is not None and len(target) <= len(small):   # inference left it unknown (a
+        index_shape = _broadcast(small, [int(v) for v in target])                # target torch folded from a Where)
     if shape is None or len(shape) < 3 or small is None or index_shape is None:
         return "not one position per row of a [B, T, ...] value"
     axis = read.attrs.get("axis", 0) % len(shape)
@@ -245,6 +249,12 @@ def _per_row(m: Match) -> gs.Tensor | str:
     if not read_once(x, m.graph):
         return "the value is read elsewhere too"
     return source
+
+
+def _broadcast(a: list, b: list) -> list:
+    """numpy's broadcast of two shapes (None where a dim is not known to be either)."""
+    b = [1] * (len(a) - len(b)) + list(b)
+    return [y if x == 1 else x if y == 1 or x == y else None for x, y in zip(a, b)]
 
 
 def _per_row_condition(m: Match) -> bool | str:
@@ -280,7 +290,6 @@ def compute_read_rows_only(ctx: PassContext) -> None:
     """A sequence read at a few constant positions (BST's target row `out[:, -1]`) or at one position per row
     (SASRec's last valid one) → the row-wise ops before the read (feed-forward layers, layer norms, residual adds,
     the attention's queries) run on those positions only."""
-    if any(t.shape is None for n in ctx.graph.nodes for t in n.outputs):
-        annotate_shapes(ctx.graph)   # the walk reads ranks and broadcast axes (the manager has done it; a lone run may not)
+    annotate_shapes_if_bare(ctx.graph)   # the walk reads ranks and broadcast axes
     if ctx.apply(*READ_RULES):
         tidy(ctx)   # the per-row index's reshapes, as the cleanup passes would leave them

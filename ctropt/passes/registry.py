@@ -136,8 +136,8 @@ PIPELINE_ORDER = {
     "dedup-initializers": 25, "eliminate-common-subexpressions": 30,
     # fusion: tables first (they change the lookups the others read), then sequences, attention, FC layers
     "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
-    "rewrite-indicator-columns": 15, "fuse-rnn": 30, "dedup-user-side": 35, "remove-attention-padding": 40,
-    "project-query-once": 42, "compute-read-rows-only": 44, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
+    "rewrite-indicator-columns": 15, "fuse-rnn": 30, "compute-read-rows-only": 34, "dedup-user-side": 35, "remove-attention-padding": 40,
+    "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
     "fuse-fc": 60, "fold-fc-affine": 62,
     # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
     "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "residual-add-as-sum": 5, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
