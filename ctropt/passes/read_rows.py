@@ -67,7 +67,7 @@ class _Walk:
         self.places[id(t)], self._tensors[id(t)] = where, t
         budget[0] -= 1
         node = t.inputs[0] if t.inputs else None
-        if id(t) in self.cut or node is None or budget[0] <= 0 or shape_of(t) is None:
+        if id(t) in self.cut or node is None or budget[0] <= 0:
             return
         plan = _plan(node, t, where, len(shape_of(t)), int(self.graph.opset or 13))
         if plan is None:
