@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from .graph import CtroptError, interface, node_count, save
-from .passes import PassManager
+from .passes import PassManager, resolve
 from .runtime import Runner, compare_outputs, generate_inputs
 from .runtime.inputs import DEFAULT_SEQ_LEN
 
@@ -116,13 +116,18 @@ def specialize(model: onnx.ModelProto, out_dir: str | os.PathLike, batches: list
     if dependent.startswith("not every input"):
         raise CtroptError(f"cannot bucket this model: {dependent} (a jagged input, as torchrec's KeyedJaggedTensor)")
     # Fuse once on the dynamic graph (the patterns expect the exporter's forms), then per bucket fix the
-    # shapes and run the passes again: folding now removes the shape arithmetic.
-    optimized = PassManager(passes, target=target, feeds=probe, options=options).run(model).model
+    # shapes and run the passes again: folding now removes the shape arithmetic. The lowering waits for the
+    # buckets: shape inference cannot see through the kernels it may emit.
+    chosen = resolve(passes, (), target)
+    fused = PassManager([p for p in chosen if p.group != "lower"], target=target, feeds=probe,
+                        options=options).run(model).model
+    optimized = PassManager([p for p in chosen if p.group == "lower"], target=target, feeds=probe,
+                            options=options).run(fused).model
     buckets = []
     for b in sorted(set(batches)):
-        fixed = fix_shapes(optimized, b, seq_len)
+        fixed = fix_shapes(fused, b, seq_len)
         feeds = generate_inputs(model, batch=b, seq_len=t, seed=b)
-        result = PassManager(passes, target=target, feeds=feeds, options=options).run(fixed)
+        result = PassManager(chosen, target=target, feeds=feeds, options=options).run(fixed)
         diffs = compare_outputs(dynamic.run(feeds), Runner(result.model).run(feeds))
         if not all(d.ok for d in diffs):
             raise CtroptError(f"the batch-{b} model differs from the dynamic one: "

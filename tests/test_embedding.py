@@ -89,6 +89,21 @@ def test_flat_lookups_joined_on_the_last_axis_with_dense_features_around():
                ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
 
 
+def test_paddle_lookups_reshaped_to_rows_then_joined():
+    """paddle2onnx: ids [B, 1] → Gather [B, 1, D] → Reshape [B, D] → Concat(1) with dense features."""
+    nodes = []
+    for i in range(3):
+        nodes += [node("Gather", [f"t{i}", f"id{i}"], [f"e{i}"]), node("Reshape", [f"e{i}", "rows"], [f"r{i}"])]
+    nodes += [node("Concat", ["r0", "r1", "r2", "dense"], ["y"], axis=1)]
+    model = make_model(nodes, [vi(f"id{i}", I64, ["B", 1]) for i in range(3)] + [vi("dense", F, ["B", 3])],
+                       [vi("y", F, ["B", 15])], TABLES + [init("rows", np.array([-1, 4]))])
+    model, _ = run_pass(model, "infer-shapes")
+    feeds = {**feeds_with_boundaries((5, 1)), "dense": RNG.standard_normal((5, 3)).astype(np.float32)}
+    out, _ = check_pass(model, "fuse-parallel-embeddings",
+                        ["Concat", "Shape", "Expand", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
+    assert ops(out).count("Gather") == 1
+
+
 def test_wide_part_summed_through_tf_reshapes():
     """TF estimator wide part: Gather on [rows, 1] tables, Reshape to Concat(Shape(ids), [1]) (the shape it has),
     AddN: one Gather and a ReduceSum over the fused columns."""
@@ -155,7 +170,7 @@ def test_inputs_generated_for_the_fused_model_are_the_raw_models():
     """The fused graph hides each id's table; the optimized model keeps the raw model's facts in its metadata."""
     model = load(DATA / "deepctr_torch_DeepFM_dynamo.onnx")
     fused = ctropt.optimize(model, speed=False).model
-    assert any(n.op_type == "Gather" and "fuse" in n.name for n in fused.graph.node)
+    assert any(n.op_type in ("Gather", "GatherRows") and "fuse" in n.name for n in fused.graph.node)
     for batch in (1, 256):
         raw, opt = generate_inputs(model, batch=batch), generate_inputs(fused, batch=batch)
         assert all(np.array_equal(raw[k], opt[k]) for k in raw)
@@ -166,7 +181,8 @@ def test_inputs_generated_for_the_fused_model_are_the_raw_models():
 
 @pytest.mark.parametrize("name", ["deepctr_WDL_tf2onnx", "deepctr_DeepFM_tf2onnx", "deepctr_DCN_tf2onnx",
                                   "deepctr_MMOE_tf2onnx", "deepctr_torch_WDL_legacy", "deepctr_torch_WDL_dynamo",
-                                  "deepctr_torch_DeepFM_dynamo", "deepctr_torch_DeepFM_legacy"])
+                                  "deepctr_torch_DeepFM_dynamo", "deepctr_torch_DeepFM_legacy",
+                                  "paddlerec_WideDeep_paddle2onnx"])
 def test_third_party_exports_keep_one_lookup_per_table_width(name):
     model = load(DATA / f"{name}.onnx")
     widths = {t.dims[1] for t in model.graph.initializer if len(t.dims) == 2 and
@@ -175,7 +191,7 @@ def test_third_party_exports_keep_one_lookup_per_table_width(name):
     rec = next(r for r in result.records if r.name == "fuse-parallel-embeddings")
     assert rec.status == "applied", (rec.status, rec.message)
     tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
-    lookups = [n for n in result.model.graph.node if n.op_type == "Gather" and n.input[0] in tables]
+    lookups = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and n.input[0] in tables]
     assert len(lookups) == len(widths), [n.name for n in lookups]
     with np.load(DATA / f"{name}.npz") as data:
         assert_same_outputs(model, result.model, {k: data[k] for k in data.files})
@@ -260,12 +276,13 @@ def test_torchrec_dlrm_loops_vectorize_and_openvino_loads_it():
     assert rec.status == "applied" and rec.rewrites == 6
     assert ops(result.model).count("Loop") == 0
     tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
-    assert len([n for n in result.model.graph.node if n.op_type == "Gather" and n.input[0] in tables]) == 1
+    assert len([n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and n.input[0] in tables]) == 1
     assert ops(result.model).count("ScatterND") == 1  # one scatter over the bags of all 6 tables
     with np.load(TORCHREC.with_suffix(".npz")) as data, np.load(TORCHREC.with_suffix(".ref.npz")) as ref:
         feeds = {k: data[k] for k in data.files}
         np.testing.assert_allclose(ctropt.runtime.run_model(result.model, feeds)["logits"], ref["logits"], atol=1e-5)
-        got = ctropt.runtime.Runner(result.model, "openvino-cpu").run(feeds)["logits"]
+        for_openvino = ctropt.optimize(model, target="openvino", speed=False).model
+        got = ctropt.runtime.Runner(for_openvino, "openvino-cpu").run(feeds)["logits"]
         np.testing.assert_allclose(got, ref["logits"], atol=1e-5)
 
 
@@ -419,7 +436,7 @@ def test_zoo_dlrm_tf2onnx_bags_vectorize_and_fuse():
     result = ctropt.optimize(model, speed=False)
     rec = {r.name: r for r in result.records}
     assert rec["vectorize-embedding-bags"].rewrites == 8 and rec["fuse-parallel-embeddings"].status == "applied"
-    tables = [n for n in result.model.graph.node if n.op_type == "Gather" and "fused_lookup" in n.name]
+    tables = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and "fused_lookup" in n.name]
     assert len(tables) == 1 and not {"NonZero", "Unique", "GatherND", "ScatterND"} & set(ops(result.model))
     assert ops(result.model).count("Div") == 2  # the two mean bags
     with np.load(path.with_suffix(".npz")) as data, np.load(path.with_suffix(".ref.npz")) as ref:

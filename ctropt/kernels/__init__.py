@@ -2,7 +2,9 @@
 
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
 lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). ``AttentionCore``
-(attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. A model that holds
+(attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. ``SumAxes``,
+``SmallMatMul`` (small_products.c) and ``GatherRows`` (gather_rows.c) stand in for onnxruntime ops whose CPU kernels
+make a call per matrix or per index; small-products-kernel and gather-rows-kernel emit them. A model that holds
 such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
@@ -19,11 +21,12 @@ import os
 import subprocess
 from pathlib import Path
 
-from ..graph import CtroptError, iter_proto_nodes
+from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
 
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
-SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c"]  # and kernels.h, which they share
+SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
+           HERE / "gather_rows.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
@@ -106,3 +109,18 @@ def register(session_options) -> None:
     if problem:
         raise CtroptError(f"the model uses {DOMAIN} ops and ctropt's kernel library cannot be built here: {problem}")
     session_options.register_custom_ops_library(str(library_path()))
+
+
+def apply_rules(ctx, rules, left: str) -> int:
+    """A kernel pass's body: its rewrite rules applied where the library loads (shapes annotated first), a note
+    that the model then needs it; else a note that `left` stays as standard ops. Returns the rewrites."""
+    problem = ensure()
+    if problem:
+        ctx.note(f"{left} left as standard ops: ctropt's kernel library is not available ({problem})")
+        return 0
+    annotate_shapes_if_bare(ctx.graph)
+    done = ctx.apply(*rules)
+    if done:
+        ops = sorted({n.op for n in ctx.graph.nodes if n.domain == DOMAIN})
+        ctx.note(f"{', '.join(ops)} kernels: the model needs ctropt's kernel library at run time ({library_path()})")
+    return done

@@ -375,23 +375,5 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
     return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    (void)i;
-    return INPUT_OUTPUT_REQUIRED;
-}
 
-OrtCustomOp ctropt_attention_core = {
-    .version = ORT_API_VERSION,
-    .GetName = name,
-    .GetInputType = input_type,
-    .GetInputTypeCount = n_inputs,
-    .GetOutputType = float_type,
-    .GetOutputTypeCount = n_outputs,
-    .GetInputCharacteristic = input_kind,
-    .GetOutputCharacteristic = output_kind,
-    .CreateKernelV2 = create,
-    .KernelComputeV2 = compute,
-    .KernelDestroy = destroy,
-    COMMON_CALLBACKS,
-};
+OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, n_outputs, input_kind, required, create, compute);

@@ -406,17 +406,4 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCu
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-OrtCustomOp ctropt_gru_scan = {
-    .version = ORT_API_VERSION,
-    .GetName = name,
-    .GetInputType = input_type,
-    .GetInputTypeCount = n_inputs,
-    .GetOutputType = float_type,
-    .GetOutputTypeCount = n_outputs,
-    .GetInputCharacteristic = input_kind,
-    .GetOutputCharacteristic = output_kind,
-    .CreateKernelV2 = create,
-    .KernelComputeV2 = compute,
-    .KernelDestroy = destroy,
-    COMMON_CALLBACKS,
-};
+OrtCustomOp ctropt_gru_scan = CUSTOM_OP(name, input_type, n_inputs, n_outputs, input_kind, output_kind, create, compute);

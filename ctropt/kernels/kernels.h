@@ -13,7 +13,8 @@
 #define LANES 8
 
 extern const OrtApi *ort;
-extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core;
+extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
+    ctropt_gather_rows;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
@@ -51,6 +52,22 @@ static inline int ORT_API_CALL last_opset(const OrtCustomOp *op) { (void)op; ret
 static inline size_t ORT_API_CALL no_pairs(int **in, int **out) { *in = *out = NULL; return 0; }
 static inline void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)out; }
 
+static inline OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return INPUT_OUTPUT_REQUIRED;
+}
+
+/* CreateKernelV2 of a kernel without attributes (its state: one byte, for KernelDestroy to free). */
+static inline OrtStatus *ORT_API_CALL no_attributes(const OrtCustomOp *op, const OrtApi *api,
+                                                    const OrtKernelInfo *info, void **kernel) {
+    (void)op;
+    (void)api;
+    (void)info;
+    *kernel = calloc(1, 1);
+    return *kernel ? NULL : ort->CreateStatus(ORT_FAIL, "ctropt kernels: out of memory");
+}
+
 /* The fields of an OrtCustomOp that every kernel fills alike (after .version, .GetName and its own callbacks). */
 #define COMMON_CALLBACKS                         \
     .GetExecutionProviderType = provider,        \
@@ -65,6 +82,15 @@ static inline void ORT_API_CALL free_pairs(int *in, int *out) { (void)in; (void)
     .GetAliasMap = no_pairs,                     \
     .ReleaseMayInplace = free_pairs,             \
     .ReleaseAliasMap = free_pairs
+
+/* An OrtCustomOp: its name, inputs' types, counts and characteristics, outputs' (float), create and compute. */
+#define CUSTOM_OP(name_, input_type_, n_inputs_, n_outputs_, input_kind_, output_kind_, create_, compute_)       \
+    {                                                                                                          \
+        .version = ORT_API_VERSION, .GetName = name_, .GetInputType = input_type_, .GetInputTypeCount = n_inputs_, \
+        .GetOutputType = float_type, .GetOutputTypeCount = n_outputs_, .GetInputCharacteristic = input_kind_,   \
+        .GetOutputCharacteristic = output_kind_, .CreateKernelV2 = create_, .KernelComputeV2 = compute_,        \
+        .KernelDestroy = destroy, COMMON_CALLBACKS,                                                            \
+    }
 
 /* Input i (NULL data and rank 0 when absent), its dims into `dims` (room for max_rank). */
 static inline OrtStatus *read_input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,

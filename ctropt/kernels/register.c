@@ -10,5 +10,8 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CreateCustomOpDomain("ai.ctropt.kernels", &domain));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gru_scan));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_attention_core));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_sum_axes));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_small_matmul));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows));
     return ort->AddCustomOpDomain(options, domain);
 }

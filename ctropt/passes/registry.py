@@ -140,7 +140,7 @@ PIPELINE_ORDER = {
     "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
     "fuse-fc": 60, "fold-fc-affine": 62,
     # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
-    "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "residual-add-as-sum": 5, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
+    "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "small-products-kernel": 3, "gather-rows-kernel": 4, "residual-add-as-sum": 5, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
     "body-inputs-own-names": 19, "scan-outer-scope-as-state": 20, "loop-inline-invariant-constants": 21,
     "body-passthrough-identity": 22, "concat-into-if-branches": 23, "gru-sequence-lens-as-mask": 30,
     "split-cast-bool-as-compare": 40, "topk-ties-by-index": 41,
@@ -199,7 +199,8 @@ def load_plugin(module: str) -> None:
 
 
 def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
-    """Turn `all`, a comma list, or a list of names/Pass objects into the passes to run, in order."""
+    """Turn `all`, a comma list, or a list of names/Pass objects into the passes to run, in order: a list with
+    `all` in the pipeline's order (groups, then PIPELINE_ORDER), any other list as given."""
     if target not in TARGETS[1:]:
         raise CtroptError(f"unknown target {target!r}; choose one of {', '.join(TARGETS[1:])}")
     if isinstance(passes, str):
@@ -220,4 +221,6 @@ def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
         if p.name not in skip and p.name not in seen:
             seen.add(p.name)
             result.append(p)
+    if "all" in passes:   # `all,quantize-int8`: the extra pass in its place in the pipeline (before the lowering)
+        result.sort(key=lambda q: q.sort_key)
     return result

@@ -62,6 +62,13 @@ def _unsqueeze_axes(node: gs.Node):
     return None if value is None else [int(a) for a in value.ravel()]
 
 
+def _flattened(t: gs.Tensor, out_shape: list) -> bool:
+    """Whether t, a Reshape of a lookup [B, 1, D], is [B, D]: of rank 2 with D last (so B rows, whatever its first
+    axis is called)."""
+    shape = shape_of(t)
+    return shape is not None and len(shape) == 2 and shape[1] == out_shape[-1]
+
+
 def _lookups(graph: gs.Graph, batch: set[str]) -> list[Lookup]:
     """Every lookup whose ids have a known batch and static ids per row, seen through the reshapes after it."""
     found, outputs = [], {id(t) for t in graph.outputs}
@@ -83,6 +90,8 @@ def _lookups(graph: gs.Graph, batch: set[str]) -> list[Lookup]:
             elif user.op == "Unsqueeze" and len(shape) == 1 and out is node.outputs[0] and \
                     _unsqueeze_axes(user) in ([1], [-2]):
                 out, out_shape = user.outputs[0], [shape[0], 1, values.shape[1]]
+            elif user.op == "Reshape" and out_shape[1:-1] == [1] and _flattened(user.outputs[0], out_shape):
+                out, out_shape = user.outputs[0], [shape[0], values.shape[1]]   # paddle2onnx: [B, 1, D] → [B, D]
             else:
                 break
         if id(out) not in outputs:

@@ -1,0 +1,101 @@
+"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices and Gather of rows against
+ctropt's SumAxes, SmallMatMul and GatherRows kernels, at the shapes the dense exports of the corpus hold.
+
+    python benchmarks/small_ops.py            # batch 256, 1 thread
+
+Each case is one node in a session of its own; both are checked equal (to float rounding), then run interleaved:
+each row is the median of time(onnxruntime) / time(kernel) over the rounds, with both medians (a session.run of
+one node: about 6 µs of it is the call itself). Prints a markdown table (benchmarks/RESULTS.md, "Small ops").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ctropt import kernels  # noqa: E402
+
+RNG = np.random.default_rng(0)
+# (what, the export it comes from, shapes)
+SUMS = [("[256, 50, 8] over axis 1", "FuxiCTR: a history summed", (256, 50, 8)),
+        ("[256, 5, 8] over axis 1", "deepctr(-torch) FM: fields summed", (256, 5, 8)),
+        ("[256, 39, 8] over axis 1", "PaddleRec DeepFM FM", (256, 39, 8)),
+        ("[256, 26, 1] over axis 1", "PaddleRec DeepFM first order", (256, 26, 1))]
+PRODUCTS = [("[256, 1, 3] × [256, 3, 16]", "FuxiCTR MMoE gate", (256, 1, 3), (256, 3, 16)),
+            ("[256, 2, 1, 8] × [2, 8, 8]", "FuxiCTR FinalMLP bilinear head", (256, 2, 1, 8), (2, 8, 8)),
+            ("[256, 42, 1] × [256, 1, 1]", "deepctr DCN cross", (256, 42, 1), (256, 1, 1)),
+            ("[256, 1, 50] × [256, 50, 16]", "DIN-style weighted sum", (256, 1, 50), (256, 50, 16)),
+            ("[256, 8, 16] × [256, 16, 8]", "2048 multiply-adds (the limit)", (256, 8, 16), (256, 16, 8)),
+            ("[256, 27, 16] × [256, 16, 27]", "DLRM interaction (left to sgemm)", (256, 27, 16), (256, 16, 27))]
+LOOKUPS = [("[1000, 8] at [256, 26]", "PaddleRec DeepFM embeddings", (1000, 8), (256, 26)),
+           ("[1000, 1] at [256, 26]", "PaddleRec DeepFM first-order weights", (1000, 1), (256, 26)),
+           ("[100000, 16] at [256, 26]", "a larger table", (100000, 16), (256, 26)),
+           ("[500, 8] at [256, 50]", "FuxiCTR history", (500, 8), (256, 50))]
+
+
+def _session(node, inputs: dict, consts: dict) -> ort.InferenceSession:
+    graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), None)
+                                             for k, v in inputs.items()],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    kernels.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _pair(std, kernel, feeds: dict, seconds: float) -> tuple[float, float, float]:
+    a, b = std.run(None, feeds)[0], kernel.run(None, feeds)[0]
+    assert a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-4), "the kernel differs"
+    ta, tb, end = [], [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(ta) < 50:
+        t0 = time.perf_counter()
+        std.run(None, feeds)
+        t1 = time.perf_counter()
+        kernel.run(None, feeds)
+        ta.append(t1 - t0)
+        tb.append(time.perf_counter() - t1)
+    ratio = np.median(np.array(ta) / np.array(tb))
+    return float(np.median(ta) * 1e6), float(np.median(tb) * 1e6), float(ratio)
+
+
+def cases():
+    n = helper.make_node
+    for what, where, shape in SUMS:
+        x = {"x": RNG.standard_normal(shape).astype(np.float32)}
+        yield ("ReduceSum " + what, where, _session(n("ReduceSum", ["x", "ax"], ["y"], keepdims=0), x, {"ax": np.array([1])}),
+               _session(n("SumAxes", ["x"], ["y"], domain=kernels.DOMAIN, axis=1, count=1, keepdims=0), x, {}), x)
+    for what, where, sa, sb in PRODUCTS:
+        f = {"a": RNG.standard_normal(sa).astype(np.float32), "b": RNG.standard_normal(sb).astype(np.float32)}
+        yield ("MatMul " + what, where, _session(n("MatMul", ["a", "b"], ["y"]), f, {}),
+               _session(n("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN), f, {}), f)
+    for what, where, table, ids in LOOKUPS:
+        t, f = {"t": RNG.standard_normal(table).astype(np.float32)}, {"i": RNG.integers(0, table[0], ids)}
+        yield ("Gather " + what, where, _session(n("Gather", ["t", "i"], ["y"]), f, t),
+               _session(n("GatherRows", ["t", "i"], ["y"], domain=kernels.DOMAIN), f, t), f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=1.0, help="time per case")
+    args = ap.parse_args()
+    problem = kernels.ensure()
+    if problem:
+        sys.exit(f"ctropt's kernel library is not available: {problem}")
+    print("| op, shapes | where | onnxruntime µs | kernel µs | onnxruntime / kernel |")
+    print("|---|---|---|---|---|")
+    for what, where, std, kernel, feeds in cases():
+        a, b, r = _pair(std, kernel, feeds, args.seconds)
+        print(f"| {what} | {where} | {a:.1f} | {b:.1f} | {r:.2f}× |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""small-products-kernel and gather-rows-kernel: sums over middle axes, batched small products and row lookups →
+ctropt's SumAxes, SmallMatMul and GatherRows kernels, in the dialects of torch (FM's ReduceSum with axes as an input,
+keepdims), tf2onnx and paddle2onnx (axes an attribute before opset 13, int32 ids), FuxiCTR (a history summed over
+a dynamic length); the kernels against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import F, I64, check_pass, init, make_model, node, ops, run_pass, vi
+
+from ctropt import REGISTRY, kernels
+from ctropt.graph import to_graph
+
+RNG = np.random.default_rng(3)
+I32 = onnx.TensorProto.INT32
+
+
+def fm_sum_torch():
+    """deepctr-torch FM: [B, F, E] summed over the fields, keepdims, axes an input (opset 13+)."""
+    return make_model([node("ReduceSum", ["x", "ax"], ["s"], keepdims=1), node("Mul", ["s", "s"], ["y"])],
+                      [vi("x", F, ["batch", 5, 8])], [vi("y", F, ["batch", 1, 8])], [init("ax", np.array([1]))])
+
+
+def history_sum_fuxictr():
+    """FuxiCTR: a history of dynamic length summed, no keepdims; and a sum over the last axis that stays."""
+    nodes = [node("ReduceSum", ["h", "ax1"], ["pooled"], keepdims=0), node("ReduceSum", ["h", "axl"], ["y2"], keepdims=0),
+             node("Relu", ["pooled"], ["y"])]
+    return make_model(nodes, [vi("h", F, ["batch", "hist_len", 8])],
+                      [vi("y", F, ["batch", 8]), vi("y2", F, ["batch", "hist_len"])],
+                      [init("ax1", np.array([1])), init("axl", np.array([-1]))])
+
+
+def paddle_sum_opset11():
+    """paddle2onnx/tf2onnx before opset 13: axes an attribute; [B, F, 1] summed over F (a trailing axis of 1)."""
+    return make_model([node("ReduceSum", ["x"], ["y"], axes=[1], keepdims=0)], [vi("x", F, ["n", 26, 1])],
+                      [vi("y", F, ["n", 1])], opset=11)
+
+
+def test_fm_sum_over_fields():
+    check_pass(fm_sum_torch(), "small-products-kernel", ["SumAxes", "Mul"])
+
+
+def _misses(model) -> str:
+    return " ".join(REGISTRY["small-products-kernel"].misses(to_graph(model), "ort"))
+
+
+def test_history_sum_and_the_last_axis_stays():
+    check_pass(history_sum_fuxictr(), "small-products-kernel", ["SumAxes", "ReduceSum", "Relu"])
+    assert "last axes" in _misses(history_sum_fuxictr())
+
+
+def test_axes_as_an_attribute_before_opset_13():
+    check_pass(paddle_sum_opset11(), "small-products-kernel", ["SumAxes"])
+
+
+@pytest.mark.parametrize("axes,why", [([0, 2], "not contiguous"), ([2], "last axes")])
+def test_sums_that_stay(axes, why):
+    model = make_model([node("ReduceSum", ["x", "ax"], ["y"], keepdims=0)], [vi("x", F, [4, 5, 6])], [vi("y", F, None)],
+                       [init("ax", np.array(axes))])
+    done, ctx = run_pass(model, "small-products-kernel")
+    assert ops(done) == ["ReduceSum"] and ctx.rewrites == 0 and why in _misses(model)
+
+
+def mmoe_gate_product():
+    """An MMoE gate's weighted sum of experts (after weighted-sum-as-matmul): [B, 1, E] × [B, E, D]."""
+    return make_model([node("MatMul", ["g", "e"], ["y"])], [vi("g", F, ["batch", 1, 3]), vi("e", F, ["batch", 3, 16])],
+                      [vi("y", F, ["batch", 1, 16])])
+
+
+def finalmlp_bilinear():
+    """FuxiCTR FinalMLP: [B, H, 1, d] × a constant [H, d, d], broadcast over the batch; then [B, H, 1, d] × [B, H, d, 1]."""
+    nodes = [node("MatMul", ["x", "w"], ["xw"]), node("MatMul", ["xw", "z"], ["y"])]
+    return make_model(nodes, [vi("x", F, ["batch", 2, 1, 8]), vi("z", F, ["batch", 2, 8, 1])],
+                      [vi("y", F, ["batch", 2, 1, 1])], [init("w", RNG.normal(size=(2, 8, 8)).astype(np.float32))])
+
+
+def dcn_outer():
+    """deepctr DCN's cross: [B, D, 1] × [B, 1, 1] (K = 1)."""
+    return make_model([node("MatMul", ["x0", "s"], ["y"])], [vi("x0", F, ["batch", 42, 1]), vi("s", F, ["batch", 1, 1])],
+                      [vi("y", F, ["batch", 42, 1])])
+
+
+@pytest.mark.parametrize("build", [mmoe_gate_product, finalmlp_bilinear, dcn_outer])
+def test_small_batched_products(build):
+    model = build()
+    check_pass(model, "small-products-kernel", ["SmallMatMul"] * ops(model).count("MatMul"))
+
+
+@pytest.mark.parametrize("a,b,why", [
+    (["batch", 16], [16, 8], "one matrix"),                           # a 2-D weight: one GEMM
+    (["batch", 27, 16], ["batch", 16, 27], "multiply-adds"),          # DLRM's interaction: sgemm is faster
+    (["batch", "m", 16], ["batch", 16, 8], "not static"),
+])
+def test_products_that_stay(a, b, why):
+    inits = [] if isinstance(b[0], str) else [init("b", RNG.normal(size=b).astype(np.float32))]
+    inputs = [vi("a", F, a)] + ([vi("b", F, b)] if not inits else [])
+    model = make_model([node("MatMul", ["a", "b"], ["y"])], inputs, [vi("y", F, None)], inits)
+    done, ctx = run_pass(model, "small-products-kernel")
+    assert ops(done) == ["MatMul"] and why in _misses(model)
+
+
+def lookups(ids_type=I64, rank=2):
+    """Two tables read at the same ids (the first-order weights and the embeddings), and a lookup of int rows."""
+    nodes = [node("Gather", ["w1", "ids"], ["a"]), node("Gather", ["w8", "ids"], ["b"], axis=0),
+             node("Gather", ["codes", "ids"], ["c"]), node("Cast", ["c"], ["cf"], to=F),
+             node("ReduceSum", ["a", "axl"], ["a1"], keepdims=0), node("Concat", ["a1", "cf"], ["y1"], axis=-1)]
+    shape = ["batch", 26][:rank]
+    return make_model(nodes, [vi("ids", ids_type, shape)], [vi("y1", F, None), vi("b", F, shape + [8])],
+                      [init("w1", RNG.normal(size=(100, 1)).astype(np.float32)),
+                       init("w8", RNG.normal(size=(100, 8)).astype(np.float32)),
+                       init("codes", RNG.integers(0, 9, (100,)).astype(np.int64)), init("axl", np.array([-1]))])
+
+
+@pytest.mark.parametrize("ids_type", [I64, I32])
+def test_lookups_of_float_rows(ids_type):
+    f = {"ids": RNG.integers(-100, 100, (4, 26)).astype(np.int64 if ids_type == I64 else np.int32)}
+    check_pass(lookups(ids_type), "gather-rows-kernel",
+               ["GatherRows", "GatherRows", "Gather", "Cast", "ReduceSum", "Concat"], feeds=f)
+
+
+def _session(nodes, inputs, inits=()):
+    graph = onnx.helper.make_graph(nodes, "k", inputs, [vi("y", F, None)], list(inits))
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                         onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    kernels.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("shape,axis,count,keepdims", [
+    ((7, 13, 1), 1, 1, 0), ((7, 13, 4), 1, 1, 1), ((5, 9, 8), 1, 1, 0), ((3, 11, 19), 1, 1, 0),   # narrow, wide, tails
+    ((2, 3, 5, 6), 1, 2, 1), ((6, 5), 0, 1, 0), ((4, 0, 3), 1, 1, 0), ((2, 37, 3), 1, 1, 1),
+])
+def test_sum_axes_matches_numpy(shape, axis, count, keepdims):
+    x = RNG.normal(size=shape).astype(np.float32)
+    s = _session([onnx.helper.make_node("SumAxes", ["x"], ["y"], domain=kernels.DOMAIN, axis=axis, count=count,
+                                        keepdims=keepdims)], [vi("x", F, None)])
+    want = x.astype(np.float64).sum(axis=tuple(range(axis, axis + count)), keepdims=bool(keepdims))
+    got = s.run(None, {"x": x})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("a,b", [
+    ((5, 1, 3), (5, 3, 16)), ((5, 4, 9), (5, 9, 17)), ((5, 42, 1), (5, 1, 1)), ((5, 42, 1), (5, 1, 3)),
+    ((3, 2, 1, 8), (2, 8, 8)), ((3, 2, 1, 8), (3, 2, 8, 1)), ((1, 50), (4, 50, 8)), ((4, 1, 6, 5), (3, 5, 2)),
+    ((2, 3, 0), (2, 0, 4)),
+])
+def test_small_matmul_matches_numpy(a, b):
+    fa, fb = RNG.normal(size=a).astype(np.float32), RNG.normal(size=b).astype(np.float32)
+    s = _session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("a", F, None), vi("b", F, None)])
+    got, want = s.run(None, {"a": fa, "b": fb})[0], np.matmul(fa.astype(np.float64), fb)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [(50, 1), (50, 3), (50, 4), (50, 8), (50, 12), (50, 16), (50, 2, 5)])
+@pytest.mark.parametrize("ids_type", [np.int64, np.int32])
+def test_gather_rows_matches_numpy(rows, ids_type):
+    table = RNG.normal(size=rows).astype(np.float32)
+    ids = RNG.integers(-rows[0], rows[0], (4, 7)).astype(ids_type)
+    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("ids", I64 if ids_type == np.int64 else I32, None)], [init("t", table)])
+    np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids])
+
+
+def test_the_kernels_refuse_what_does_not_fit():
+    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("ids", I64, None)], [init("t", np.ones((10, 4), np.float32))])
+    with pytest.raises(Exception, match="out of data bounds"):
+        s.run(None, {"ids": np.array([[1, 10]], np.int64)})
+    s = _session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("a", F, None), vi("b", F, None)])
+    with pytest.raises(Exception, match="do not broadcast"):
+        s.run(None, {"a": np.ones((2, 3, 4), np.float32), "b": np.ones((3, 4, 5), np.float32)})
+    with pytest.raises(Exception, match="columns differ"):
+        s.run(None, {"a": np.ones((2, 3, 4), np.float32), "b": np.ones((2, 5, 5), np.float32)})
+
+
+def test_without_the_library_standard_ops_and_a_note(monkeypatch):
+    monkeypatch.setattr(kernels, "ensure", lambda: "no gcc")
+    for model, name in ((fm_sum_torch(), "small-products-kernel"), (lookups(), "gather-rows-kernel")):
+        done, ctx = run_pass(model, name)
+        assert ctx.rewrites == 0 and any("not available" in n for n in ctx.notes)
