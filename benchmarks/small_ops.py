@@ -1,5 +1,6 @@
-"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices and Gather of rows against
-ctropt's SumAxes, SmallMatMul and GatherRows kernels, at the shapes the dense exports of the corpus hold.
+"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows and Unique of
+rows against ctropt's SumAxes, SmallMatMul, GatherRows and UniqueRows kernels, at the shapes the corpus's exports
+hold.
 
     python benchmarks/small_ops.py            # batch 256, 1 thread
 
@@ -38,12 +39,18 @@ LOOKUPS = [("[1000, 8] at [256, 26]", "PaddleRec DeepFM embeddings", (1000, 8), 
            ("[1000, 1] at [256, 26]", "PaddleRec DeepFM first-order weights", (1000, 1), (256, 26)),
            ("[100000, 16] at [256, 26]", "a larger table", (100000, 16), (256, 26)),
            ("[500, 8] at [256, 50]", "FuxiCTR history", (500, 8), (256, 50))]
+UNIQUES = [("[256, 103], one user", "dedup key: 3 ids and two histories of 50", (256, 103), 1),
+           ("[256, 103], 20 users", "the same, 20 users in the batch", (256, 103), 20),
+           ("[256, 103], all distinct", "the same, every row its own user", (256, 103), 256),
+           ("[256, 50], all distinct", "DIEN's history rows", (256, 50), 256)]
 
 
 def _session(node, inputs: dict, consts: dict) -> ort.InferenceSession:
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT if node.op_type not in ("Unique", "UniqueRows") else
+                                          TensorProto.INT64, None) for o in node.output]
     graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), None)
                                              for k, v in inputs.items()],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              outs,
                               [numpy_helper.from_array(v, k) for k, v in consts.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
@@ -53,8 +60,8 @@ def _session(node, inputs: dict, consts: dict) -> ort.InferenceSession:
 
 
 def _pair(std, kernel, feeds: dict, seconds: float) -> tuple[float, float, float]:
-    a, b = std.run(None, feeds)[0], kernel.run(None, feeds)[0]
-    assert a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-4), "the kernel differs"
+    for a, b in zip(std.run(None, feeds), kernel.run(None, feeds)):
+        assert a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-4), "the kernel differs"
     ta, tb, end = [], [], time.perf_counter() + seconds
     while time.perf_counter() < end or len(ta) < 50:
         t0 = time.perf_counter()
@@ -81,6 +88,11 @@ def cases():
         t, f = {"t": RNG.standard_normal(table).astype(np.float32)}, {"i": RNG.integers(0, table[0], ids)}
         yield ("Gather " + what, where, _session(n("Gather", ["t", "i"], ["y"]), f, t),
                _session(n("GatherRows", ["t", "i"], ["y"], domain=kernels.DOMAIN), f, t), f)
+    outs = ["y", "first", "inverse", "counts"]
+    for what, where, shape, users in UNIQUES:
+        f = {"x": RNG.integers(0, 1000, shape)[RNG.integers(0, users, shape[0])]}
+        yield ("Unique " + what, where, _session(n("Unique", ["x"], outs, axis=0, sorted=0), f, {}),
+               _session(n("UniqueRows", ["x"], outs, domain=kernels.DOMAIN), f, {}), f)
 
 
 def main() -> None:

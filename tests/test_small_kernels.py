@@ -187,3 +187,45 @@ def test_without_the_library_standard_ops_and_a_note(monkeypatch):
     for model, name in ((fm_sum_torch(), "small-products-kernel"), (lookups(), "gather-rows-kernel")):
         done, ctx = run_pass(model, name)
         assert ctx.rewrites == 0 and any("not available" in n for n in ctx.notes)
+
+
+def dedup_key():
+    """dedup-user-side's key: Unique(axis=0, sorted=0) over [B, K] int64 rows; the first indices and the inverse read."""
+    nodes = [node("Unique", ["key"], ["u", "first", "inverse", "counts"], axis=0, sorted=0),
+             node("Gather", ["key", "first"], ["distinct"], axis=0), node("Gather", ["distinct", "inverse"], ["y"], axis=0)]
+    return make_model(nodes, [vi("key", I64, ["batch", 5])], [vi("y", I64, ["batch", 5]), vi("counts", I64, None)])
+
+
+def test_unique_rows_of_the_dedup_key():
+    f = {"key": RNG.integers(0, 3, (9, 5))}
+    f["key"][4] = f["key"][1]
+    check_pass(dedup_key(), "unique-rows-kernel", ["UniqueRows", "Gather", "Gather"], feeds=f)
+    sorted_model = dedup_key()
+    sorted_model.graph.node[0].attribute[1].i = 1   # sorted=1: the kernel keeps first occurrences' order only
+    done, ctx = run_pass(sorted_model, "unique-rows-kernel")
+    assert ctx.rewrites == 0
+
+
+@pytest.mark.parametrize("rows", ["distinct", "repeated", "one user", "empty"])   # no columns: onnxruntime aborts
+def test_unique_rows_matches_onnxruntime(rows):
+    x = RNG.integers(0, 4, (40, 7))
+    if rows == "repeated":
+        x = x[RNG.integers(0, 6, 40)]
+    elif rows == "one user":
+        x[:] = x[0]
+    elif rows == "empty":
+        x = x[:0]
+    outs = ["y", "first", "inverse", "counts"]
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Unique", ["x"], outs, axis=0, sorted=0)], "u",
+                                   [vi("x", I64, None)], [vi(n, I64, None) for n in outs])
+    want = ort.InferenceSession(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+                                .SerializeToString()).run(None, {"x": x})
+    graph = onnx.helper.make_graph([onnx.helper.make_node("UniqueRows", ["x"], outs, domain=kernels.DOMAIN)], "k",
+                                   [vi("x", I64, None)], [vi(n, I64, None) for n in outs])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                         onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    kernels.register(so)
+    got = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

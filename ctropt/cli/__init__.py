@@ -22,7 +22,7 @@ from ..passes.speed import SpeedCheck
 from ..report import write_report
 from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
-from ..runtime.inputs import DEFAULT_SEQ_LEN
+from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
@@ -101,6 +101,10 @@ def optimize(
         help="History length T to fix for OpenVINO, which fuses whole recurrent sequences only for a static T."),
     option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), "
                                                "e.g. rnn_ort_form=gru-op."),
+    user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help="Comma list of the inputs that describe "
+                                              "the user (the same for every candidate of a request): their work "
+                                              "runs once per distinct user, and the speed check times one-user "
+                                              "requests. Stored in the saved model."),
     int8: bool = typer.Option(False, "--int8", help="Also run quantize-int8: FC layers to INT8 where measured "
                               "faster, within the accuracy gate."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="INT8 calibration data: .npz of input arrays "
@@ -126,6 +130,8 @@ def optimize(
         options = _pass_options(option or [])
         if static_seq_len is not None:
             options["static_seq_len"] = static_seq_len
+        if user_inputs:
+            options["user_inputs"] = user_inputs
         if calib is not None:
             if not calib.is_file():
                 raise CtroptError(f"{calib}: no such calibration file")
@@ -266,7 +272,9 @@ def _closing_line(result, nodes_before: int, verified: bool, target: str, batch:
     elif result.speed is not None:
         v = result.speed
         verdict = f"{v.ratio:.2f}× faster" if v.ratio >= 1 else f"{1 / v.ratio:.2f}× slower"
-        speed = f"[bold]{verdict}[/] on {runtime} (paired, batch {batch}, 1 thread; p10–p90 {v.p10:.2f}–{v.p90:.2f})"
+        one_user = any(f.is_user for f in stored_input_facts(result.model).values())
+        rows = f"one user × {batch} candidates" if one_user else f"batch {batch}"
+        speed = f"[bold]{verdict}[/] on {runtime} (paired, {rows}, 1 thread; p10–p90 {v.p10:.2f}–{v.p90:.2f})"
     else:
         speed = f"speed not measured ({escape(result.speed_note)})" if result.speed_note else "speed not measured"
     return f"{nodes_before} → {node_count(result.model)} nodes, {check}, {speed}"
@@ -614,7 +622,8 @@ def bench(
                                          help="Mean history fill of generated inputs (0..1; default: lengths "
                                               "uniform in 0..T)."),
     one_user: bool = typer.Option(False, "--one-user",
-                                  help="Generated rows share row 0's history and user inputs (one request)."),
+                                  help="Generated rows share row 0's history and user inputs (one request; user "
+                                       "inputs: those `optimize --user-inputs` stored, or named like a user id)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="A second backend: time model A on --backend and "
                                         "on this one at every --batch, paired, and print the batch from which it "
@@ -644,8 +653,10 @@ def bench(
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}
         else:
-            feeds_by_batch = {n: generate_inputs(a, batch=n, seq_len=seq_len, fill=fill, one_user=one_user)
-                              for n in _batch_sizes(batch)}
+            users = sorted({k for m in [a] + ([b] if model_b is not None else []) for k, f in
+                            stored_input_facts(m).items() if f.is_user and k in _input_names(a)})  # declared
+            feeds_by_batch = {n: generate_inputs(a, batch=n, seq_len=seq_len, fill=fill, one_user=one_user,
+                                                 user_inputs=users) for n in _batch_sizes(batch)}
         results = []
         with Progress(console=console, transient=True) as progress:
             for n, feeds in feeds_by_batch.items():

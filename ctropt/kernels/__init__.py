@@ -3,8 +3,9 @@
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
 lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). ``AttentionCore``
 (attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. ``SumAxes``,
-``SmallMatMul`` (small_products.c) and ``GatherRows`` (gather_rows.c) stand in for onnxruntime ops whose CPU kernels
-make a call per matrix or per index; small-products-kernel and gather-rows-kernel emit them. A model that holds
+``SmallMatMul`` (small_products.c), ``GatherRows`` (gather_rows.c) and ``UniqueRows`` (unique_rows.c) stand in for
+onnxruntime ops whose CPU kernels make a call per matrix or per index, or sort; small-products-kernel,
+gather-rows-kernel and unique-rows-kernel emit them. A model that holds
 such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
@@ -26,7 +27,7 @@ from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
-           HERE / "gather_rows.c"]  # and kernels.h, which they share
+           HERE / "gather_rows.c", HERE / "unique_rows.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)

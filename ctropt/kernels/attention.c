@@ -376,4 +376,5 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
 }
 
 
-OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, n_outputs, input_kind, required, create, compute);
+OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, input_kind, required, create,
+                                               compute);

@@ -112,4 +112,5 @@ static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, 
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
 
-OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, n_outputs, required, required, no_attributes, compute);
+OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, required, required,
+                                            no_attributes, compute);

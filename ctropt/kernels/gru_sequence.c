@@ -406,4 +406,5 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCu
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-OrtCustomOp ctropt_gru_scan = CUSTOM_OP(name, input_type, n_inputs, n_outputs, input_kind, output_kind, create, compute);
+OrtCustomOp ctropt_gru_scan = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, input_kind, output_kind, create,
+                                         compute);

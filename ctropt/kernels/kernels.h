@@ -14,7 +14,7 @@
 
 extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
-    ctropt_gather_rows;
+    ctropt_gather_rows, ctropt_unique_rows;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
@@ -83,11 +83,12 @@ static inline OrtStatus *ORT_API_CALL no_attributes(const OrtCustomOp *op, const
     .ReleaseMayInplace = free_pairs,             \
     .ReleaseAliasMap = free_pairs
 
-/* An OrtCustomOp: its name, inputs' types, counts and characteristics, outputs' (float), create and compute. */
-#define CUSTOM_OP(name_, input_type_, n_inputs_, n_outputs_, input_kind_, output_kind_, create_, compute_)       \
+/* An OrtCustomOp: its name, inputs' types, counts and characteristics, outputs' types (float_type: all float) and
+ * characteristics, create and compute. */
+#define CUSTOM_OP(name_, input_type_, n_inputs_, output_type_, n_outputs_, input_kind_, output_kind_, create_, compute_) \
     {                                                                                                          \
         .version = ORT_API_VERSION, .GetName = name_, .GetInputType = input_type_, .GetInputTypeCount = n_inputs_, \
-        .GetOutputType = float_type, .GetOutputTypeCount = n_outputs_, .GetInputCharacteristic = input_kind_,   \
+        .GetOutputType = output_type_, .GetOutputTypeCount = n_outputs_, .GetInputCharacteristic = input_kind_, \
         .GetOutputCharacteristic = output_kind_, .CreateKernelV2 = create_, .KernelComputeV2 = compute_,        \
         .KernelDestroy = destroy, COMMON_CALLBACKS,                                                            \
     }

@@ -272,7 +272,8 @@ static const char *ORT_API_CALL product_name(const OrtCustomOp *op) { (void)op; 
 static size_t ORT_API_CALL n_one(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t ORT_API_CALL n_two(const OrtCustomOp *op) { (void)op; return 2; }
 
-OrtCustomOp ctropt_sum_axes = CUSTOM_OP(sum_name, float_type, n_one, n_one, required, required, sum_create, sum_compute);
+OrtCustomOp ctropt_sum_axes = CUSTOM_OP(sum_name, float_type, n_one, float_type, n_one, required, required, sum_create,
+                                         sum_compute);
 
-OrtCustomOp ctropt_small_matmul = CUSTOM_OP(product_name, float_type, n_two, n_one, required, required, no_attributes,
-                                             product_compute);
+OrtCustomOp ctropt_small_matmul = CUSTOM_OP(product_name, float_type, n_two, float_type, n_one, required, required,
+                                             no_attributes, product_compute);

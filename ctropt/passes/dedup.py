@@ -19,12 +19,14 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..ops.rnn import is_sequence_node
+from ..graph import annotate_shapes_if_bare
 from ..graph.edit import Builder, const_value, unique_name
-from ..runtime.inputs import analyze_inputs
+from ..runtime.inputs import analyze_inputs, user_input_names
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
+from .user_layer import split_user_layers
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
 OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track
@@ -153,23 +155,38 @@ def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset
 
 @register_pass("dedup-user-side", group="fusion")
 def dedup_user_side(ctx: PassContext) -> None:
-    """Per-user work (history embeddings, interest GRU) → computed once per distinct user in the batch (Unique/Gather)."""
-    graph = ctx.graph
-    named = {s.strip() for s in str(ctx.options.get("user_inputs", "")).split(",") if s.strip()}
-    if not any(i.shape and len(i.shape) >= 2 for i in graph.inputs) and not named:
+    """Per-user work (history embeddings, interest GRU, with --user-inputs the user part of the first FC layer) →
+    computed once per distinct user in the batch (Unique/Gather)."""
+    named = user_input_names(str(ctx.options.get("user_inputs", "")))
+    named |= {k for k, f in (ctx.input_facts or {}).items() if f.is_user}
+    if not any(i.shape and len(i.shape) >= 2 for i in ctx.graph.inputs) and not named:
         return
+    whole, split = None, 0
+    if named:
+        annotate_shapes_if_bare(ctx.graph)   # the widths of the first layers' parts
+        whole, split = ctx.graph.copy(), split_user_layers(ctx.graph, named)
+    if not _dedup(ctx, named) and split:
+        ctx.graph = whole   # the split pays only with the user part run once per user
+        ctx.note(f"{split} first layer(s) left whole: their user part would not run once per user")
+    elif split:
+        ctx.note(f"{split} first layer(s) split into a user part and an item part (x·W = x_u·W_u + x_i·W_i)")
+
+
+def _dedup(ctx: PassContext, named: set[str]) -> bool:
+    """The rewrite; whether it was made."""
+    graph = ctx.graph
     probe, why = try_probe(graph)
     if probe is None:
         ctx.note(why)
-        return
+        return False
     seeds = user_seeds(graph, probe, named)
     if not seeds:
         ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
-                 "--option user_inputs=a,b)")
-        return
+                 "--user-inputs a,b)")
+        return False
     if all(any(s is i for s in seeds) for i in graph.inputs):
         ctx.note("left as is: every input is user side (no candidate item to share the user's work with)")
-        return
+        return False
     opset = int(getattr(graph, "opset", None) or 0)
     batches = _batches(probe)
     excluded: set[int] = set()
@@ -204,15 +221,16 @@ def dedup_user_side(ctx: PassContext) -> None:
     if not heavy:
         ctx.note(f"left as is: the user side ({reachable} ops, no matmul or recurrent layer) is too light to pay "
                  "for deduplication")
-        return
+        return False
     if _key_dtype(seeds, probe) is None:
         ctx.note("left as is: the user-side values mix int64 ids and floats, which no one key type holds exactly")
-        return
+        return False
     _rewrite(graph, seeds, nodes, probe)
     ctx.rewrites += 1
     tidy(ctx)
     ctx.note(f"{len(nodes)} ops ({', '.join(sorted({n.op for n in heavy}))}) on {len(seeds)} user-side values run "
              "once per distinct user")
+    return True
 
 
 def _heavy(node: gs.Node) -> bool:

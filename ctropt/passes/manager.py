@@ -113,7 +113,7 @@ class PassManager:
         # an input the checker refuses (and no repair fixed) is kept as valid as it was
         self.check_validity = problem is None or bool(repairs)
         current = to_model(to_graph(model), like=model)  # one normalizing round trip, so passes compare like with like
-        self.input_facts = model_input_facts(model)
+        self.input_facts = model_input_facts(model, user_inputs=self.options.get("user_inputs", ""))
         store_input_facts(current, self.input_facts)  # id bounds outlive rewrites that hide them (fused tables)
         start = current
         guard = SpeedGuard(self.speed, self.target, start) if self.speed else None

@@ -31,7 +31,7 @@ import onnx
 from ..graph import CtroptError, iter_proto_nodes
 from ..runtime import Runner, compare_outputs, generate_inputs
 from ..runtime.bench import SpeedVerdict, compare_speed
-from ..runtime.inputs import DEFAULT_SEQ_LEN
+from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
 
 
 @dataclasses.dataclass
@@ -65,8 +65,9 @@ class SpeedGuard:
     def __init__(self, check: SpeedCheck, target: str, model: onnx.ModelProto):
         self.check = check
         self.backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
+        one_user = any(f.is_user for f in stored_input_facts(model).values())   # declared: requests of one user
         self.feeds = check.feeds if check.feeds is not None else generate_inputs(
-            model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN)
+            model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN, one_user=one_user)
         self._runners: dict[int, tuple[onnx.ModelProto, Runner]] = {}  # the model is kept so its id stays its own
 
     def where(self) -> str:

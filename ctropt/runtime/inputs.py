@@ -49,6 +49,7 @@ class InputFacts:
     padded: bool = False  # ids compared with 0 to mask a history (0 is its padding: FuxiCTR's Equal(ids, 0))
     additive: bool = False  # a mask added to the scores: 0 where valid, -1e9 where padded (PaddleRec's readers)
     zero_row: bool = False  # looked up in a table whose row 0 is zeros (torch's padding_idx=0)
+    is_user: bool = False  # declared user side (`--user-inputs`): one value per user, the same for a request's rows
 
     def bound(self, bound: int, region: tuple[int, int] | None):
         bound = max(int(bound), 1)
@@ -80,7 +81,7 @@ class InputFacts:
         return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
                    {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
                    set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")),
-                   bool(d.get("additive")))
+                   bool(d.get("additive")), is_user=bool(d.get("is_user")))
 
 
 def store_input_facts(model: onnx.ModelProto, facts: dict[str, InputFacts]) -> None:
@@ -103,11 +104,27 @@ def stored_input_facts(model: onnx.ModelProto) -> dict[str, InputFacts]:
     return {}
 
 
-def model_input_facts(model: onnx.ModelProto, graph: gs.Graph | None = None) -> dict[str, InputFacts]:
-    """Facts for every input of `model`: the stored ones where it has them, else read off its graph."""
+def model_input_facts(model: onnx.ModelProto, graph: gs.Graph | None = None,
+                      user_inputs: str | list[str] = ()) -> dict[str, InputFacts]:
+    """Facts for every input of `model`: the stored ones where it has them, else read off its graph; the inputs
+    named in `user_inputs` (a comma list or names) marked user side."""
     facts = analyze_inputs(graph if graph is not None else to_graph(model))
     stored = stored_input_facts(model)
-    return {k: stored.get(k, f) for k, f in facts.items()}
+    facts = {k: stored.get(k, f) for k, f in facts.items()}
+    named = user_input_names(user_inputs)
+    unknown = sorted(named - set(facts))
+    if unknown:
+        raise CtroptError(f"--user-inputs names {', '.join(unknown)}, which the model has not as inputs "
+                          f"(its inputs: {', '.join(facts)})")
+    for name in named:
+        facts[name].is_user = True
+    return facts
+
+
+def user_input_names(user_inputs: str | list[str] | tuple = ()) -> set[str]:
+    """The names in a comma list (or a list of names)."""
+    names = user_inputs.split(",") if isinstance(user_inputs, str) else list(user_inputs)
+    return {n.strip() for n in names if n and n.strip()}
 
 
 def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
@@ -300,16 +317,17 @@ def _jagged_values(graph: gs.Graph, facts: dict[str, InputFacts]) -> list[tuple[
 
 def generate_inputs(model: onnx.ModelProto, *, batch: int = DEFAULT_BATCH, seq_len: int = DEFAULT_SEQ_LEN,
                     seed: int = 0, dims: dict[str, int] | None = None, fill: float | None = None,
-                    one_user: bool = False) -> dict[str, np.ndarray]:
+                    one_user: bool = False, user_inputs: str | list[str] = ()) -> dict[str, np.ndarray]:
     """One batch of inputs for every graph input, keyed by input name.
 
     Histories are 0..T long with a full and an empty one in the batch; with `fill` (0..1] they are fill*T long on
     average (uniform in a band around it, none forced). `one_user`: every row has row 0's history, lengths, mask
-    and user-named inputs (one request ranking `batch` candidates for one user). Id ranges stored in the model's
-    metadata (an optimized model's) take precedence over what its graph shows.
+    and user-side inputs (named `user_inputs`, declared so in the model's metadata, or named like a user id): one
+    request ranking `batch` candidates for one user. Id ranges stored in the model's metadata (an optimized model's)
+    take precedence over what its graph shows.
     """
     graph = to_graph(model)
-    facts = model_input_facts(model, graph)
+    facts = model_input_facts(model, graph, user_inputs)
     rng = np.random.default_rng(seed)
     shapes = {i.name: _resolve_shape(i.shape, batch, seq_len, dims or {}) for i in graph.inputs}
     time_len = max([s[1] for s in shapes.values() if len(s) >= 2] or [seq_len])
@@ -349,7 +367,7 @@ def _same_user(values: np.ndarray, name: str, f: InputFacts, batch: int, time_le
     if values.ndim == 0 or values.shape[0] != batch:
         return
     history = values.ndim >= 2 and values.shape[1] == time_len and time_len > 1 and not (f.columns or f.regions)
-    if f.is_length or f.is_mask or history or "user" in name.lower() or "uid" in name.lower():
+    if f.is_length or f.is_mask or history or f.is_user or "user" in name.lower() or "uid" in name.lower():
         values[rows] = values[0]
         return
     columns = sorted(f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)})

@@ -1,0 +1,58 @@
+"""One user × many candidates: dense rankers optimized with and without `--user-inputs`, against the raw export.
+
+    python benchmarks/one_user.py [--only fuxictr,...] [--seconds 3]
+
+A ranking request scores B candidate items for one user. For each export, about half of its sparse features are
+declared user side (the user's id and profile; a history is the user's without being named): `ctropt optimize`
+without and with `--user-inputs`, each with the speed guard on. All three models then run on one-user requests
+(`generate_inputs(one_user=True)`: row 0's user features in every row, items differing), paired against the raw
+export: the median of time(raw) / time(optimized), onnxruntime CPU, 1 thread, batch 256. Prints a markdown table
+(benchmarks/RESULTS.md, "One user × 256 candidates").
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import THIRD  # noqa: E402  (puts the checkout on sys.path)
+
+import ctropt  # noqa: E402
+from ctropt.runtime import Runner, generate_inputs  # noqa: E402
+from ctropt.runtime.bench import bench  # noqa: E402
+
+PROFILE = "user_id,gender,age"  # FuxiCTR's and deepctr's example features: 3 of 5 sparse, histories besides
+HALF_C = ",".join(f"C{i}" for i in range(1, 14))  # 13 of the 26 Criteo-style sparse features
+CASES = [(f"fuxictr_{m}_dynamo", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", "MMoE")] + \
+        [(f"deepctr_{m}_tf2onnx", PROFILE) for m in ("WDL", "DeepFM", "DCN", "MMOE")] + \
+        [(f"paddlerec_{m}_paddle2onnx", HALF_C) for m in ("WideDeep", "DeepFM", "DCN")] + \
+        [(f"deeprec_{m}_tf2onnx", ",".join(f"{c}:0" for c in HALF_C.split(","))) for m in ("WDL", "DeepFM", "DCNv2", "MMoE")]
+
+
+def _cell(raw, model, feeds, seconds: float) -> str:
+    r = bench([Runner(raw, "ort-cpu", 1), Runner(model, "ort-cpu", 1)], feeds, 256, seconds=seconds, min_runs=20)
+    return f"{r.ratio:.2f}× ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma list: stems containing one of these")
+    ap.add_argument("--seconds", type=float, default=3.0, help="time per comparison")
+    args = ap.parse_args()
+    only = [o for o in args.only.split(",") if o]
+    print("| export | user inputs | `optimize` | `optimize --user-inputs` | dedup-user-side |")
+    print("|---|---|---|---|---|")
+    for stem, users in CASES:
+        if only and not any(o in stem for o in only):
+            continue
+        raw = ctropt.load(THIRD / f"{stem}.onnx")
+        plain = ctropt.optimize(raw).model
+        declared = ctropt.optimize(raw, options={"user_inputs": users})
+        record = next(r for r in declared.records if r.name == "dedup-user-side")
+        feeds = generate_inputs(raw, batch=256, seed=4, one_user=True, user_inputs=users)
+        shown = users if len(users) < 30 else f"{users.split(',')[0]}..{users.split(',')[-1]}"
+        print(f"| {stem} | {shown} | {_cell(raw, plain, feeds, args.seconds)} | "
+              f"{_cell(raw, declared.model, feeds, args.seconds)} | {record.status} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

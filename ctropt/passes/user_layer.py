@@ -1,0 +1,154 @@
+"""The first FC layer over user and item features split in two, ``x·W = x_u·W_u + x_i·W_i``, so that its user part
+depends on the user alone (dedup-user-side then computes it once per distinct user, with the user's lookups).
+
+A dense ranker (WDL, DeepFM, DCN, MMoE) joins every feature's embedding, user and item alike, in one Concat that
+its first layer reads, so nothing above the lookups is the user's alone. Given the user side (``--user-inputs``),
+the layer's input is read as its parts, each part classified as user side (computed from user inputs and constants
+only) or not, and W's rows split alike. Dialects of that input:
+- a Concat on the last axis of [B, k] parts (PaddleRec: per-feature lookups reshaped to [B, E] and the dense
+  values; deepctr's DNN input), nested;
+- a Flatten/Reshape to [B, K] of a Concat on axis 1 of [B, k, E] pieces (FuxiCTR's torch.stack of [B, E]
+  embeddings, an Unsqueeze each; deepctr's [B, 1, E] lookups).
+MatMul by a constant W, or Gemm (its bias, alpha and beta on the item part). The sum's order changes (two partial
+products): the result agrees to float rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..graph.edit import Builder, axes_of, const_value, replace_outputs, shape_of
+from ..runtime.inputs import analyze_inputs
+
+
+@dataclasses.dataclass
+class Part:
+    """Columns of the layer's input: `value` ([B, width]), or `value` [B, k, E] read flat (`flat` True)."""
+
+    value: gs.Tensor
+    width: int
+    flat: bool = False
+
+
+def _user_inputs(graph: gs.Graph, named: set[str]) -> list[gs.Tensor]:
+    """The named inputs, and those dedup-user-side takes as the user's without a name: id histories ([B, T] ints),
+    their lengths and masks."""
+    facts = analyze_inputs(graph)
+    found = []
+    for t in graph.inputs:
+        f, shape = facts[t.name], shape_of(t) or []
+        ints = t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
+        history = ints and len(shape) == 2 and shape[1] != 1 and not (f.columns or f.regions)
+        if t.name in named or f.is_length or f.is_mask or history:
+            found.append(t)
+    return found
+
+
+def user_side(graph: gs.Graph, named: set[str]) -> set[int]:
+    """Ids of the values computed from the user's inputs and constants only (graph order)."""
+    side = {id(t) for t in _user_inputs(graph, named)}
+    for n in graph.nodes:
+        values = [u for u in n.inputs if u.name and const_value(u) is None]
+        if values and all(id(u) in side for u in values):
+            side.update(id(o) for o in n.outputs)
+    return side
+
+
+def _width(t: gs.Tensor) -> int | None:
+    shape = shape_of(t)
+    if shape is None or len(shape) != 2 or not isinstance(shape[1], (int, np.integer)) or shape[1] <= 0:
+        return None
+    return int(shape[1])
+
+
+def _pieces(t: gs.Tensor) -> list[Part] | None:
+    """The pieces of a [B, K] value made by flattening a Concat on axis 1 of [B, k, E] pieces, else None."""
+    p = t.inputs[0] if t.inputs else None
+    if p is None or p.op not in ("Flatten", "Reshape") or (p.op == "Flatten" and p.attrs.get("axis", 1) != 1):
+        return None
+    cat = p.inputs[0].inputs[0] if p.inputs[0].inputs else None
+    if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (1, -2):
+        return None
+    parts = []
+    for x in cat.inputs:
+        shape = shape_of(x)
+        if shape is None or len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape[1:]):
+            return None
+        u = x.inputs[0] if x.inputs else None
+        if u is not None and u.op == "Unsqueeze" and axes_of(u) in ([1], [-2]) and _width(u.inputs[0]) == shape[2]:
+            parts.append(Part(u.inputs[0], int(shape[2])))   # torch.stack's Unsqueeze of a [B, E] embedding
+        else:
+            parts.append(Part(x, int(shape[1] * shape[2]), flat=True))
+    return parts if sum(q.width for q in parts) == _width(t) else None
+
+
+def layer_parts(t: gs.Tensor) -> list[Part] | None:
+    """The parts of a layer's input t ([B, K]), in column order; None when it is not of static width."""
+    width = _width(t)
+    if width is None:
+        return None
+    p = t.inputs[0] if t.inputs else None
+    if p is not None and p.op == "Concat" and p.attrs.get("axis") in (1, -1):
+        parts = []
+        for x in p.inputs:
+            inner = layer_parts(x)
+            if inner is None:
+                return None
+            parts += inner
+        return parts if sum(q.width for q in parts) == width else None
+    return _pieces(t) or [Part(t, width)]
+
+
+def _layer(node: gs.Node) -> tuple[np.ndarray, bool] | None:
+    """(W, transposed) of a MatMul/Gemm by a constant 2-D W that splits by its input's columns."""
+    w = const_value(node.inputs[1]) if len(node.inputs) > 1 else None
+    if w is None or w.ndim != 2 or w.dtype != np.float32:
+        return None
+    if node.op == "MatMul":
+        return w, False
+    if node.op == "Gemm" and not node.attrs.get("transA", 0):
+        return w, bool(node.attrs.get("transB", 0))
+    return None
+
+
+def split_user_layers(graph: gs.Graph, named: set[str]) -> int:
+    """Split every first layer whose input has both user and item parts; returns how many."""
+    side, done = user_side(graph, named), 0
+    for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm")]:
+        layer, parts = _layer(node), layer_parts(node.inputs[0])
+        if layer is None or not parts or len(parts) < 2:
+            continue
+        is_user = [id(q.value) in side for q in parts]
+        if all(is_user) or not any(is_user):
+            continue
+        _split(graph, node, layer, parts, is_user)
+        done += 1
+    return done
+
+
+def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_user: list[bool]) -> None:
+    w, transposed = layer
+    out = node.outputs[0]
+    b = Builder(graph, f"{node.name}/by_user", out.dtype)
+    starts = np.cumsum([0] + [q.width for q in parts])
+    halves = []
+    for user in (False, True):
+        mine = [i for i, u in enumerate(is_user) if u == user]
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in mine])
+        flat = [b.op("Reshape", [q.value, b.const("flat", np.array([0, q.width], np.int64))]) if q.flat else q.value
+                for q in (parts[i] for i in mine)]
+        x = flat[0] if len(flat) == 1 else b.op("Concat", flat, {"axis": 1}, name="user_part" if user else "item_part")
+        weights = b.const("W_user" if user else "W_item", w[:, rows] if transposed else w[rows])
+        if node.op == "MatMul":
+            halves.append(b.op("MatMul", [x, weights]))
+        else:
+            extra = {k: v for k, v in node.attrs.items() if k in ("alpha", "transB")}
+            bias = [node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2].name and not user else []
+            attrs = {**extra, **({"beta": node.attrs["beta"]} if bias and "beta" in node.attrs else {})}
+            halves.append(b.op("Gemm", [x, weights] + bias, attrs))
+    total = b.op("Add", halves, dtype=out.dtype, shape=out.shape)
+    replace_outputs(graph, node, [total])
+    graph.nodes.remove(node)

@@ -1,0 +1,137 @@
+"""--user-inputs: the first FC layer over user and item features split into x_u·W_u + x_i·W_i, in the dialects of
+PaddleRec (per-feature lookups reshaped to [B, E], concatenated with the dense values), FuxiCTR (torch.stack of
+[B, E] embeddings, flattened, Gemm with transB) and deepctr (Concat of [B, 1, E] lookups, Flatten, Concat with the
+dense values); then dedup-user-side runs the user part once per distinct user; the facts, the generated one-user
+inputs and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
+from typer.testing import CliRunner
+
+import ctropt
+from ctropt.cli import app
+from ctropt.graph import annotate_shapes, save, to_graph, to_model
+from ctropt.passes.user_layer import layer_parts, split_user_layers
+from ctropt.runtime import generate_inputs
+from ctropt.runtime.inputs import stored_input_facts
+
+RNG = np.random.default_rng(11)
+E, H, ROWS = 4, 16, 30
+USERS, ITEMS = ["u0", "u1"], ["i0", "i1"]
+
+
+def _tables():
+    return [init(f"t_{n}", RNG.normal(size=(ROWS, E)).astype(np.float32)) for n in USERS + ITEMS]
+
+
+def paddle_form():
+    """[B, 1] ids → Gather [B, 1, E] → Reshape [B, E]; Concat(1) with dense [B, 3] → MatMul → Add → Relu."""
+    nodes = []
+    for n in USERS + ITEMS:
+        nodes += [node("Gather", [f"t_{n}", n], [f"e_{n}"]), node("Reshape", [f"e_{n}", "flat"], [f"r_{n}"])]
+    nodes += [node("Concat", [f"r_{n}" for n in ["u0", "i0", "u1", "i1"]] + ["dense"], ["x"], axis=1),
+              node("MatMul", ["x", "w"], ["h"]), node("Add", ["h", "b"], ["hb"]), node("Relu", ["hb"], ["y"])]
+    inputs = [vi(n, I64, ["B", 1]) for n in USERS + ITEMS] + [vi("dense", F, ["B", 3])]
+    return make_model(nodes, inputs, [vi("y", F, ["B", H])],
+                      _tables() + [init("flat", np.array([-1, E])), init("w", RNG.normal(size=(4 * E + 3, H)).astype(np.float32)),
+                                   init("b", RNG.normal(size=H).astype(np.float32))])
+
+
+def fuxictr_form():
+    """[B] ids → Gather [B, E] → Unsqueeze(1) → Concat(1) [B, 4, E] → Reshape [B, 4E] → Gemm(transB, bias)."""
+    nodes = []
+    for n in USERS + ITEMS:
+        nodes += [node("Gather", [f"t_{n}", n], [f"e_{n}"]), node("Unsqueeze", [f"e_{n}", "ax1"], [f"s_{n}"])]
+    nodes += [node("Concat", [f"s_{n}" for n in ["i0", "u0", "i1", "u1"]], ["stack"], axis=1),
+              node("Reshape", ["stack", "flat"], ["x"]),
+              node("Gemm", ["x", "w", "b"], ["y"], transB=1)]
+    inputs = [vi(n, I64, ["B"]) for n in USERS + ITEMS]
+    return make_model(nodes, inputs, [vi("y", F, ["B", H])],
+                      _tables() + [init("ax1", np.array([1])), init("flat", np.array([-1, 4 * E])),
+                                   init("w", RNG.normal(size=(H, 4 * E)).astype(np.float32)),
+                                   init("b", RNG.normal(size=H).astype(np.float32))])
+
+
+def deepctr_form():
+    """[B, 1] ids → Gather [B, 1, E] → Concat(1) [B, 4, E] → Flatten → Concat(-1) with dense → MatMul."""
+    nodes = [node("Gather", [f"t_{n}", n], [f"e_{n}"]) for n in USERS + ITEMS]
+    nodes += [node("Concat", [f"e_{n}" for n in USERS + ITEMS], ["emb"], axis=1), node("Flatten", ["emb"], ["flat"], axis=1),
+              node("Concat", ["flat", "dense"], ["x"], axis=-1), node("MatMul", ["x", "w"], ["y"])]
+    inputs = [vi(n, I64, ["B", 1]) for n in USERS + ITEMS] + [vi("dense", F, ["B", 2])]
+    return make_model(nodes, inputs, [vi("y", F, ["B", H])],
+                      _tables() + [init("w", RNG.normal(size=(4 * E + 2, H)).astype(np.float32))])
+
+
+def _split(model, named=("u0", "u1")):
+    graph = to_graph(model)
+    annotate_shapes(graph)
+    done = split_user_layers(graph, set(named))
+    graph.cleanup()
+    return done, to_model(graph, like=model)
+
+
+def _one_user_feeds(model, batch=6, users=("u0", "u1")):
+    return generate_inputs(model, batch=batch, one_user=True, user_inputs=list(users))
+
+
+@pytest.mark.parametrize("build,parts", [(paddle_form, 5), (fuxictr_form, 4), (deepctr_form, 5)])
+def test_the_first_layer_splits_into_user_and_item_parts(build, parts):
+    model = build()
+    graph = to_graph(model)
+    annotate_shapes(graph)
+    layer = next(n for n in graph.nodes if n.op in ("MatMul", "Gemm"))
+    assert len(layer_parts(layer.inputs[0])) == parts
+    done, once = _split(model)
+    assert done == 1
+    layers = [n for n in once.graph.node if n.op_type in ("MatMul", "Gemm")]
+    assert len(layers) == 2 and "Add" in ops(once)
+    for feeds in (generate_inputs(model, batch=7), _one_user_feeds(model)):
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    again, twice = _split(once)
+    assert again == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
+@pytest.mark.parametrize("named", [(), ("u0", "u1", "i0", "i1", "dense")])
+def test_a_layer_with_no_user_part_or_only_user_parts_stays(named):
+    done, once = _split(paddle_form(), named)
+    assert done == 0 and ops(once).count("MatMul") == 1
+
+
+def test_dedup_runs_the_user_part_once_per_distinct_user():
+    model = paddle_form()
+    once, ctx = run_pass(model, "dedup-user-side", user_inputs="u0,u1")
+    assert ctx.rewrites == 1 and "Unique" in ops(once), ctx.notes
+    assert any("split into a user part" in n for n in ctx.notes), ctx.notes
+    for feeds in (generate_inputs(model, batch=9), _one_user_feeds(model, batch=9)):
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    plain, ctx = run_pass(model, "dedup-user-side")   # no user inputs named: nothing to split
+    assert ctx.rewrites == 0 and sorted(ops(plain)) == sorted(ops(model))
+
+
+def test_unknown_user_inputs_are_an_error():
+    with pytest.raises(ctropt.CtroptError, match="nope, which the model has not as inputs"):
+        ctropt.optimize(paddle_form(), speed=False, options={"user_inputs": "u0,nope"})
+
+
+def test_one_user_inputs_repeat_row_0_of_the_user_inputs_only():
+    feeds = _one_user_feeds(paddle_form(), batch=8)
+    for n in USERS:
+        assert (feeds[n] == feeds[n][0]).all()
+    assert len(np.unique(feeds["i0"])) > 1
+
+
+def test_cli_stores_the_user_inputs_and_bench_one_user_reads_them(tmp_path):
+    src = save(paddle_form(), tmp_path / "m.onnx")
+    out = tmp_path / "m.opt.onnx"
+    r = CliRunner().invoke(app, ["optimize", str(src), "-o", str(out), "--user-inputs", "u0,u1"], catch_exceptions=False)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "one user × 256 candidates" in text, r.output
+    assert {k for k, f in stored_input_facts(ctropt.load(out)).items() if f.is_user} == {"u0", "u1"}
+    r = CliRunner().invoke(app, ["bench", str(src), str(out), "--one-user", "--batch", "16", "--seconds", "0.1"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and ("B is" in r.output or "A is" in r.output), r.output
+    r = CliRunner().invoke(app, ["optimize", str(src), "-o", str(tmp_path / "x.onnx"), "--user-inputs", "zz"])
+    assert r.exit_code == 2 and "zz, which the model has not as inputs" in " ".join(r.output.split())
