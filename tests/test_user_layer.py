@@ -1,7 +1,7 @@
 """--user-inputs: the first FC layer over user and item features split into x_u·W_u + x_i·W_i, in the dialects of
 PaddleRec (per-feature lookups reshaped to [B, E], concatenated with the dense values), FuxiCTR (torch.stack of
-[B, E] embeddings, flattened, Gemm with transB) and deepctr (Concat of [B, 1, E] lookups, Flatten, Concat with the
-dense values); then dedup-user-side runs the user part once per distinct user; the facts, the generated one-user
+[B, E] embeddings, flattened, Gemm with transB), deepctr (Concat of [B, 1, E] lookups, Flatten, Concat with the
+dense values) and tf2onnx (lookups joined on their last axis, Tensordot's Reshape to the shape it has); then dedup-user-side runs the user part once per distinct user; the facts, the generated one-user
 inputs and the CLI."""
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ def deepctr_form():
                       _tables() + [init("w", RNG.normal(size=(4 * E + 2, H)).astype(np.float32))])
 
 
+def tf2onnx_form():
+    """deepctr through tf2onnx: [B, 1, E] lookups → Concat(2) [B, 1, 4E] → Reshape [B, 4E] → Concat(1) with dense →
+    Tensordot's Reshape to the shape it has → MatMul."""
+    nodes = [node("Gather", [f"t_{n}", n], [f"e_{n}"]) for n in USERS + ITEMS]
+    nodes += [node("Concat", [f"e_{n}" for n in ["u0", "i0", "i1", "u1"]], ["emb"], axis=2),
+              node("Reshape", ["emb", "flat"], ["embf"]), node("Concat", ["embf", "dense"], ["x"], axis=1),
+              node("Reshape", ["x", "same"], ["xr"]), node("MatMul", ["xr", "w"], ["y"])]
+    inputs = [vi(n, I64, ["B", 1]) for n in USERS + ITEMS] + [vi("dense", F, ["B", 2])]
+    return make_model(nodes, inputs, [vi("y", F, ["B", H])],
+                      _tables() + [init("flat", np.array([-1, 4 * E])), init("same", np.array([-1, 4 * E + 2])),
+                                   init("w", RNG.normal(size=(4 * E + 2, H)).astype(np.float32))])
+
+
 def _split(model, named=("u0", "u1")):
     graph = to_graph(model)
     annotate_shapes(graph)
@@ -77,7 +90,7 @@ def _one_user_feeds(model, batch=6, users=("u0", "u1")):
     return generate_inputs(model, batch=batch, one_user=True, user_inputs=list(users))
 
 
-@pytest.mark.parametrize("build,parts", [(paddle_form, 5), (fuxictr_form, 4), (deepctr_form, 5)])
+@pytest.mark.parametrize("build,parts", [(paddle_form, 5), (fuxictr_form, 4), (deepctr_form, 5), (tf2onnx_form, 5)])
 def test_the_first_layer_splits_into_user_and_item_parts(build, parts):
     model = build()
     graph = to_graph(model)

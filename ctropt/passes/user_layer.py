@@ -8,7 +8,10 @@ only) or not, and W's rows split alike. Dialects of that input:
 - a Concat on the last axis of [B, k] parts (PaddleRec: per-feature lookups reshaped to [B, E] and the dense
   values; deepctr's DNN input), nested;
 - a Flatten/Reshape to [B, K] of a Concat on axis 1 of [B, k, E] pieces (FuxiCTR's torch.stack of [B, E]
-  embeddings, an Unsqueeze each; deepctr's [B, 1, E] lookups).
+  embeddings, an Unsqueeze each), or on axis 2 of [B, 1, E] pieces (deepctr through tf2onnx), and a Reshape to the
+  shape the value has (tf2onnx's Tensordot).
+Not read: one lookup over the ids of every feature concatenated (PaddleRec's DeepFM and DCN): no value above the ids
+is the user's alone there.
 MatMul by a constant W, or Gemm (its bias, alpha and beta on the item part). The sum's order changes (two partial
 products): the result agrees to float rounding.
 """
@@ -65,17 +68,20 @@ def _width(t: gs.Tensor) -> int | None:
 
 
 def _pieces(t: gs.Tensor) -> list[Part] | None:
-    """The pieces of a [B, K] value made by flattening a Concat on axis 1 of [B, k, E] pieces, else None."""
+    """The pieces of a [B, K] value made by flattening a Concat of [B, k, E] pieces on axis 1, or of [B, 1, E] pieces
+    on axis 2 (each piece then a block of columns), else None."""
     p = t.inputs[0] if t.inputs else None
     if p is None or p.op not in ("Flatten", "Reshape") or (p.op == "Flatten" and p.attrs.get("axis", 1) != 1):
         return None
     cat = p.inputs[0].inputs[0] if p.inputs[0].inputs else None
-    if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (1, -2):
+    if cat is None or cat.op != "Concat" or cat.attrs.get("axis") not in (1, -2, 2, -1):
         return None
     parts = []
     for x in cat.inputs:
         shape = shape_of(x)
         if shape is None or len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d > 0 for d in shape[1:]):
+            return None
+        if cat.attrs.get("axis") in (2, -1) and shape[1] != 1:
             return None
         u = x.inputs[0] if x.inputs else None
         if u is not None and u.op == "Unsqueeze" and axes_of(u) in ([1], [-2]) and _width(u.inputs[0]) == shape[2]:
@@ -91,6 +97,8 @@ def layer_parts(t: gs.Tensor) -> list[Part] | None:
     if width is None:
         return None
     p = t.inputs[0] if t.inputs else None
+    if p is not None and p.op in ("Reshape", "Flatten") and _width(p.inputs[0]) == width:
+        return layer_parts(p.inputs[0])   # a reshape to the shape it has (tf2onnx's Tensordot)
     if p is not None and p.op == "Concat" and p.attrs.get("axis") in (1, -1):
         parts = []
         for x in p.inputs:
