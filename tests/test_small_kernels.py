@@ -121,8 +121,8 @@ def test_lookups_of_float_rows(ids_type):
                ["GatherRows", "GatherRows", "Gather", "Cast", "ReduceSum", "Concat"], feeds=f)
 
 
-def _session(nodes, inputs, inits=()):
-    graph = onnx.helper.make_graph(nodes, "k", inputs, [vi("y", F, None)], list(inits))
+def _session(nodes, inputs, inits=(), out_type=F):
+    graph = onnx.helper.make_graph(nodes, "k", inputs, [vi("y", out_type, None)], list(inits))
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
                                                          onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
@@ -159,7 +159,7 @@ def test_small_matmul_matches_numpy(a, b):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [(50, 1), (50, 3), (50, 4), (50, 8), (50, 12), (50, 16), (50, 2, 5)])
+@pytest.mark.parametrize("rows", [(50,), (50, 1), (50, 3), (50, 4), (50, 8), (50, 12), (50, 16), (50, 2, 5), (50, 0)])
 @pytest.mark.parametrize("ids_type", [np.int64, np.int32])
 def test_gather_rows_matches_numpy(rows, ids_type):
     table = RNG.normal(size=rows).astype(np.float32)
@@ -174,6 +174,10 @@ def test_the_kernels_refuse_what_does_not_fit():
                  [vi("ids", I64, None)], [init("t", np.ones((10, 4), np.float32))])
     with pytest.raises(Exception, match="out of data bounds"):
         s.run(None, {"ids": np.array([[1, 10]], np.int64)})
+    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("ids", I64, None)], [init("t", np.ones((3, 0), np.float32))])
+    with pytest.raises(Exception, match="out of data bounds"):   # rows of no floats: the index is checked still
+        s.run(None, {"ids": np.array([5], np.int64)})
     s = _session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
                  [vi("a", F, None), vi("b", F, None)])
     with pytest.raises(Exception, match="do not broadcast"):
@@ -229,3 +233,45 @@ def test_unique_rows_matches_onnxruntime(rows):
     got = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_ort_kernels_off_keeps_standard_ops():
+    from ctropt.passes import optimize
+
+    result = optimize(lookups(), speed=False, options={"ort_kernels": "off"})
+    assert not any(n.domain == kernels.DOMAIN for n in result.model.graph.node)
+    with pytest.raises(Exception, match="ort_kernels must be auto or off"):
+        run_pass(lookups(), "gather-rows-kernel", ort_kernels="no")
+
+
+def test_only_onnx_domain_ops_are_taken():
+    model = lookups()
+    model.graph.node[0].domain = "com.example"
+    model.opset_import.append(onnx.helper.make_opsetid("com.example", 1))
+    done, ctx = run_pass(model, "gather-rows-kernel")
+    assert ops(done).count("GatherRows") == 1   # the other float lookup only
+
+
+def positions_and_shape_arithmetic():
+    """remove-attention-padding's positions: an int64 vector of dynamic length gathered at positions; and a Gather
+    of a Shape (static length: shape arithmetic onnxruntime folds), which stays."""
+    nodes = [node("Gather", ["rows", "at"], ["picked"]), node("Shape", ["rows"], ["n"]),
+             node("Gather", ["n", "zero"], ["n0"], axis=0), node("Unsqueeze", ["n0", "zero1"], ["n1"]),
+             node("Concat", ["n1", "picked"], ["y"], axis=0)]
+    return make_model(nodes, [vi("rows", I64, ["m"]), vi("at", I64, ["k"])], [vi("y", I64, None)],
+                      [init("zero", np.array(0)), init("zero1", np.array([0]))])
+
+
+def test_int64_positions_of_dynamic_length_but_not_shape_arithmetic():
+    f = {"rows": RNG.integers(0, 100, 12), "at": np.array([3, -1, 0, 11])}
+    done, _ = check_pass(positions_and_shape_arithmetic(), "gather-rows-kernel",
+                         ["GatherRowsInt64", "Shape", "Gather", "Unsqueeze", "Concat"], feeds=f)
+
+
+@pytest.mark.parametrize("table", [(50,), (50, 3)])
+def test_gather_rows_int64_matches_numpy(table):
+    values = RNG.integers(-2**62, 2**62, table)
+    ids = RNG.integers(-50, 50, (4, 7))
+    s = _session([onnx.helper.make_node("GatherRowsInt64", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("ids", I64, None)], [init("t", values)], out_type=I64)
+    np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], values[ids])

@@ -7,6 +7,7 @@ inputs and the CLI."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
 from typer.testing import CliRunner
@@ -81,7 +82,7 @@ def tf2onnx_form():
 def _split(model, named=("u0", "u1")):
     graph = to_graph(model)
     annotate_shapes(graph)
-    done = split_user_layers(graph, set(named))
+    done = len(split_user_layers(graph, set(named)))
     graph.cleanup()
     return done, to_model(graph, like=model)
 
@@ -105,6 +106,25 @@ def test_the_first_layer_splits_into_user_and_item_parts(build, parts):
         assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
     again, twice = _split(once)
     assert again == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
+@pytest.mark.parametrize("opset,bias,alpha", [(9, True, 1.5), (11, False, 0.5), (17, False, 2.0)])
+def test_a_gemm_splits_valid_in_its_opset(opset, bias, alpha):
+    """Before opset 11 Gemm's C is required: the user half is a MatMul by alpha·W_u, the item half keeps C."""
+    model = fuxictr_form()
+    gemm = model.graph.node[-1]
+    gemm.attribute.append(onnx.helper.make_attribute("alpha", alpha))
+    if not bias:
+        del gemm.input[2]
+    model.opset_import[0].version = opset
+    if opset < 13:   # Unsqueeze's axes an attribute
+        for n in model.graph.node:
+            if n.op_type == "Unsqueeze":
+                del n.input[1]
+                n.attribute.append(onnx.helper.make_attribute("axes", [1]))
+    done, once = _split(model)
+    assert done == 1 and onnx.checker.check_model(once, full_check=True) is None
+    assert_same_outputs(model, once, _one_user_feeds(model), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("named", [(), ("u0", "u1", "i0", "i1", "dense")])

@@ -112,9 +112,21 @@ def register(session_options) -> None:
     session_options.register_custom_ops_library(str(library_path()))
 
 
+def wanted(options: dict) -> bool:
+    """Whether the passes may emit this library's ops: option ort_kernels=auto (default) or off (standard ops only,
+    a model any onnxruntime loads without the library)."""
+    value = options.get("ort_kernels", "auto") or "auto"
+    if value not in ("auto", "off"):
+        raise CtroptError(f"ort_kernels must be auto or off, not {value!r}")
+    return value == "auto"
+
+
 def apply_rules(ctx, rules, left: str) -> int:
-    """A kernel pass's body: its rewrite rules applied where the library loads (shapes annotated first), a note
-    that the model then needs it; else a note that `left` stays as standard ops. Returns the rewrites."""
+    """A kernel pass's body: its rewrite rules applied where the library loads and is wanted (shapes annotated
+    first), a note that the model then needs it; else a note that `left` stays as standard ops. Returns the
+    rewrites."""
+    if not wanted(ctx.options):
+        return 0
     problem = ensure()
     if problem:
         ctx.note(f"{left} left as standard ops: ctropt's kernel library is not available ({problem})")

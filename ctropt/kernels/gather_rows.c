@@ -1,11 +1,13 @@
-/* GatherRows: Gather(table, indices, axis=0) of float rows, a row copied per index with no call in between.
+/* GatherRows, GatherRowsInt64: Gather(table, indices, axis=0) of float or int64 rows, a row copied per index with no
+ * call in between.
  *
  * onnxruntime's CPU Gather spends about 8 ns per index whatever the row's width (a [1000, 8] table read at
  * [256, 26] indices: about 55 µs), its per-index copy being a function call; a CTR model reads thousands of ids
  * per batch. This kernel copies a row with vector moves, inline.
  *
  * Node (domain "ai.ctropt.kernels", made by gather-rows-kernel):
- *   inputs   0 table [V, ...] (float)   1 indices (int32 or int64), any shape
+ *   inputs   0 table [V, ...] (float: GatherRows; int64: GatherRowsInt64, positions the passes gather)
+ *            1 indices (int32 or int64), any shape
  *   outputs  0 Y [indices..., ...]: as Gather(table, indices, axis=0): a negative index counts from the end, one out
  *            of [-V, V) is an error (onnxruntime's message's meaning).
  */
@@ -20,19 +22,21 @@ typedef struct {
     const float *table;
     const void *indices;
     float *y;
-    int64_t count, V, D, blocks, bad;   /* bad: the first index out of range (+1), 0 when none */
+    int64_t count, V, D, blocks, bad;   /* D: 4-byte words per row; bad: an index out of range (+1), 0 when none */
     int wide;                          /* indices are int64 */
 } Job;
 
+/* A row of D 4-byte words (float or half an int64: copied as bits). */
 static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
     switch (D) {
-        case 1: *to = *from; break;
+        case 1: memcpy(to, from, sizeof(float)); break;
+        case 2: memcpy(to, from, 2 * sizeof(float)); break;
         case 4: memcpy(to, from, 4 * sizeof(float)); break;
         case 8: store(to, load(from)); break;
         case 16: store(to, load(from)); store(to + 8, load(from + 8)); break;
         default:
             if (D < LANES) {
-                for (int64_t k = 0; k < D; ++k) to[k] = from[k];
+                memcpy(to, from, (size_t)D * sizeof(float));
                 break;
             }
             for (int64_t k = 0; k + LANES <= D; k += LANES) store(to + k, load(from + k));
@@ -82,16 +86,18 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (rt < 1) return error("GatherRows: the table needs one axis at least");
     if (ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
         return error("GatherRows: indices must be int32 or int64");
+    const int64_t words = tt == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ? 2 : 1;   /* per element */
     j.wide = ti == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     j.V = dt[0], j.D = 1, j.count = 1;
     size_t out_rank = 0;
     for (size_t x = 0; x < ri; ++x) j.count *= out[out_rank++] = di[x];
     for (size_t x = 1; x < rt; ++x) j.D *= out[out_rank++] = dt[x];
+    j.D *= words;
     OrtValue *y;
     TRY(ort->KernelContext_GetOutput(ctx, 0, out, out_rank, &y));
     TRY(ort->GetTensorMutableData(y, (void **)&j.y));
-    if (j.count == 0 || j.D == 0) return NULL;
-    j.blocks = j.count < MAX_BLOCKS ? j.count : MAX_BLOCKS;
+    if (j.count == 0) return NULL;
+    j.blocks = j.count < MAX_BLOCKS ? j.count : MAX_BLOCKS;   /* rows of no floats too: the indices are checked */
     TRY(ort->KernelContext_ParallelFor(ctx, gather_block, (size_t)j.blocks, 0, &j));
     if (j.bad) {
         const int64_t i = j.bad - 1;
@@ -105,12 +111,24 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatherRows"; }
+static const char *ORT_API_CALL name_int64(const OrtCustomOp *op) { (void)op; return "GatherRowsInt64"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
     (void)op;   /* the indices' type is read at run time: int32 or int64 */
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
+static ONNXTensorElementDataType ORT_API_CALL input_type_int64(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+static ONNXTensorElementDataType ORT_API_CALL int64_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
 
 OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, required, required,
-                                            no_attributes, compute);
+                                           no_attributes, compute);
+OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, n_outputs, required,
+                                                 required, no_attributes, compute);

@@ -13,6 +13,7 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_sum_axes));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_small_matmul));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows_int64));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_unique_rows));
     return ort->AddCustomOpDomain(options, domain);
 }

@@ -174,7 +174,7 @@ def attention_core_kernel(ctx: PassContext) -> None:
     """softmax(s · Q·Kᵀ + bias) · V (the attention of transformers, any head count and mask) → ctropt's
     AttentionCore kernel, where its library loads (the saved model then needs it at run time, as for GRUScan);
     option attention_ort_form: auto, kernel (insist), standard (leave the ops)."""
-    form = ctx.options.get("attention_ort_form", "auto") or "auto"
+    form = ctx.options.get("attention_ort_form") or ("auto" if kernels.wanted(ctx.options) else "standard")
     if form not in FORMS:
         raise CtroptError(f"attention_ort_form must be one of {', '.join(FORMS)}, not {form!r}")
     if form == "standard":

@@ -157,36 +157,42 @@ def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset
 def dedup_user_side(ctx: PassContext) -> None:
     """Per-user work (history embeddings, interest GRU, with --user-inputs the user part of the first FC layer) →
     computed once per distinct user in the batch (Unique/Gather)."""
-    named = user_input_names(str(ctx.options.get("user_inputs", "")))
+    named = user_input_names(ctx.options.get("user_inputs", "") or "")
     named |= {k for k, f in (ctx.input_facts or {}).items() if f.is_user}
     if not any(i.shape and len(i.shape) >= 2 for i in ctx.graph.inputs) and not named:
         return
-    whole, split = None, 0
+    whole, halves = (ctx.graph.copy(), []) if named else (None, [])
     if named:
         annotate_shapes_if_bare(ctx.graph)   # the widths of the first layers' parts
-        whole, split = ctx.graph.copy(), split_user_layers(ctx.graph, named)
-    if not _dedup(ctx, named) and split:
-        ctx.graph = whole   # the split pays only with the user part run once per user
-        ctx.note(f"{split} first layer(s) left whole: their user part would not run once per user")
-    elif split:
-        ctx.note(f"{split} first layer(s) split into a user part and an item part (x·W = x_u·W_u + x_i·W_i)")
+        halves = split_user_layers(ctx.graph, named)
+    before = (len(ctx.notes), ctx.matches, ctx.rewrites)
+    rewritten = _dedup(ctx, named)
+    if halves and not all(id(h) in rewritten for h in halves):   # the split pays only with its user half deduplicated
+        del ctx.notes[before[0]:]
+        ctx.graph, ctx.matches, ctx.rewrites = whole, before[1], before[2]
+        rewritten = _dedup(ctx, named)
+        ctx.note(f"{len(halves)} first layer(s) left whole: their user part would not run once per user")
+    elif halves:
+        ctx.note(f"{len(halves)} first layer(s) split into a user part and an item part (x·W = x_u·W_u + x_i·W_i)")
+    elif whole is not None and not rewritten:
+        ctx.graph = whole   # as it came (without the shapes annotated for the split)
 
 
-def _dedup(ctx: PassContext, named: set[str]) -> bool:
-    """The rewrite; whether it was made."""
+def _dedup(ctx: PassContext, named: set[str]) -> set[int]:
+    """The rewrite; the ids of the nodes that now run on the distinct rows (none: no rewrite)."""
     graph = ctx.graph
     probe, why = try_probe(graph)
     if probe is None:
         ctx.note(why)
-        return False
+        return set()
     seeds = user_seeds(graph, probe, named)
     if not seeds:
         ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
                  "--user-inputs a,b)")
-        return False
+        return set()
     if all(any(s is i for s in seeds) for i in graph.inputs):
         ctx.note("left as is: every input is user side (no candidate item to share the user's work with)")
-        return False
+        return set()
     opset = int(getattr(graph, "opset", None) or 0)
     batches = _batches(probe)
     excluded: set[int] = set()
@@ -221,16 +227,16 @@ def _dedup(ctx: PassContext, named: set[str]) -> bool:
     if not heavy:
         ctx.note(f"left as is: the user side ({reachable} ops, no matmul or recurrent layer) is too light to pay "
                  "for deduplication")
-        return False
+        return set()
     if _key_dtype(seeds, probe) is None:
         ctx.note("left as is: the user-side values mix int64 ids and floats, which no one key type holds exactly")
-        return False
+        return set()
     _rewrite(graph, seeds, nodes, probe)
     ctx.rewrites += 1
     tidy(ctx)
     ctx.note(f"{len(nodes)} ops ({', '.join(sorted({n.op for n in heavy}))}) on {len(seeds)} user-side values run "
              "once per distinct user")
-    return True
+    return {id(n) for n in nodes}
 
 
 def _heavy(node: gs.Node) -> bool:

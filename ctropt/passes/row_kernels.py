@@ -3,8 +3,9 @@
 `gather-rows-kernel`: a CTR model reads thousands of ids per batch (fields × batch, histories × batch), and
 onnxruntime's CPU Gather costs about 8 ns per index whatever the row's width, its per-index copy being a function
 call: a [1000, 8] table read at [256, 26] ids takes about 50 µs, a quarter of an optimized PaddleRec DeepFM
-(1 thread). The kernel copies each row inline, 3–5× faster (`benchmarks/RESULTS.md`). Any float table of rank 2 and
-more, constant or computed, with int32 or int64 indices; an index out of range is an error there as here.
+(1 thread). The kernel copies each row inline, 3–5× faster (`benchmarks/RESULTS.md`). Any float table (``GatherRows``), or int64 one
+(``GatherRowsInt64``: the positions other passes gather), of rank 1 to 8, constant or computed, with int32 or int64
+indices; an index out of range is an error there as here.
 
 `unique-rows-kernel`: dedup-user-side finds a batch's distinct users with ``Unique(key, axis=0, sorted=0)`` over
 [B, K] int64 rows (ids and histories); onnxruntime sorts them, 14–80 µs at B = 256, on every request. The kernel
@@ -16,15 +17,22 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..graph.edit import dtype_of, rank_of
+from ..graph.edit import dtype_of, rank_of, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
 
+KERNEL_OF = {np.dtype(np.float32): "GatherRows", np.dtype(np.int64): "GatherRowsInt64"}
+
+
 def _is_row_lookup(m: Match) -> bool | str:
     table, ids, rank = m["table"], m["ids"], rank_of(m["table"])
-    if dtype_of(table) is None or np.dtype(dtype_of(table)) != np.float32 or rank is None or rank < 2:
-        return "not a float32 table of rank 2 or more"
+    if dtype_of(table) is None or np.dtype(dtype_of(table)) not in KERNEL_OF or rank is None or not 1 <= rank <= 8:
+        return "not a float32 or int64 table of rank 1 to 8"
+    if (rank_of(ids) or 0) > 8:
+        return "indices of rank above 8"
+    if np.dtype(dtype_of(table)) == np.int64 and isinstance(shape_of(table)[0], (int, np.integer)):
+        return "int64 values of a static length (shape arithmetic, which onnxruntime folds: left as Gather)"
     if dtype_of(ids) is None or np.dtype(dtype_of(ids)) not in (np.int32, np.int64):
         return "indices of unknown type"
     if m.root.attrs.get("axis", 0) % rank != 0:
@@ -33,17 +41,18 @@ def _is_row_lookup(m: Match) -> bool | str:
 
 
 def _to_kernel(m: Match) -> list:
-    out = m.root.outputs[0]
-    return m.op("GatherRows", [m["table"], m["ids"]], name=f"{m.root.name}/GatherRows", domain=kernels.DOMAIN,
-                dtype=out.dtype, shape=out.shape)
+    out, op = m.root.outputs[0], KERNEL_OF[np.dtype(dtype_of(m["table"]))]
+    return m.op(op, [m["table"], m["ids"]], name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype,
+                shape=out.shape)
 
 
-GATHER_RULES = (Rewrite("gather-rows", P.Gather(Var("table"), Var("ids")), _to_kernel, _is_row_lookup, subgraphs=False),)
+GATHER_RULES = (Rewrite("gather-rows", P.Gather(Var("table"), Var("ids"), _domain=""), _to_kernel, _is_row_lookup, subgraphs=False),)
 
 
 @register_pass("gather-rows-kernel", group="lower", targets=("ort",), rules=GATHER_RULES)
 def gather_rows_kernel(ctx: PassContext) -> None:
-    """Gather of float rows (embedding lookups) → ctropt's GatherRows kernel, where its library loads."""
+    """Gather of float or int64 rows (embedding lookups, positions) → ctropt's GatherRows kernels, where its library
+    loads."""
     if any(n.op == "Gather" for n in ctx.graph.nodes):
         kernels.apply_rules(ctx, GATHER_RULES, "lookups")
 
@@ -63,7 +72,7 @@ def _to_unique_rows(m: Match) -> list:
     return [made[i] if i < len(m.root.outputs) and m.root.outputs[i].name else None for i in range(len(m.root.outputs))]
 
 
-UNIQUE_RULES = (Rewrite("unique-rows", P.Unique(Var("x")), _to_unique_rows, _is_row_dedup, subgraphs=False),)
+UNIQUE_RULES = (Rewrite("unique-rows", P.Unique(Var("x"), _domain=""), _to_unique_rows, _is_row_dedup, subgraphs=False),)
 
 
 @register_pass("unique-rows-kernel", group="lower", targets=("ort",), rules=UNIQUE_RULES)

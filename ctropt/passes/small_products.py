@@ -21,6 +21,7 @@ from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
 MAX_PRODUCT = 2048   # multiply-adds per matrix, beyond which onnxruntime's sgemm per matrix is as fast or faster
+MAX_RANK = 8   # the kernels' (small_products.c)
 
 
 def _is_float(t) -> bool:
@@ -31,8 +32,8 @@ def _is_float(t) -> bool:
 def _summed_block(m: Match) -> tuple[int, int] | str:
     """(first axis, count) of a ReduceSum over contiguous axes with an axis after them, or why not."""
     x, rank, axes = m["x"], rank_of(m["x"]), axes_of(m.root)
-    if not _is_float(x) or rank is None:
-        return "not a float32 input of known rank"
+    if not _is_float(x) or rank is None or rank > MAX_RANK:
+        return "not a float32 input of known rank (8 at most)"
     if not axes:
         return "no constant axes"
     axes = sorted({a % rank for a in axes})
@@ -61,6 +62,8 @@ def _small_product(m: Match) -> bool | str:
     sa, sb = shape_of(a), shape_of(b)
     if not (_is_float(a) and _is_float(b)) or sa is None or sb is None:
         return "not float32 operands of known shape"
+    if max(len(sa), len(sb)) > MAX_RANK:
+        return "rank above 8"
     if len(sa) < 2 or len(sb) < 3 or all(d == 1 for d in sb[:-2]):
         return "B is one matrix (onnxruntime runs one GEMM)"
     dims = (sa[-2], sa[-1], sb[-1])
@@ -78,8 +81,8 @@ def _product_kernel(m: Match) -> list:
 
 
 SMALL_RULES = (
-    Rewrite("sum-axes", P.ReduceSum(Var("x"), ...), _sum_kernel, _is_summed_block, subgraphs=False),
-    Rewrite("small-matmul", P.MatMul(Var("a"), Var("b")), _product_kernel, _small_product, subgraphs=False),
+    Rewrite("sum-axes", P.ReduceSum(Var("x"), ..., _domain=""), _sum_kernel, _is_summed_block, subgraphs=False),
+    Rewrite("small-matmul", P.MatMul(Var("a"), Var("b"), _domain=""), _product_kernel, _small_product, subgraphs=False),
 )
 
 

@@ -12,8 +12,9 @@ only) or not, and W's rows split alike. Dialects of that input:
   shape the value has (tf2onnx's Tensordot).
 Not read: one lookup over the ids of every feature concatenated (PaddleRec's DeepFM and DCN): no value above the ids
 is the user's alone there.
-MatMul by a constant W, or Gemm (its bias, alpha and beta on the item part). The sum's order changes (two partial
-products): the result agrees to float rounding.
+MatMul by a constant W, or Gemm (its bias and beta on the item part, alpha on both; the user part a MatMul by
+alpha·W_u, valid in every opset). The sum's order changes (two partial products): the result agrees to float
+rounding.
 """
 
 from __future__ import annotations
@@ -122,26 +123,29 @@ def _layer(node: gs.Node) -> tuple[np.ndarray, bool] | None:
     return None
 
 
-def split_user_layers(graph: gs.Graph, named: set[str]) -> int:
-    """Split every first layer whose input has both user and item parts; returns how many."""
-    side, done = user_side(graph, named), 0
-    for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm")]:
+def split_user_layers(graph: gs.Graph, named: set[str]) -> list[gs.Node]:
+    """Split every first layer whose input has both user and item parts; returns the user halves' nodes."""
+    side, halves = user_side(graph, named), []
+    for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm") and not n.domain]:
         layer, parts = _layer(node), layer_parts(node.inputs[0])
         if layer is None or not parts or len(parts) < 2:
             continue
         is_user = [id(q.value) in side for q in parts]
         if all(is_user) or not any(is_user):
             continue
-        _split(graph, node, layer, parts, is_user)
-        done += 1
-    return done
+        halves.append(_split(graph, node, layer, parts, is_user))
+    return halves
 
 
-def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_user: list[bool]) -> None:
+def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_user: list[bool]) -> gs.Node:
+    """The layer as two halves and their sum; returns the user half's node. The user half is a MatMul by
+    alpha·W_u (valid in every opset); the item half keeps the Gemm's bias, beta and alpha (or is a MatMul too)."""
     w, transposed = layer
     out = node.outputs[0]
     b = Builder(graph, f"{node.name}/by_user", out.dtype)
     starts = np.cumsum([0] + [q.width for q in parts])
+    alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
+    bias = node.inputs[2] if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name else None
     halves = []
     for user in (False, True):
         mine = [i for i, u in enumerate(is_user) if u == user]
@@ -149,14 +153,14 @@ def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_u
         flat = [b.op("Reshape", [q.value, b.const("flat", np.array([0, q.width], np.int64))]) if q.flat else q.value
                 for q in (parts[i] for i in mine)]
         x = flat[0] if len(flat) == 1 else b.op("Concat", flat, {"axis": 1}, name="user_part" if user else "item_part")
-        weights = b.const("W_user" if user else "W_item", w[:, rows] if transposed else w[rows])
-        if node.op == "MatMul":
-            halves.append(b.op("MatMul", [x, weights]))
-        else:
-            extra = {k: v for k, v in node.attrs.items() if k in ("alpha", "transB")}
-            bias = [node.inputs[2]] if len(node.inputs) > 2 and node.inputs[2].name and not user else []
-            attrs = {**extra, **({"beta": node.attrs["beta"]} if bias and "beta" in node.attrs else {})}
-            halves.append(b.op("Gemm", [x, weights] + bias, attrs))
+        mine_w = w[:, rows] if transposed else w[rows]
+        if bias is not None and not user:   # a Gemm with C: valid in every opset
+            attrs = {k: v for k, v in node.attrs.items() if k in ("alpha", "beta", "transB")}
+            halves.append(b.op("Gemm", [x, b.const("W_item", mine_w), bias], attrs))
+            continue
+        scaled = (mine_w.T if transposed else mine_w) * np.float32(alpha)
+        halves.append(b.op("MatMul", [x, b.const("W_user" if user else "W_item", scaled.astype(np.float32))]))
     total = b.op("Add", halves, dtype=out.dtype, shape=out.shape)
     replace_outputs(graph, node, [total])
     graph.nodes.remove(node)
+    return halves[1].inputs[0]

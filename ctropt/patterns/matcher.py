@@ -199,7 +199,7 @@ class OpPattern(Pattern):
             return True if bound is node else st.fail(f"node '{node.name}' differs from the one bound before")
         if not self.accepts(node.op):
             return st.fail(f"{_describe(value)}: wanted {'|'.join(self.op_types)}")
-        if self.domain is not None and (node.domain or "") != self.domain:
+        if self.domain is not None and ("" if node.domain in (None, "ai.onnx") else node.domain) != self.domain:
             return st.fail(f"node '{node.name}' is in domain {node.domain!r}, wanted {self.domain!r}")
         if self.num_outputs is not None and len(node.outputs) != self.num_outputs:
             return st.fail(f"node '{node.name}' has {len(node.outputs)} outputs, wanted {self.num_outputs}")

@@ -220,7 +220,7 @@ def lower_rnn_ort(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → ctropt's GRUScan kernel where its library loads (the saved model then needs it at
     run time: `ctropt.kernels.register`), else onnxruntime's fastest measured stock form (lean Scan with X·W
     hoisted, GRU op at small batch); rnn_ort_form picks one (kernel, standard, scan, gru-op)."""
-    form = ctx.options.get("rnn_ort_form", "auto")
+    form = ctx.options.get("rnn_ort_form") or ("auto" if kernels.wanted(ctx.options) else "standard")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
     if not any(is_sequence_node(n) for n in ctx.graph.nodes):
