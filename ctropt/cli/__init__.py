@@ -72,6 +72,22 @@ def _fmt_err(value) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
+def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) -> dict:
+    """The pass options `optimize`'s flags set (--option KEY=VALUE, --static-seq-len, --user-inputs, --calib)."""
+    options = _pass_options(option or [])
+    if static_seq_len is not None:
+        options["static_seq_len"] = static_seq_len
+    if user_inputs:
+        options["user_inputs"] = user_inputs
+    if calib is not None:
+        if not int8:
+            raise CtroptError("--calib is calibration data for --int8; add --int8")
+        if not calib.is_file():
+            raise CtroptError(f"{calib}: no such calibration file")
+        options["calib"] = str(calib)
+    return options
+
+
 def _pass_options(items: list[str]) -> dict:
     options = {}
     for item in items:
@@ -127,19 +143,8 @@ def optimize(
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
         _plugins(plugin)
-        options = _pass_options(option or [])
-        if static_seq_len is not None:
-            options["static_seq_len"] = static_seq_len
-        if user_inputs:
-            options["user_inputs"] = user_inputs
-        if calib is not None:
-            if not calib.is_file():
-                raise CtroptError(f"{calib}: no such calibration file")
-            options["calib"] = str(calib)
-        if int8:
-            passes = f"{passes},quantize-int8"
-        elif calib is not None:
-            raise CtroptError("--calib is calibration data for --int8; add --int8")
+        options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
+        passes = f"{passes},quantize-int8" if int8 else passes
         out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
         for extra in (report, json_out):
             if extra is not None:
