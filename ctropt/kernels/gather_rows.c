@@ -59,30 +59,14 @@ static void gather_block(void *data, size_t b) {
     }
 }
 
-/* Input i's data, dims (room for MAX_RANK) and element type. */
-static OrtStatus *input(OrtKernelContext *ctx, size_t i, const void **data, int64_t *dims, size_t *rank,
-                        ONNXTensorElementDataType *type) {
-    const OrtValue *v = NULL;
-    TRY(ort->KernelContext_GetInput(ctx, i, &v));
-    OrtTensorTypeAndShapeInfo *info;
-    TRY(ort->GetTensorTypeAndShape(v, &info));
-    OrtStatus *s = ort->GetDimensionsCount(info, rank);
-    if (!s && *rank > MAX_RANK) s = error("GatherRows: an input has rank > 8");
-    if (!s) s = ort->GetDimensions(info, dims, *rank);
-    if (!s) s = ort->GetTensorElementType(info, type);
-    ort->ReleaseTensorTypeAndShapeInfo(info);
-    if (s) return s;
-    return ort->GetTensorMutableData((OrtValue *)v, (void **)data);
-}
-
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
     size_t rt, ri;
     int64_t dt[MAX_RANK], di[MAX_RANK], out[2 * MAX_RANK];
     ONNXTensorElementDataType tt, ti;
     Job j = {0};
-    TRY(input(ctx, 0, (const void **)&j.table, dt, &rt, &tt));
-    TRY(input(ctx, 1, &j.indices, di, &ri, &ti));
+    TRY(read_typed_input(ctx, 0, (const void **)&j.table, dt, &rt, MAX_RANK, "GatherRows: the table has rank > 8", &tt));
+    TRY(read_typed_input(ctx, 1, &j.indices, di, &ri, MAX_RANK, "GatherRows: the indices have rank > 8", &ti));
     if (rt < 1) return error("GatherRows: the table needs one axis at least");
     if (ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
         return error("GatherRows: indices must be int32 or int64");
@@ -121,11 +105,6 @@ static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, 
 static ONNXTensorElementDataType ORT_API_CALL input_type_int64(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-}
-static ONNXTensorElementDataType ORT_API_CALL int64_type(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    (void)i;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 }
 
 OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, required, required,

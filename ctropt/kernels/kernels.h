@@ -40,6 +40,11 @@ static inline ONNXTensorElementDataType ORT_API_CALL float_type(const OrtCustomO
     (void)i;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
+static inline ONNXTensorElementDataType ORT_API_CALL int64_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
 static inline void ORT_API_CALL destroy(void *kernel) { free(kernel); }
 static inline const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static inline OrtMemType ORT_API_CALL memory(const OrtCustomOp *op, size_t i) {
@@ -93,13 +98,11 @@ static inline OrtStatus *ORT_API_CALL no_attributes(const OrtCustomOp *op, const
         .KernelDestroy = destroy, COMMON_CALLBACKS,                                                            \
     }
 
-/* Input i (NULL data and rank 0 when absent), its dims into `dims` (room for max_rank). */
-static inline OrtStatus *read_input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,
-                                   size_t *rank, size_t max_rank, const char *too_high) {
+/* Input i's data, its dims into `dims` (room for max_rank) and, given `type`, its element type. */
+static inline OrtStatus *read_typed_input(OrtKernelContext *ctx, size_t i, const void **data, int64_t *dims,
+                                          size_t *rank, size_t max_rank, const char *too_high,
+                                          ONNXTensorElementDataType *type) {
     const OrtValue *v = NULL;
-    *data = NULL;
-    *rank = 0;
-    if (i >= n_in) return NULL;
     TRY(ort->KernelContext_GetInput(ctx, i, &v));
     if (!v) return NULL;
     OrtTensorTypeAndShapeInfo *info;
@@ -107,9 +110,19 @@ static inline OrtStatus *read_input(OrtKernelContext *ctx, size_t n_in, size_t i
     OrtStatus *s = ort->GetDimensionsCount(info, rank);
     if (!s && *rank > max_rank) s = error(too_high);
     if (!s) s = ort->GetDimensions(info, dims, *rank);
+    if (!s && type) s = ort->GetTensorElementType(info, type);
     ort->ReleaseTensorTypeAndShapeInfo(info);
     if (s) return s;
     return ort->GetTensorMutableData((OrtValue *)v, (void **)data);
+}
+
+/* Float input i (NULL data and rank 0 when absent), its dims into `dims` (room for max_rank). */
+static inline OrtStatus *read_input(OrtKernelContext *ctx, size_t n_in, size_t i, const float **data, int64_t *dims,
+                                   size_t *rank, size_t max_rank, const char *too_high) {
+    *data = NULL;
+    *rank = 0;
+    if (i >= n_in) return NULL;
+    return read_typed_input(ctx, i, (const void **)data, dims, rank, max_rank, too_high, NULL);
 }
 
 #endif

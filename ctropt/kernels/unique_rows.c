@@ -77,23 +77,15 @@ static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *fi
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
-    const OrtValue *in;
-    OrtTensorTypeAndShapeInfo *info;
     size_t rank;
     int64_t dims[2];
     const int64_t *x;
-    TRY(ort->KernelContext_GetInput(ctx, 0, &in));
-    TRY(ort->GetTensorTypeAndShape(in, &info));
-    OrtStatus *s = ort->GetDimensionsCount(info, &rank);
-    if (!s && rank != 2) s = error("UniqueRows: X must have rank 2");
-    if (!s) s = ort->GetDimensions(info, dims, 2);
-    ort->ReleaseTensorTypeAndShapeInfo(info);
-    if (s) return s;
-    TRY(ort->GetTensorMutableData((OrtValue *)in, (void **)&x));
+    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRows: X must have rank 2", NULL));
+    if (rank != 2) return error("UniqueRows: X must have rank 2");
     const int64_t B = dims[0], K = dims[1];
     int64_t *first = malloc((size_t)(B ? B : 1) * sizeof(int64_t)), *inverse;
     if (!first) return ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
-    s = output(ctx, 2, &dims[0], 1, &inverse);
+    OrtStatus *s = output(ctx, 2, &dims[0], 1, &inverse);
     const int64_t U = s ? 0 : distinct_rows(x, B, K, first, inverse);
     if (!s && U < 0) s = ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
     int64_t *y, *indices, *counts;
@@ -116,11 +108,6 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "UniqueRows"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 4; }
-static ONNXTensorElementDataType ORT_API_CALL int64_type(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    (void)i;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-}
 
 OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, n_inputs, int64_type, n_outputs, required, required,
                                            no_attributes, compute);

@@ -26,7 +26,7 @@ from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
-from .user_layer import split_user_layers
+from .user_layer import is_user_input, split_user_layers
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
 OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track
@@ -66,10 +66,7 @@ def user_seeds(graph: gs.Graph, probe: Probe, named: set[str]) -> list[gs.Tensor
         f = facts[inp.name]
         if not _per_row(inp, probe, batches):
             continue
-        shapes = probe.shapes(inp)
-        ids = inp.dtype is not None and np.issubdtype(np.dtype(inp.dtype), np.integer)
-        history = ids and all(len(s) == 2 and s[1] > 1 for s in shapes) and not (f.columns or f.regions)
-        if inp.name in named or f.is_length or f.is_mask or history:
+        if is_user_input(inp, f, probe.shapes(inp), named):
             seeds.append(inp)
             continue
         columns = f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)}

@@ -37,18 +37,19 @@ class Part:
     flat: bool = False
 
 
+def is_user_input(t: gs.Tensor, f, shapes: list, named: set[str]) -> bool:
+    """Whether input t (facts f, its shapes as known: static or probed) is the user's: named, a length, a mask, or an id
+    history ([B, T] ints, T not 1, not columns of a packed input)."""
+    ints = t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
+    history = ints and bool(shapes) and all(len(s) == 2 and s[1] not in (0, 1) for s in shapes) and \
+        not (f.columns or f.regions)
+    return t.name in named or f.is_length or f.is_mask or history
+
+
 def _user_inputs(graph: gs.Graph, named: set[str]) -> list[gs.Tensor]:
-    """The named inputs, and those dedup-user-side takes as the user's without a name: id histories ([B, T] ints),
-    their lengths and masks."""
+    """The inputs dedup-user-side takes as the user's, read off their static shapes."""
     facts = analyze_inputs(graph)
-    found = []
-    for t in graph.inputs:
-        f, shape = facts[t.name], shape_of(t) or []
-        ints = t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
-        history = ints and len(shape) == 2 and shape[1] != 1 and not (f.columns or f.regions)
-        if t.name in named or f.is_length or f.is_mask or history:
-            found.append(t)
-    return found
+    return [t for t in graph.inputs if is_user_input(t, facts[t.name], [shape_of(t) or []], named)]
 
 
 def user_side(graph: gs.Graph, named: set[str]) -> set[int]:
