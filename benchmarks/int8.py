@@ -27,7 +27,11 @@ MODELS = {
     "wdl_tf": ZOO / "wdl_tf.onnx", "deepfm_tf": ZOO / "deepfm_tf.onnx", "dlrm_tf": ZOO / "dlrm_tf.onnx",
     "mmoe_tf": ZOO / "mmoe_tf.onnx", "deepctr WDL": THIRD / "deepctr_WDL_tf2onnx.onnx",
     "deepctr-torch WDL": THIRD / "deepctr_torch_WDL_legacy.onnx", "deepctr MMOE": THIRD / "deepctr_MMOE_tf2onnx.onnx",
-    "torchrec DLRM": THIRD / "torchrec_dlrm_dynamo.onnx",
+    "torchrec DLRM": THIRD / "torchrec_dlrm_dynamo.onnx", "deepctr DeepFM": THIRD / "deepctr_DeepFM_tf2onnx.onnx",
+    "FuxiCTR WideDeep": THIRD / "fuxictr_WideDeep_dynamo.onnx", "FuxiCTR DeepFM": THIRD / "fuxictr_DeepFM_dynamo.onnx",
+    "PaddleRec WideDeep": THIRD / "paddlerec_WideDeep_paddle2onnx.onnx",
+    "PaddleRec DeepFM": THIRD / "paddlerec_DeepFM_paddle2onnx.onnx",
+    "DeepRec WDL": THIRD / "deeprec_WDL_tf2onnx.onnx", "DeepRec DeepFM": THIRD / "deeprec_DeepFM_tf2onnx.onnx",
 }
 
 

@@ -151,3 +151,50 @@ def test_duplicate_graph_outputs_keep_both_names():
                                                                                       vi("z", F, ["B", 4])])
     out, _ = check_pass(model, "eliminate-common-subexpressions", ["Relu", "Identity"])
     assert [o.name for o in out.graph.output] == ["y", "z"]
+
+
+def masked_pooling_model():
+    """TransAct's readout as torch exports it: the padding mask unsqueezed, expanded by ones and tiled to [B, L, D],
+    the sequence filled with 0 then -inf where padded, its first token sliced and its max over L taken."""
+    nodes = [node("Unsqueeze", ["pad", "ax2"], ["m3"]), node("Expand", ["m3", "ones3"], ["me"]),
+             node("Tile", ["me", "reps"], ["mt"]), node("Where", ["mt", "zero", "x"], ["filled"]),
+             node("Slice", ["filled", "s0", "s1", "ax1"], ["first"]),
+             node("Where", ["mt", "ninf", "filled"], ["masked"]),
+             node("ReduceMax", ["masked"], ["pooled"], axes=[1], keepdims=1),
+             node("Concat", ["first", "pooled"], ["y"], axis=1)]
+    inits = [init("ax2", np.array([2])), init("ones3", np.ones(3, np.int64)), init("reps", np.array([1, 1, 4])),
+             init("zero", np.float32(0)), init("ninf", np.float32(-np.inf)), init("s0", np.array([0])),
+             init("s1", np.array([1])), init("ax1", np.array([1]))]
+    return make_model(nodes, [vi("pad", TensorProto.BOOL, ["B", 5]), vi("x", F, ["B", 5, 4])],
+                      [vi("y", F, ["B", 2, 4])], inits)
+
+
+def test_masked_fill_reads_the_mask_by_broadcast_and_the_first_tokens_only():
+    model, _ = run_pass(masked_pooling_model(), "infer-shapes")
+    pad = np.random.default_rng(0).random((3, 5)) < 0.5
+    pad[:, 0] = False   # a position that is never padded: the max is finite
+    feeds = {"pad": pad, "x": np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)}
+    out, ctx = check_pass(model, "eliminate-identity",
+                          ["Unsqueeze", "Slice", "Slice", "Where", "Where", "ReduceMax", "Concat"], feeds)
+    where_inputs = [list(n.input) for n in out.graph.node if n.op_type == "Where"]
+    assert ["m3", "ninf", "x"] in where_inputs   # the mask read once, untiled; the 0-fill under the -inf one gone
+    slices = [n for n in out.graph.node if n.op_type == "Slice"]
+    assert {n.input[0] for n in slices} == {"m3", "x"}   # the Where of the first token runs on it only
+
+
+def test_tile_read_by_an_op_that_needs_its_width_is_kept():
+    nodes = [node("Tile", ["m", "reps"], ["mt"]), node("Where", ["mt", "zero", "one"], ["y"])]
+    model = make_model(nodes, [vi("m", TensorProto.BOOL, ["B", 5, 1])], [vi("y", F, ["B", 5, 4])],
+                       [init("reps", np.array([1, 1, 4])), init("zero", np.float32(0)), init("one", np.float32(1))])
+    model, _ = run_pass(model, "infer-shapes")
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Tile", "Where"]
+
+
+def test_where_under_another_condition_and_a_slice_of_an_unknown_operand_are_kept():
+    nodes = [node("Where", ["c1", "zero", "x"], ["a"]), node("Where", ["c2", "zero", "a"], ["b"]),
+             node("Add", ["b", "z"], ["s"]), node("Slice", ["s", "s0", "s1", "ax1"], ["y"])]
+    model = make_model(nodes, [vi("c1", TensorProto.BOOL, ["B", 5, 1]), vi("c2", TensorProto.BOOL, ["B", 5, 1]),
+                               vi("x", F, ["B", 5, 4]), vi("z", F, None)], [vi("y", F, None)],
+                       [init("zero", np.float32(0)), init("s0", np.array([0])), init("s1", np.array([1])),
+                        init("ax1", np.array([1]))])
+    assert ops(run_pass(model, "eliminate-identity")[0]) == ["Where", "Where", "Add", "Slice"]

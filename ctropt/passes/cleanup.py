@@ -142,6 +142,13 @@ def _zero_pads(m) -> bool:
     return bool(np.all(m.const("pads") == 0))
 
 
+def _expand_to_own_shape(m) -> bool:
+    """Expand(x, c) with c no longer than x's rank and each entry 1 or x's own size there."""
+    x, c = shape_of(m["x"]), m.const("shape")
+    return x is not None and c.ndim == 1 and c.size <= len(x) and \
+        all(int(d) == 1 or d == s for d, s in zip(c[::-1].tolist(), x[::-1]))
+
+
 def _neutral(value: float):
     """x op c == x when c is all `value` and c's broadcast cannot grow x's shape or change its dtype."""
 
@@ -173,6 +180,7 @@ NO_OP_RULES = (
     Rewrite("transpose-identity", P.Transpose(x), _same, _identity_perm),
     Rewrite("concat-single", P.Concat(x), _same),
     Rewrite("slice-whole", P.Slice(x, Const("starts"), Const("ends"), ...), _same, _full_slice),
+    Rewrite("expand-own-shape", P.Expand(x, Const("shape")), _same, _expand_to_own_shape),
     Rewrite("pad-zero", P.Pad(x, Const("pads"), ...), _same, _zero_pads),
     Rewrite("add-zero", P.Add(x, Const("c")), _same, _neutral(0)),
     Rewrite("sub-zero", P.Sub(x, Const("c")), _same, _neutral(0)),
@@ -213,6 +221,71 @@ def _stacked_part(m):
     return None if x is None else [x]
 
 
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Where", "And", "Or", "Xor", "Equal",
+                "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "BitShift"}
+
+
+def _covered_by_broadcast(m):
+    """Tile(x, r) read only by broadcasting elementwise ops, each of which also reads a value as wide as the Tile on
+    every repeated axis (where x is 1): x broadcasts there to the same result, so the copy is dropped (TransAct's
+    padding mask tiled to [B, L, D] before two Wheres: 2.5× the Where itself)."""
+    out, x, reps = m.root.outputs[0], shape_of(m["x"]), m.const("repeats")
+    if x is None or reps.ndim != 1 or reps.size != len(x) or any(o is out for o in m.graph.outputs):
+        return None
+    tiled = [i for i, r in enumerate(reps.tolist()) if r != 1]
+    if not tiled or any(x[i] != 1 for i in tiled) or not out.outputs:
+        return None
+    for reader in out.outputs:
+        if reader.op not in BROADCASTING:
+            return None
+        others = [shape_of(t) for t in reader.inputs if t is not out]
+        if not all(any(s is not None and len(s) >= len(x) and s[i - len(x)] == reps[i] for s in others)
+                   for i in tiled):
+            return None
+    return [m["x"]]
+
+
+def _overwritten_where(m):
+    """Where(c, a, Where(c, b, x)) = Where(c, a, x): every position the inner Where fills from b the outer one
+    fills from a (TransAct's masked fill with 0 then -inf before its max pooling). b must not widen the shape."""
+    b = shape_of(m["b"])
+    if b is None or any(d != 1 for d in b) or len(b) > (len(shape_of(m["x"]) or [])):
+        return None
+    (out,) = m.op("Where", [m["c"], m["a"], m["x"]], dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
+    return [out]
+
+
+def _sliced_operands(m):
+    """Slice(f(a, b, …)) with f a broadcasting elementwise op read by this Slice only = f(Slice(a), Slice(b), …):
+    an operand as long as the result on each sliced axis is sliced the same way, one of length 1 is kept (a Slice
+    of the first tokens of TransAct's masked sequence: the Where then runs on them only)."""
+    f, out = m.node("f"), m.root.outputs[0]
+    res, axes = shape_of(f.outputs[0]), m.const("axes")
+    if res is None or f.op == "BitShift" or f.attrs:
+        return None
+    axes = [int(a) % len(res) for a in np.atleast_1d(axes)]
+    if any(not isinstance(res[a], (int, np.integer)) for a in axes):
+        return None
+    slice_inputs = list(m.root.inputs[1:])
+    operands = []
+    for t in f.inputs:
+        s = shape_of(t)
+        if s is None:
+            return None
+        lead = len(res) - len(s)
+        sizes = [s[a - lead] if a >= lead else 1 for a in axes]
+        if all(d == 1 for d in sizes):
+            operands.append(t)
+        elif all(d == res[a] for d, a in zip(sizes, axes)):
+            local = m.constant(f"{m.root.name}/axes", np.array([a - lead for a in axes], np.int64)) if lead else slice_inputs[2]
+            (part,) = m.op("Slice", [t, slice_inputs[0], slice_inputs[1], local, *slice_inputs[3:]], dtype=t.dtype)
+            operands.append(part)
+        else:
+            return None
+    (y,) = m.op(f.op, operands, dtype=out.dtype, shape=out.shape)
+    return [y]
+
+
 CHAIN_RULES = (
     Rewrite("stacked-part", P.Gather(P.Concat(Var(), ..., _name="cat", _shared=True), Const("index")),
             _stacked_part),
@@ -220,12 +293,19 @@ CHAIN_RULES = (
             _no_zero_dims),
     Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
             _keeps_interface()),
+    Rewrite("tile-into-broadcast", P.Tile(x, Const("repeats")), _covered_by_broadcast),
+    Rewrite("where-overwritten", P.Where(Var("c"), Var("a"), P.Where(Var("c"), Var("b"), Var("x"), _shared=True)),
+            _overwritten_where),
+    Rewrite("slice-before-elementwise", P.Slice(P["|".join(sorted(BROADCASTING))](..., _name="f"), Const("starts"), Const("ends"),
+                                                Const("axes"), ...), _sliced_operands),
 )
 
 
 @register_pass("eliminate-identity", group="cleanup", rules=NO_OP_RULES + CHAIN_RULES)
 def eliminate_identity(ctx: PassContext) -> None:
-    """Remove ops that do nothing (Identity, Cast/Reshape to the same type/shape, x*1, ...) and merge Reshape/Transpose chains."""
+    """Remove ops that do nothing (Identity, Cast/Reshape/Expand to the same type/shape, x*1, ...), merge
+    Reshape/Transpose chains, and drop copies that broadcasting makes (a Tile read by elementwise ops, a Where
+    overwritten under the same condition, an elementwise op computed whole for a Slice of it)."""
     if any(t.dtype is None or t.shape is None for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.outputs):
         annotate_shapes(ctx.graph)  # the no-op rules read types and shapes: known on the first run as on a second
     # A Loop body's values that change per iteration may change shape after the first one (PaddleRec DIEN with
