@@ -227,3 +227,35 @@ def test_an_operand_whose_axis_is_only_named_is_not_selected():
     done = _exact(model, {"x": RNG.normal(size=(3, 5, 4)).astype(np.float32),
                           "p": RNG.normal(size=(1, 4)).astype(np.float32)}, 1)
     assert [n.op_type for n in done.graph.node].count("Add") == 1 and "Tanh" in ops(done)
+
+
+def computed_merge(model):
+    """The heads merged by a Reshape to a target computed from the value's own Shape, as the legacy exporter writes
+    it (``Concat(Gather(Shape(o), 0), Gather(Shape(o), 1), [D])``): shape inference then names the batch of
+    what follows apart from the residual's."""
+    g = model.graph
+    at = next(i for i, nd in enumerate(g.node) if nd.op_type == "Reshape" and nd.input[1] == "merged")
+    g.node[at].input[1] = "merged_dyn"
+    extra = [node("Shape", ["ot"], ["ot_shape"]), node("Gather", ["ot_shape", "zero"], ["d0"], axis=0),
+             node("Gather", ["ot_shape", "one_i"], ["d1"], axis=0), node("Unsqueeze", ["d0", "ax0"], ["d0u"]),
+             node("Unsqueeze", ["d1", "ax0"], ["d1u"]), node("Concat", ["d0u", "d1u", "width"], ["merged_dyn"], axis=0)]
+    for k, nd in enumerate(extra):
+        g.node.insert(at + k, nd)
+    g.initializer.extend([init("zero", np.array(0, np.int64)), init("one_i", np.array(1, np.int64)),
+                          init("ax0", np.array([0], np.int64)), init("width", np.array([D], np.int64))])
+    return model
+
+
+def test_one_position_per_row_through_heads_merged_to_a_computed_shape():
+    """RecBole's legacy SASRec: the selection passes the computed Reshape (its target gets the kept count by
+    arithmetic) and the Shape read of the merged heads (given from the rows), so the attention's queries run on one
+    row too and no op computes the whole attention output; the dims shape inference named apart are compared by
+    their sizes in the probe."""
+    model = sasrec_read(computed_merge(block()))
+    feeds = {"x": RNG.normal(size=(4, T, D)).astype(np.float32), "lengths": np.array([T, 1, 3, 5], np.int64)}
+    done = _check(model, feeds)
+    assert [nd.input[0] for nd in done.graph.node if nd.op_type == "GatherElements"] == ["x"]
+    q_proj = next(nd for nd in done.graph.node if "wq" in nd.input)
+    picked = next(nd for nd in done.graph.node if nd.op_type == "GatherElements")
+    assert q_proj.input[0] == picked.output[0]
+    assert not any(nd.op_type == "Shape" and nd.input[0] == "ot" for nd in done.graph.node)

@@ -20,8 +20,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes_if_bare
-from ..graph.edit import Builder, const_value, read_once, shape_of
+from ..graph.edit import Builder, const_value, read_once, redirect_consumers, shape_of
 from ..patterns import Match, P, Rewrite, Var
+from ..runtime.probe import try_probe
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -52,7 +53,8 @@ class _Walk:
             self.places, self.plans, self.nodes, self._tensors = {}, {}, set(), {}
             self._visit(root, where, budget=[MAX_NODES])
             cut = {i for i, t in self._tensors.items() if i != id(root) and i not in self.cut and
-                   (i in self.outputs or any(id(r) not in self.nodes for r in t.outputs))}
+                   (i in self.outputs or any(id(r) not in self.nodes and not self._reads_shape(t, r)
+                                             for r in t.outputs))}
             if not cut:
                 return
             self.cut |= cut
@@ -77,6 +79,29 @@ class _Walk:
         for u, place in plan:
             if place is not None:
                 self._visit(u, place, budget)
+
+    def _reads_shape(self, t: gs.Tensor, reader: gs.Node) -> bool:
+        """A whole Shape of a value whose selected axis has a static length: `shapes_from_rows` gives it from the
+        rows (the legacy exports' Reshape targets are computed from such Shapes of values inside a block)."""
+        axis = self.places[id(t)][0]
+        return reader.op == "Shape" and not reader.attrs.get("start") and reader.attrs.get("end") is None and \
+            isinstance(shape_of(t)[axis], (int, np.integer))
+
+    def shapes_from_rows(self) -> None:
+        """After `take`: each whole Shape of a value of the region read from the selected rows, the axis's static
+        length put back, so that the whole value is no longer computed for its shape."""
+        for (i, place), made in self.__dict__.get("_made", {}).items():
+            t = self._tensors.get(i)
+            if t is None or i not in self.plans or i in self.cut or self.places.get(i) != place:
+                continue
+            for reader in [r for r in t.outputs if r.op == "Shape" and self._reads_shape(t, r)]:
+                at = np.zeros(len(shape_of(t)), np.int64)
+                at[place[0]] = 1
+                rows = self.b.op("Shape", [made], dtype=np.int64)
+                kept = self.b.op("Mul", [rows, self.b.const("others", 1 - at)], dtype=np.int64)
+                whole = self.b.op("Add", [kept, self.b.const("length", at * int(shape_of(t)[place[0]]))],
+                                  dtype=np.int64)
+                redirect_consumers(reader.outputs[0], whole)
 
     def take(self, t: gs.Tensor, place: tuple) -> gs.Tensor:
         """t's selected rows at `place` (where its reader wants them): its producer copied onto the rows of its
@@ -112,10 +137,17 @@ class _Walk:
         return id(root) not in self.cut and id(root) in self.plans
 
     def _reshape_target(self, node: gs.Node, axis: int) -> gs.Tensor:
-        new = np.array(const_value(node.inputs[1]), np.int64)
-        if new[axis] > 0:
-            new[axis] = self.count
-        return self.b.const("shape", new)
+        """The Reshape's target with the kept positions' count on `axis` (a computed target: by arithmetic)."""
+        want = const_value(node.inputs[1])
+        if want is not None:
+            new = np.array(want, np.int64)
+            if new[axis] > 0:
+                new[axis] = self.count
+            return self.b.const("shape", new)
+        at = np.zeros(len(shape_of(node.outputs[0])), np.int64)
+        at[axis] = 1
+        kept = self.b.op("Mul", [node.inputs[1], self.b.const("others", 1 - at)], dtype=np.int64)
+        return self.b.op("Add", [kept, self.b.const("count", at * self.count)], dtype=np.int64)
 
 
 def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> list | None:
@@ -184,13 +216,15 @@ def _place(shape: list | None, out: list, where: tuple):
 
 
 def _keeps_axes(node: gs.Node, t: gs.Tensor, axis: int) -> bool:
-    """A Reshape that keeps every axis up to `axis` (it splits or merges later ones), its target there 0, -1 or the
-    dim itself."""
+    """A Reshape that keeps every axis up to `axis` (it splits or merges later ones): its target there 0, -1 or the
+    dim itself, or a computed target (of the output's rank) where the shapes say so."""
     want, before, after = const_value(node.inputs[1]), shape_of(node.inputs[0]), shape_of(t)
-    if want is None or before is None or after is None or min(len(before), len(after)) <= axis:
+    if before is None or after is None or min(len(before), len(after)) <= axis:
         return False
     if node.attrs.get("allowzero", 0) or any(before[i] != after[i] or before[i] is None for i in range(axis + 1)):
         return False
+    if want is None:
+        return shape_of(node.inputs[1]) == [len(after)]
     return all(w in (0, -1, before[i]) for i, w in enumerate(want[:axis + 1]))
 
 
@@ -219,6 +253,7 @@ def _move_up(m: Match) -> list | None:
     if not walk.moved(x):   # nothing to pass: leave the read as it is
         return None
     picked = walk.take(x, (axis, None))
+    walk.shapes_from_rows()
     if idx.ndim == 0:
         picked = walk.b.axes_op("Squeeze", picked, [axis], name="read", dtype=read.outputs[0].dtype)
     return [picked]
@@ -270,7 +305,11 @@ def _move_up_per_row(m: Match) -> list | None:
         walk.per_row = walk.b.op("Cast", [walk.per_row], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
     where = (read.attrs.get("axis", 0) % len(shape_of(x)), 0)
     walk.region(x, where)
-    return [walk.take(x, where)] if walk.moved(x) else None
+    if not walk.moved(x):
+        return None
+    picked = walk.take(x, where)
+    walk.shapes_from_rows()
+    return [picked]
 
 
 def _computed(t: gs.Tensor) -> bool:
@@ -291,5 +330,46 @@ def compute_read_rows_only(ctx: PassContext) -> None:
     (SASRec's last valid one) → the row-wise ops before the read (feed-forward layers, layer norms, residual adds,
     the attention's queries) run on those positions only."""
     annotate_shapes_if_bare(ctx.graph)   # the walk reads ranks and broadcast axes
-    if ctx.apply(*READ_RULES):
+    renamed = _dims_named_by_probe(ctx.graph) if _has_read(ctx.graph) else []
+    try:
+        applied = ctx.apply(*READ_RULES)
+    finally:
+        for t, shape in renamed:
+            t.shape = shape
+    if applied:
         tidy(ctx)   # the per-row index's reshapes, as the cleanup passes would leave them
+
+
+def _has_read(graph: gs.Graph) -> bool:
+    """A read the rules could take: positions of a computed sequence (a rank ≥ 3 value, not its last axis)."""
+    for n in graph.nodes:
+        if n.op not in ("Gather", "GatherElements") or not n.inputs or not _computed(n.inputs[0]):
+            continue
+        rank = len(shape_of(n.inputs[0]) or [])
+        if rank >= 3 and n.attrs.get("axis", 0) % rank not in (0, rank - 1) and \
+                (n.op == "GatherElements" or const_value(n.inputs[1]) is not None):
+            return True
+    return False
+
+
+def _dims_named_by_probe(graph: gs.Graph) -> list:
+    """Symbolic dims renamed after their sizes in the probe's two runs (PROBE_SIZES), so that two dims shape
+    inference named apart but equal in both runs compare equal in the walk: the batch of a value reshaped to a
+    computed shape (`unk__8`) and the batch of the value it is added to (`unk__10`), in RecBole's legacy SASRec.
+    Returns (value, shape) pairs to restore."""
+    symbolic = [t for t in graph.tensors().values()
+                if isinstance(t, gs.Variable) and t.shape is not None and any(isinstance(d, str) for d in t.shape)]
+    if not symbolic:
+        return []
+    probe, _ = try_probe(graph)
+    if probe is None:
+        return []
+    renamed = []
+    for t in symbolic:
+        sizes = probe.shapes(t)
+        if sizes is None or any(len(s) != len(t.shape) for s in sizes):
+            continue
+        renamed.append((t, t.shape))
+        t.shape = [f"probed_{'x'.join(str(s[i]) for s in sizes)}" if isinstance(d, str) else d
+                   for i, d in enumerate(t.shape)]
+    return renamed
