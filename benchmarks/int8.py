@@ -1,6 +1,7 @@
 """INT8 vs FP32-optimized, paired, with accuracy on labelled synthetic data.
 
     python benchmarks/int8.py [--only wdl_tf,...] [--batch 512] [--seconds 10]
+    python benchmarks/int8.py --only big --extra big=/tmp/big/fuxictr_WideDeep_dynamo.onnx
 
 For each model: FP32 = `ctropt optimize --passes all`, INT8 = `--passes all,quantize-int8` (as `optimize --int8`:
 quantized after the fusions, before the lowering); calibration data = generated inputs (4096 rows);
@@ -50,7 +51,9 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--extra", default="", help="more models: name=path.onnx,... (e.g. production-sized exports)")
     args = ap.parse_args()
+    MODELS.update(dict(item.split("=", 1) for item in args.extra.split(",") if item))
     names = [n for n in MODELS if not args.only or n in args.only.split(",")]
     print("| model | FC layers in INT8 | FP32-opt / INT8 time, paired (p10–p90) | max abs err | AUC FP32 → INT8 "
           "| logloss FP32 → INT8 |")

@@ -77,13 +77,17 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.environ.get("FUXICTR_SRC", "/work/thirdparty_src/fuxictr")
 RES_DIR = os.environ.get("FUXICTR_RESULTS", "/tmp/fuxictr_results")
+# Production-sized variants for measurements (not the committed fixtures): FUXICTR_OUT=/tmp/big
+# FUXICTR_EMB=16 FUXICTR_HIDDEN=400,400,400 python make_fuxictr.py WideDeep DeepFM writes them elsewhere.
+OUT = os.environ.get("FUXICTR_OUT", HERE)
+HIDDEN = [int(h) for h in os.environ.get("FUXICTR_HIDDEN", "32,16").split(",")]
 OPSET = 17
 DYNAMO_OPSET = 18
 B, B2, B3 = 8, 5, 33
 MAXLEN = 20          # padded history length used for export and the B=8 / B=5 batches
 MAXLEN3 = 13         # padded history length of the B=33 check where the history axis is dynamic
 TOL = 1e-5
-EMB = 8
+EMB = int(os.environ.get("FUXICTR_EMB", "8"))
 
 MODELS = ["DIN", "DIEN", "DCNv2", "DeepFM", "MMoE", "DLRM", "FinalMLP", "BST", "TransAct",
           "xDeepFM", "AutoInt", "WideDeep", "PLE"]
@@ -232,7 +236,7 @@ def make_model(model_name):
         kw = dict(embedding_dim=EMB, model_structure="parallel", num_cross_layers=2,
                   parallel_dnn_hidden_units=[32, 16])
     elif model_name == "DeepFM":
-        kw = dict(embedding_dim=EMB, hidden_units=[32, 16])
+        kw = dict(embedding_dim=EMB, hidden_units=HIDDEN)
     elif model_name == "MMoE":
         kw = dict(embedding_dim=EMB, task=["binary_classification"] * 2, num_tasks=2, num_experts=3,
                   expert_hidden_units=[32, 16], gate_hidden_units=[16], tower_hidden_units=[8])
@@ -263,7 +267,7 @@ def make_model(model_name):
         kw = dict(embedding_dim=EMB, dnn_hidden_units=[32, 16], attention_layers=2, num_heads=2,
                   attention_dim=8, use_residual=True, use_wide=True, layer_norm=True, use_scale=True)
     elif model_name == "WideDeep":
-        kw = dict(embedding_dim=EMB, hidden_units=[32, 16])
+        kw = dict(embedding_dim=EMB, hidden_units=HIDDEN)
     else:
         raise ValueError(model_name)
     torch.manual_seed(2024)
@@ -674,7 +678,7 @@ def run_one(model_name):
 
     for exporter in ("legacy", "dynamo"):
         stem = f"fuxictr_{model_name}_{exporter}"
-        path = os.path.join(HERE, stem + ".onnx")
+        path = os.path.join(OUT, stem + ".onnx")
         dyn_e = dyn_t and (model_name, exporter) not in STATIC_T_EXPORTER
         rw, rf = (raws, refs) if dyn_e else (raws_static, refs_static)
         res = dict(info, dynamic_history=dyn_e)
@@ -682,16 +686,16 @@ def run_one(model_name):
             res["check_batches"] = [[int(next(iter(r.values())).shape[0]), int(r["hist_item_id"].shape[1]),
                                      [int(x) for x in (r["hist_item_id"] > 0).sum(1)]] for r in rw]
         for ext in (".onnx", ".npz", ".ref.npz"):
-            if os.path.exists(os.path.join(HERE, stem + ext)):
-                os.remove(os.path.join(HERE, stem + ext))
+            if os.path.exists(os.path.join(OUT, stem + ext)):
+                os.remove(os.path.join(OUT, stem + ext))
         feeds, orefs = export_and_check(wrapper, example, names, out_names, exporter, path, dyn_e,
                                         rw, rf, res,
                                         custom_table=masked_select_translation()
                                         if (model_name == "DLRM" and exporter == "dynamo") else None)
         if feeds is not None:
             if res["keep"]:
-                np.savez(os.path.join(HERE, stem + ".npz"), **feeds[0])
-                np.savez(os.path.join(HERE, stem + ".ref.npz"), **orefs[0])
+                np.savez(os.path.join(OUT, stem + ".npz"), **feeds[0])
+                np.savez(os.path.join(OUT, stem + ".ref.npz"), **orefs[0])
             else:
                 os.remove(path)
         write_result(model_name, exporter, res)

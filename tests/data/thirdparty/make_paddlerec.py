@@ -90,7 +90,11 @@ B1, B2 = 8, 33
 T1, T2 = 20, 13      # history lengths of the two check batches (T2 only for dynamic-T models)
 SEED = 2024
 
-N_SPARSE, N_DENSE, VOCAB, EMB = 26, 13, 1000, 8
+# Production-sized variants for measurements (not the committed fixtures): PADDLEREC_OUT=/tmp/big PADDLEREC_EMB=16
+# PADDLEREC_FC=400,400,400 python make_paddlerec.py WideDeep DeepFM writes them elsewhere.
+OUT = os.environ.get("PADDLEREC_OUT", HERE)
+FC = [int(h) for h in os.environ.get("PADDLEREC_FC", "32,16").split(",")]
+N_SPARSE, N_DENSE, VOCAB, EMB = 26, 13, 1000, int(os.environ.get("PADDLEREC_EMB", "8"))
 ITEMS, CATS = 1000, 100
 FEAT = 64            # MMoE / PLE input width
 
@@ -103,8 +107,8 @@ CRITEO = {"sparse_inputs_slots": N_SPARSE + 1, "sparse_feature_number": VOCAB, "
 HP = {
     "DCN": dict(CRITEO, fc_sizes=[32, 16], cross_num=2, l2_reg_cross=5e-5, clip_by_norm=100.0,
                 is_sparse=False, dnn_use_bn=False),
-    "DeepFM": dict(CRITEO, fc_sizes=[32, 16]),
-    "WideDeep": dict(CRITEO, fc_sizes=[32, 16]),
+    "DeepFM": dict(CRITEO, fc_sizes=FC),
+    "WideDeep": dict(CRITEO, fc_sizes=FC),
     "DLRM": dict(CRITEO, bot_layer_sizes=[32, EMB], top_layer_sizes=[32, 16, 2], num_field=N_SPARSE),
     "DIN": dict(item_emb_size=EMB, cat_emb_size=EMB, is_sparse=False, item_count=ITEMS, cat_count=CATS,
                 act="sigmoid", use_DataLoader=True),
@@ -458,7 +462,7 @@ def run_one(model):
     res = {"model": model, "paddle": paddle.__version__, "paddle2onnx": paddle2onnx.__version__,
            "dir": DIRS[model]}
     for ext in (".onnx", ".npz", ".ref.npz"):      # never leave a stale fixture behind
-        p = os.path.join(HERE, stem(model) + ext)
+        p = os.path.join(OUT, stem(model) + ext)
         if os.path.exists(p):
             os.remove(p)
     w, spec, names, data, call = build(model)
@@ -493,7 +497,7 @@ def run_one(model):
     except Exception as e:  # noqa
         res["jit_load_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     model_file = prefix + (".json" if os.path.exists(prefix + ".json") else ".pdmodel")
-    path = os.path.join(HERE, stem(model) + ".onnx")
+    path = os.path.join(OUT, stem(model) + ".onnx")
     tmp = os.path.join(work, "raw.onnx")
     try:
         paddle2onnx.export(model_file, prefix + ".pdiparams", save_file=tmp, opset_version=OPSET,
@@ -533,8 +537,8 @@ def run_one(model):
     res["ref_stats"] = [[float(np.mean(r)), float(np.std(r))] for r in refs[0]]
     if ok:
         shutil.copy(tmp, path)
-        np.savez(os.path.join(HERE, stem(model) + ".npz"), **feeds[0])
-        np.savez(os.path.join(HERE, stem(model) + ".ref.npz"), **ref_d[0])
+        np.savez(os.path.join(OUT, stem(model) + ".npz"), **feeds[0])
+        np.savez(os.path.join(OUT, stem(model) + ".ref.npz"), **ref_d[0])
     return res
 
 
