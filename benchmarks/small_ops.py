@@ -1,6 +1,6 @@
-"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows and Unique of
-rows against ctropt's SumAxes, SmallMatMul, GatherRows and UniqueRows kernels, at the shapes the corpus's exports
-hold.
+"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows, Unique of
+rows and a residual Sum + LayerNormalization against ctropt's SumAxes, SmallMatMul, GatherRows, UniqueRows and
+LayerNorm kernels, at the shapes the corpus's exports hold.
 
     python benchmarks/small_ops.py            # batch 256, 1 thread
 
@@ -43,12 +43,17 @@ UNIQUES = [("[256, 103], one user", "dedup key: 3 ids and two histories of 50", 
            ("[256, 103], 20 users", "the same, 20 users in the batch", (256, 103), 20),
            ("[256, 103], all distinct", "the same, every row its own user", (256, 103), 256),
            ("[256, 50], all distinct", "DIEN's history rows", (256, 50), 256)]
+NORMS = [("[256, 21, 32]", "FuxiCTR BST block", (256, 21, 32)),
+         ("[256, 20, 64]", "RecBole SASRec block", (256, 20, 64)),
+         ("[256, 20, 40]", "a width of no 8·N up to 64 (row buffer)", (256, 20, 40))]
 
 
 def _session(node, inputs: dict, consts: dict) -> ort.InferenceSession:
+    nodes = node if isinstance(node, list) else [node]
+    node = nodes[-1]
     outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT if node.op_type not in ("Unique", "UniqueRows") else
                                           TensorProto.INT64, None) for o in node.output]
-    graph = helper.make_graph([node], "op", [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), None)
+    graph = helper.make_graph(nodes, "op", [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), None)
                                              for k, v in inputs.items()],
                               outs,
                               [numpy_helper.from_array(v, k) for k, v in consts.items()])
@@ -93,6 +98,12 @@ def cases():
         f = {"x": RNG.integers(0, 1000, shape)[RNG.integers(0, users, shape[0])]}
         yield ("Unique " + what, where, _session(n("Unique", ["x"], outs, axis=0, sorted=0), f, {}),
                _session(n("UniqueRows", ["x"], outs, domain=kernels.DOMAIN), f, {}), f)
+    for what, where, shape in NORMS:
+        f = {k: RNG.standard_normal(shape).astype(np.float32) for k in "ab"}
+        w = {"g": RNG.standard_normal(shape[-1]).astype(np.float32), "c": RNG.standard_normal(shape[-1]).astype(np.float32)}
+        yield ("Sum + LayerNormalization " + what, where,
+               _session([n("Sum", ["a", "b"], ["s"]), n("LayerNormalization", ["s", "g", "c"], ["y"], axis=-1)], f, w),
+               _session(n("LayerNorm", ["a", "g", "c", "b"], ["y"], domain=kernels.DOMAIN, epsilon=1e-5), f, w), f)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
-           HERE / "gather_rows.c", HERE / "unique_rows.c"]  # and kernels.h, which they share
+           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
@@ -68,7 +68,8 @@ def build(include: str | Path | None = None, compiler: str | None = None) -> Pat
     out = library_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(f"{out.name}.{os.getpid()}.part")  # then renamed: a concurrent build never loads half a file
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", *map(str, SOURCES), "-o", str(part)]
+    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", *map(str, SOURCES), "-o", str(part),
+           "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:

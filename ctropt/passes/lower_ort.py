@@ -7,11 +7,20 @@ kernel is 3–6× slower than the two ops it replaces (1 thread: [256, 21, 24] 5
 transformers (BST, TransAct) spend a third of their time there. `residual-add-as-sum` writes that Add as a ``Sum`` of
 the same two values: the same float addition, which the fusion does not match. The speed guard keeps it only where
 it measures faster.
+
+`layer-norm-kernel` goes further where ctropt's kernel library loads: a LayerNormalization over the last axis, with
+the residual Add or Sum before it, becomes one ``LayerNorm`` kernel node, which reads each row once and normalizes
+it in registers. onnxruntime's own takes about 7× a copy of its input on the short rows of these models
+([5376, 32]: 166 µs against a 23 µs copy; 190 µs with the Sum).
 """
 
 from __future__ import annotations
 
-from ..graph.edit import axes_of, const_value
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .. import kernels
+from ..graph.edit import axes_of, const_value, dtype_of, read_once, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -48,3 +57,54 @@ def residual_add_as_sum(ctx: PassContext) -> None:
     """A residual Add that a layer norm reads → Sum: onnxruntime does not fuse it into SkipLayerNormalization, whose
     CPU kernel measures 3–6× slower than Add + LayerNormalization."""
     ctx.apply(*RESIDUAL_RULES)
+
+
+def _residual(m: Match) -> list | None:
+    """The two same-shape values a Sum or Add adds (read only by the norm) before the norm, or None."""
+    x = m["x"]
+    node = x.inputs[0] if x.inputs else None
+    if node is None or node.op not in ("Sum", "Add") or len(node.inputs) != 2 or not read_once(x, m.graph) or \
+            any(x is o for o in m.graph.outputs):
+        return None
+    a, b = (shape_of(u) for u in node.inputs)
+    return list(node.inputs) if a is not None and a == b and None not in a else None
+
+
+def _is_row_norm(m: Match) -> bool | str:
+    x, shape = m["x"], shape_of(m["x"])
+    if dtype_of(x) is None or np.dtype(dtype_of(x)) != np.float32 or shape is None or not 1 <= len(shape) <= 8:
+        return "not a float32 value of rank 1 to 8"
+    if m.root.attrs.get("axis", -1) % len(shape) != len(shape) - 1:
+        return "not a norm over the last axis"
+    if any(o.name and o.outputs for o in m.root.outputs[1:]):
+        return "its mean or inverse deviation is read"
+    width = shape[-1]
+    if not isinstance(width, (int, np.integer)) or any(
+            shape_of(t) is None or int(np.prod(shape_of(t))) != width for t in m.root.inputs[1:] if t.name):
+        return "the width or the scale's size is not known to match"
+    return True
+
+
+def _to_norm_kernel(m: Match) -> list:
+    """LayerNorm(x or a, scale, bias, b): inputs 2 and 3 (bias, residual) empty where there is none."""
+    out, residual = m.root.outputs[0], _residual(m)
+    scale_bias = list(m.root.inputs[1:3]) + [gs.Variable.empty()] * (3 - len(m.root.inputs))
+    inputs = [residual[0] if residual else m["x"], *scale_bias, residual[1] if residual else gs.Variable.empty()]
+    while not inputs[-1].name:
+        inputs.pop()
+    return [m.op("LayerNorm", inputs, {"epsilon": float(m.root.attrs.get("epsilon", 1e-5))},
+                 name=f"{m.root.name}/LayerNorm", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
+
+
+NORM_RULES = (
+    Rewrite("layer-norm", P.LayerNormalization(Var("x"), ..., _domain=""), _to_norm_kernel, _is_row_norm,
+            subgraphs=False),
+)
+
+
+@register_pass("layer-norm-kernel", group="lower", targets=("ort",), rules=NORM_RULES)
+def layer_norm_kernel(ctx: PassContext) -> None:
+    """LayerNormalization over the last axis, and the residual Add or Sum before it → ctropt's LayerNorm kernel,
+    where its library loads."""
+    if any(n.op == "LayerNormalization" for n in ctx.graph.nodes):
+        kernels.apply_rules(ctx, NORM_RULES, "layer norms")

@@ -1,0 +1,77 @@
+"""layer-norm-kernel: LayerNormalization over the last axis, with the residual Sum (after residual-add-as-sum) or Add
+before it → ctropt's LayerNorm kernel; in the forms the exporters write (torch: scale and bias, opset 17; a norm
+without bias; widths the kernel keeps in registers and others), against onnxruntime's own op; what stays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import F, check_pass, init, make_model, node, ops, run_pass, vi
+
+from ctropt import REGISTRY
+from ctropt.graph import annotate_shapes, to_graph
+
+RNG = np.random.default_rng(5)
+
+
+def block_norm(width: int, residual: str | None = "Sum", bias: bool = True, eps: float = 1e-5):
+    """y = LayerNorm(a (+ b)) over [B, T, width], as a transformer block's residual norm."""
+    nodes, x = [], "a"
+    if residual:
+        nodes.append(node(residual, ["a", "b"], ["s"]))
+        x = "s"
+    inputs = [x, "g"] + (["beta"] if bias else [])
+    nodes.append(node("LayerNormalization", inputs, ["n"], axis=-1, epsilon=eps))
+    nodes.append(node("Relu", ["n"], ["y"]))
+    inits = [init("g", RNG.normal(1, 0.2, width).astype(np.float32))]
+    if bias:
+        inits.append(init("beta", RNG.normal(0, 0.2, width).astype(np.float32)))
+    return make_model(nodes, [vi("a", F, ["B", 7, width]), vi("b", F, ["B", 7, width])],
+                      [vi("y", F, ["B", 7, width])], inits)
+
+
+def _feeds(width: int, scale: float = 1.0) -> dict:
+    return {k: (RNG.normal(3, 2, (5, 7, width)) * scale).astype(np.float32) for k in "ab"}
+
+
+@pytest.mark.parametrize("width", [8, 32, 64, 20, 3])
+def test_residual_sum_and_norm_in_one_kernel(width):
+    """Widths of 8·N up to 64 are normalized in registers, others through a row buffer: the same outputs."""
+    out, _ = check_pass(block_norm(width), "layer-norm-kernel", ["LayerNorm", "Relu"], _feeds(width))
+    kernel = next(n for n in out.graph.node if n.op_type == "LayerNorm")
+    assert list(kernel.input) == ["a", "g", "beta", "b"]
+
+
+def test_a_residual_add_a_norm_without_bias_and_one_without_residual():
+    out, _ = check_pass(block_norm(16, residual="Add", bias=False), "layer-norm-kernel", ["LayerNorm", "Relu"],
+                        _feeds(16))
+    assert list(next(n for n in out.graph.node if n.op_type == "LayerNorm").input) == ["a", "g", "", "b"]
+    out, _ = check_pass(block_norm(24, residual=None, eps=1e-3), "layer-norm-kernel", ["LayerNorm", "Relu"],
+                        _feeds(24, scale=1e-2))
+    assert list(next(n for n in out.graph.node if n.op_type == "LayerNorm").input) == ["a", "g", "beta"]
+
+
+def test_a_sum_read_elsewhere_stays_apart():
+    model = block_norm(32)
+    model.graph.node.append(node("Neg", ["s"], ["y2"]))
+    model.graph.output.append(vi("y2", F, ["B", 7, 32]))
+    out, _ = check_pass(model, "layer-norm-kernel", ["Sum", "LayerNorm", "Relu", "Neg"], _feeds(32))
+    assert list(next(n for n in out.graph.node if n.op_type == "LayerNorm").input) == ["s", "g", "beta"]
+
+
+def test_norms_that_stay():
+    """Over another axis than the last, with its mean read, of a width not known: left, each with its reason."""
+    other_axis = block_norm(32)
+    other_axis.graph.node[1].attribute[0].i = 1
+    with_mean = block_norm(32)
+    with_mean.graph.node[1].output.append("mean")
+    with_mean.graph.node.append(node("Neg", ["mean"], ["y2"]))
+    with_mean.graph.output.append(vi("y2", F, None))
+    unknown = make_model([node("LayerNormalization", ["a", "g"], ["y"], axis=-1)], [vi("a", F, ["B", "W"])],
+                         [vi("y", F, ["B", "W"])], [init("g", np.ones(4, np.float32))])
+    for model, why in ((other_axis, "last axis"), (with_mean, "mean"), (unknown, "width")):
+        done, ctx = run_pass(model, "layer-norm-kernel")
+        assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)
+        graph = to_graph(model)
+        annotate_shapes(graph)   # as the pass does before it matches
+        assert why in " ".join(REGISTRY["layer-norm-kernel"].misses(graph, "ort"))
