@@ -198,3 +198,37 @@ def test_where_under_another_condition_and_a_slice_of_an_unknown_operand_are_kep
                        [init("zero", np.float32(0)), init("s0", np.array([0])), init("s1", np.array([1])),
                         init("ax1", np.array([1]))])
     assert ops(run_pass(model, "eliminate-identity")[0]) == ["Where", "Where", "Add", "Slice"]
+
+
+def packed_projection_model():
+    """torch's packed in-projection of q, k and v (nn.MultiheadAttention, both exporters): [L, B, 3, E] unsqueezed,
+    transposed to [3, L, B, 1, E] and squeezed, then each part taken by a Gather of one index."""
+    nodes = [node("Unsqueeze", ["x", "ax0"], ["u"]), node("Transpose", ["u"], ["t"], perm=[3, 1, 2, 0, 4]),
+             node("Squeeze", ["t", "ax3"], ["s"])]
+    for c in range(3):
+        nodes += [node("Gather", ["s", f"i{c}"], [f"p{c}"], axis=0), node("Relu", [f"p{c}"], [f"y{c}"])]
+    inits = [init("ax0", np.array([0])), init("ax3", np.array([3]))] + [init(f"i{c}", np.array(c)) for c in range(3)]
+    return make_model(nodes, [vi("x", F, [5, "B", 3, 4])], [vi(f"y{c}", F, [5, "B", 4]) for c in range(3)], inits)
+
+
+def test_parts_of_a_packed_projection_are_gathered_where_they_are():
+    model, _ = run_pass(packed_projection_model(), "infer-shapes")
+    out, ctx = check_pass(model, "eliminate-identity", ["Gather"] * 3 + ["Relu"] * 3)
+    assert {tuple(a.i for a in n.attribute) for n in out.graph.node if n.op_type == "Gather"} == {(2,)}
+    assert ctx.rewrites == 3
+
+
+def test_a_part_taken_across_a_permutation_keeps_the_rest_in_order():
+    """Transpose(1, 2, 0) then the first axis taken: x's other two axes come out swapped, so a Transpose stays."""
+    nodes = [node("Transpose", ["x"], ["t"], perm=[1, 2, 0]), node("Gather", ["t", "i"], ["y"], axis=0)]
+    model = make_model(nodes, [vi("x", F, ["A", 3, 4])], [vi("y", F, [4, "A"])], [init("i", np.array(1))])
+    model, _ = run_pass(model, "infer-shapes")
+    check_pass(model, "eliminate-identity", ["Gather", "Transpose"])
+
+
+def test_a_packed_value_read_whole_too_is_left():
+    model = packed_projection_model()
+    model.graph.node.append(node("Relu", ["s"], ["whole"]))
+    model.graph.output.append(vi("whole", F, None))
+    model, _ = run_pass(model, "infer-shapes")
+    assert sorted(ops(run_pass(model, "eliminate-identity")[0])) == sorted(ops(model))

@@ -16,7 +16,7 @@ from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
 from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import const_value, dtype_of, renameable, replace_outputs, shape_of, stacked_part, unique_name
+from ..graph.edit import axes_of, const_value, dtype_of, renameable, replace_outputs, shape_of, stacked_part, unique_name
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -286,6 +286,69 @@ def _sliced_operands(m):
     return [y]
 
 
+def _unit_moves(s: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list] | None:
+    """(x, axes) when `s` is x moved by Unsqueeze, Transpose and Squeeze of inserted axes only, each value between
+    read once: `axes` names, for each axis of s, the axis of x it is or "u" (an inserted axis of length 1)."""
+    chain, t = [], s
+    while t.inputs and t.inputs[0].op in ("Unsqueeze", "Transpose", "Squeeze"):
+        if t is not s and len(t.outputs) != 1 or any(t is o for o in graph.outputs):
+            return None
+        chain.append(t.inputs[0])
+        t = t.inputs[0].inputs[0]
+    rank = len(shape_of(t) or [])
+    if not chain or not rank:
+        return None
+    axes = list(range(rank))
+    for node in reversed(chain):
+        if node.op == "Transpose":
+            perm = node.attrs.get("perm", list(range(len(axes)))[::-1])
+            axes = [axes[int(p)] for p in perm]
+            continue
+        at = axes_of(node)
+        if at is None:
+            return None
+        if node.op == "Unsqueeze":
+            out_rank = len(axes) + len(at)
+            for a in sorted(a % out_rank for a in at):
+                axes.insert(a, "u")
+        else:
+            drop = {a % len(axes) for a in at}
+            if any(axes[a] != "u" for a in drop):
+                return None
+            axes = [a for i, a in enumerate(axes) if i not in drop]
+    return t, axes
+
+
+def _part_gathered_first(m):
+    """Gather(moves(x), c, axis) with c one constant index on an axis of x, every reader of moves(x) such a Gather:
+    Gather(x, c) on that axis of x, then only the moves that remain (torch's packed in-projection: [L, B, 3, E]
+    unsqueezed, transposed to [3, L, B, 1, E] and squeezed before q, k and v are taken: each part is read where it
+    is instead of the whole being copied first)."""
+    moved = _unit_moves(m["s"], m.graph)
+    if moved is None or m.const("index").ndim != 0:
+        return None
+    x, axes = moved
+    readers = m["s"].outputs
+    if any(r.op != "Gather" or const_value(r.inputs[1]) is None or const_value(r.inputs[1]).ndim != 0 or
+           r.attrs.get("axis", 0) % len(axes) != m.root.attrs.get("axis", 0) % len(axes) for r in readers):
+        return None
+    picked = axes[m.root.attrs.get("axis", 0) % len(axes)]
+    if picked == "u":
+        return None
+    rest = [a for i, a in enumerate(axes) if i != m.root.attrs.get("axis", 0) % len(axes)]
+    kept = sorted(a for a in rest if a != "u")
+    out = m.root.outputs[0]
+    (y,) = m.op("Gather", [x, m["index"]], {"axis": picked}, dtype=out.dtype)
+    order = [kept.index(a) for a in rest if a != "u"]
+    if order != sorted(order):
+        (y,) = m.op("Transpose", [y], {"perm": order}, dtype=out.dtype)
+    units = [i for i, a in enumerate(rest) if a == "u"]
+    if units:
+        (y,) = m.op("Unsqueeze", [y, m.constant(f"{m.root.name}/units", np.array(units, np.int64))], dtype=out.dtype)
+    y.shape = out.shape
+    return [y]
+
+
 CHAIN_RULES = (
     Rewrite("stacked-part", P.Gather(P.Concat(Var(), ..., _name="cat", _shared=True), Const("index")),
             _stacked_part),
@@ -294,6 +357,7 @@ CHAIN_RULES = (
     Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
             _keeps_interface()),
     Rewrite("tile-into-broadcast", P.Tile(x, Const("repeats")), _covered_by_broadcast),
+    Rewrite("part-gathered-first", P.Gather(Var("s"), Const("index")), _part_gathered_first),
     Rewrite("where-overwritten", P.Where(Var("c"), Var("a"), P.Where(Var("c"), Var("b"), Var("x"), _shared=True)),
             _overwritten_where),
     Rewrite("slice-before-elementwise", P.Slice(P["|".join(sorted(BROADCASTING))](..., _name="f"), Const("starts"), Const("ends"),
