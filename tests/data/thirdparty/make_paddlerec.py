@@ -6,7 +6,8 @@ Environment: two venvs of their own (not ctropt's), Python 3.11:
   /work/venvs/paddle3: paddlepaddle==3.1.1 paddle2onnx==2.1.0 (PIR .json programs) onnx==1.17.0 (pinned by
       paddle2onnx) onnxruntime==1.32.0 openvino==2026.4.1 numpy==2.4.6, plus polygraphy 0.53.6,
       onnx_graphsurgeon 0.6.1 and sympy 1.14.0 (paddle2onnx 2.x constant-folds with polygraphy and sets
-      POLYGRAPHY_AUTOINSTALL_DEPS=1: install these beforehand or it pip-installs them on first use).
+      POLYGRAPHY_AUTOINSTALL_DEPS=1: install these beforehand or it pip-installs them on first use), and
+      six 1.17.0 (imported by rank/bert4rec/net.py).
       Do not use paddle 3.3.1 with paddle2onnx 2.1.0 (float attributes are read as garbage).
   /work/venvs/paddle2: paddlepaddle==2.6.2 paddle2onnx==1.3.1 (old-IR .pdmodel programs) onnx==1.23.2
       onnxruntime==1.32.0 openvino==2026.4.1 numpy==1.26.4 -- only for the models in OLD_PAIR.
@@ -55,6 +56,14 @@ Exports (stem paddlerec_<Model>_paddle2onnx), all with paddle 3.1.1 + paddle2onn
     WideDeep  rank/wide_deep  26 sparse + 13 dense; output: predict
     PLE       multitask/ple   input_data [B,64]; 1 CGC level, 2 experts/task + 2 shared; two softmax [B,2]
     BST       rank/bst        transformer layer over [hist..., target] (T dynamic); output: predict
+    AutoInt   rank/autoint    criteo_reader's feat_index [B,39] int64 / feat_value [B,39] float32; config.yaml's
+                              pure AutoInt (no DNN; wide part, residual, scaling on), 2 interacting layers of
+                              16 = 2 heads x 8 over the 39 fields, written with paddle.einsum (-> ONNX Einsum);
+                              output: sigmoid [B,1]
+    BERT4Rec  rank/bert4rec   2 encoder layers, hidden 16, 2 heads, gelu, vocab ITEMS (0 pad, ITEMS-1 [MASK]),
+                              20 positions (T dynamic <= 20); int32 src_ids/pos_ids/sent_ids [B,T],
+                              input_mask [B,T,1], mask_pos [M] (flat b*T + [MASK] position); histories of 0..T-1
+                              items + [MASK], 0-padded; output: item logits [M, ITEMS] at mask_pos
 Not exported: DIEN_rnn (net.StaticDIENLayer, paddle.nn.RNN -> while over tensor arrays): both paddle2onnx
 versions abort on the tensor-array ops (1.3.1: increment, read_from_array, tensor_array_to_tensor, while,
 write_to_array).
@@ -98,10 +107,14 @@ N_SPARSE, N_DENSE, VOCAB, EMB = 26, 13, 1000, int(os.environ.get("PADDLEREC_EMB"
 ITEMS, CATS = 1000, 100
 FEAT = 64            # MMoE / PLE input width
 
-MODELS = ["DCN", "DIN", "DIEN", "DIEN_aux", "DIEN_dyn", "DIEN_rnn", "DeepFM", "MMoE", "DLRM", "WideDeep", "PLE", "BST"]
+MODELS = ["DCN", "DIN", "DIEN", "DIEN_aux", "DIEN_dyn", "DIEN_rnn", "DeepFM", "MMoE", "DLRM", "WideDeep", "PLE", "BST",
+          "AutoInt", "BERT4Rec"]
 DIRS = {"DCN": "rank/dcn", "DIN": "rank/din", "DIEN": "rank/dien", "DIEN_aux": "rank/dien", "DIEN_dyn": "rank/dien",
         "DIEN_rnn": "rank/dien", "DeepFM": "rank/deepfm", "WideDeep": "rank/wide_deep",
-        "MMoE": "multitask/mmoe", "PLE": "multitask/ple", "DLRM": "rank/dlrm", "BST": "rank/bst"}
+        "MMoE": "multitask/mmoe", "PLE": "multitask/ple", "DLRM": "rank/dlrm", "BST": "rank/bst",
+        "AutoInt": "rank/autoint", "BERT4Rec": "rank/bert4rec"}
+N_FIELD = N_DENSE + N_SPARSE   # AutoInt: criteo_reader's 39 (feat_index, feat_value) pairs
+B4R_EMB = 16                   # BERT4Rec hidden size (2 heads of 8)
 CRITEO = {"sparse_inputs_slots": N_SPARSE + 1, "sparse_feature_number": VOCAB, "sparse_feature_dim": EMB,
           "dense_input_dim": N_DENSE}
 HP = {
@@ -122,9 +135,19 @@ HP = {
                 d_key=6, d_value=6, n_head=4, dropout_rate=0.0, postprocess_cmd="da",
                 prepostprocess_dropout=0.0, d_inner_hid=32, relu_dropout=0.0, fc_sizes=[32, 16],
                 is_sparse=False, act="relu", use_DataLoader=True),
+    # AutoInt: config.yaml's pure AutoInt (fc_sizes [] -> no DNN branch, use_wide on, residual + scaling),
+    # 2 interacting layers of 16 (2 heads of 8) instead of 3 of 64
+    "AutoInt": dict(feature_number=VOCAB, embedding_dim=EMB, fc_sizes=[], use_residual=True, scaling=True,
+                    use_wide=True, use_sparse=False, head_num=2, num_field=N_FIELD, attn_layer_sizes=[16, 16]),
+    # BERT4Rec: config.yaml's structure (2 layers, 2 heads, gelu, 2 sentence types) at hidden 16, item vocab
+    # ITEMS (id 0 = padding, ITEMS-1 = [MASK]), 20 positions; dropout 0 (eval anyway).  create_model needs
+    # runner.data_batch_size / num_test_user only for its eval bookkeeping.
+    "BERT4Rec": dict(_emb_size=B4R_EMB, _n_layer=2, _n_head=2, _voc_size=ITEMS, _max_position_seq_len=T1,
+                     _sent_types=2, hidden_act="gelu", _dropout=0.0, _attention_dropout=0.0,
+                     _param_initializer=0.02, num_test_user=1),
 }
 HP["DIEN"] = HP["DIEN_aux"] = HP["DIEN_dyn"] = HP["DIEN_rnn"] = HP["DIN"]
-DYN_T = {"DIN", "DIEN_dyn", "DIEN_rnn", "BST"}
+DYN_T = {"DIN", "DIEN_dyn", "DIEN_rnn", "BST", "BERT4Rec"}
 
 
 # models that export only through the older pair (paddle 2.6.2 + paddle2onnx 1.3.1): paddle2onnx 2.1.0
@@ -271,7 +294,9 @@ def load_paddlerec(model):
 
 
 def reinit(layer, seed):
-    """Seeded weights: tables N(0, 0.3), matrices N(0, 1/fan_in), vectors N(0, 0.1)."""
+    """Seeded weights: tables N(0, 0.3), matrices N(0, 1/fan_in), vectors N(0, 0.1); BatchNorm / LayerNorm
+    scales 1 + N(0, 0.1) (N(0, 0.1) LayerNorm scales shrink the input-dependent part ~10x per LayerNorm:
+    BERT4Rec's 6 left outputs that hardly depend on the input)."""
     import paddle
     rng = np.random.default_rng(seed)
     tables, bn_var, bn_scale = set(), set(), set()
@@ -280,6 +305,8 @@ def reinit(layer, seed):
             tables.add(id(sub.weight))
         if isinstance(sub, paddle.nn.layer.norm._BatchNormBase):
             bn_var.add(id(sub._variance))
+            bn_scale.add(id(sub.weight))
+        if isinstance(sub, paddle.nn.LayerNorm) and sub.weight is not None:
             bn_scale.add(id(sub.weight))
     for name, p in sorted(layer.named_parameters(), key=lambda kv: kv[0]):
         shp = list(p.shape)
@@ -319,6 +346,7 @@ def build(model):
     from paddle.static import InputSpec as S
     dm, net = load_paddlerec(model)
     config = {f"hyper_parameters.{k}": v for k, v in HP[model].items()}
+    config["runner.data_batch_size"] = 1     # BERT4Rec's create_model reads it (test-batch count only)
     if model == "DIEN_rnn":
         hp = HP[model]
         core = net.StaticDIENLayer(hp["item_emb_size"], hp["cat_emb_size"], hp["act"], hp["is_sparse"],
@@ -444,6 +472,68 @@ def build(model):
         def call(w, d):
             return w(*[paddle.to_tensor(d[n]) for n in names])
         return W(core), spec, names, data, call
+
+    if model == "AutoInt":
+        # criteo_reader: feat_index [B,39] int64 (13 dense field ids, then 26 sparse ids), feat_value [B,39]
+        # float32 (13 dense values, then 26 ones); output: sigmoid [B,1]
+        class W(paddle.nn.Layer):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, feat_index, feat_value):
+                return self.m(feat_index, feat_value)
+        names = ["feat_index", "feat_value"]
+        spec = [S([None, N_FIELD], "int64", "feat_index"), S([None, N_FIELD], "float32", "feat_value")]
+
+        def data(rng, b, t):
+            idx = np.concatenate([np.tile(np.arange(1, N_DENSE + 1), (b, 1)),
+                                  rng.integers(N_DENSE + 1, VOCAB, size=(b, N_SPARSE))], axis=1)
+            val = np.concatenate([np.abs(rng.normal(size=(b, N_DENSE))) * 2.0, np.ones((b, N_SPARSE))], axis=1)
+            return {"feat_index": idx.astype(np.int64), "feat_value": val.astype(np.float32)}
+
+        def call(w, d):
+            return w(*[paddle.to_tensor(d[n]) for n in names])
+        return W(core), spec, names, data, call
+
+    if model == "BERT4Rec":
+        # next-item inference as data_reader/infer_forward feed it (all int32 after create_feeds): src_ids
+        # [B,T] = history, [MASK], 0-padding; pos_ids 0..len-1 then 0; sent_ids zeros; input_mask [B,T,1]
+        # (1 on history + [MASK]); mask_pos flat index b*T + position of [MASK] (M = B here), fed 1-D [M]:
+        # data_reader gives [M,1], which paddle.gather reads as [M] but paddle2onnx maps to a plain ONNX
+        # Gather -> the export returns [M,1,ITEMS] while declaring [M,ITEMS].
+        # Output: logits over the item vocab at the masked positions [M, ITEMS].
+        names = ["src_ids", "pos_ids", "sent_ids", "input_mask", "mask_pos"]
+        spec = [S([None, None], "int32", "src_ids"), S([None, None], "int32", "pos_ids"),
+                S([None, None], "int32", "sent_ids"), S([None, None, 1], "int32", "input_mask"),
+                S([None], "int32", "mask_pos")]
+
+        def data(rng, b, t):
+            hist = rng.integers(0, t, size=b)      # history length 0..T-1, + the [MASK] token
+            hist[0] = 0                            # an empty history (only [MASK])
+            hist[-1] = t - 1                       # a full row
+            n_tok = hist + 1
+            ar = np.arange(t)[None, :]
+            src = np.where(ar < hist[:, None], rng.integers(1, ITEMS - 1, size=(b, t)), 0)
+            src[np.arange(b), hist] = ITEMS - 1
+            valid = ar < n_tok[:, None]
+            return {"src_ids": src.astype(np.int32),
+                    "pos_ids": np.where(valid, ar, 0).astype(np.int32),
+                    "sent_ids": np.zeros((b, t), np.int32),
+                    "input_mask": valid[:, :, None].astype(np.int32),
+                    "mask_pos": (np.arange(b) * t + hist).astype(np.int32)}
+
+        class W(paddle.nn.Layer):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, src_ids, pos_ids, sent_ids, input_mask, mask_pos):
+                return self.m(src_ids, pos_ids, sent_ids, input_mask, mask_pos)
+
+        def call(w, d):
+            return w(*[paddle.to_tensor(d[n]) for n in names])
+        return W(core), spec, names, data, call
     raise ValueError(model)
 
 
@@ -469,8 +559,18 @@ def run_one(model):
     w.eval()
     t2 = T2 if model in DYN_T else T1
     batches = [data(np.random.default_rng(42), B1, T1), data(np.random.default_rng(7), B2, t2)]
+    buffers_before = {(id(sub), b) for _, sub in w.named_sublayers(include_self=True) for b in sub._buffers}
     with paddle.no_grad():
         refs = [to_list(call(w, d)) for d in batches]     # eager references, before to_static
+    # a forward that stores a tensor on the layer (AutoInt: normalized_attn_scores, BERT4Rec: _enc_out) registers it as a
+    # non-persistable buffer in eager mode; to_static would then trace an assign into that buffer (shaped by
+    # the last eager batch, B=33) and the saved program gets a fixed batch of 33.  Drop such buffers.
+    res["dropped_buffers"] = []
+    for lname, sub in w.named_sublayers(include_self=True):
+        for b in [b for b in sub._buffers if (id(sub), b) not in buffers_before]:
+            del sub._buffers[b]
+            sub._non_persistable_buffer_names_set.discard(b)
+            res["dropped_buffers"].append(f"{lname}.{b}")
     res["ref_shapes"] = [[list(r.shape) for r in rr] for rr in refs]
 
     work = os.path.join(WORK, model)
