@@ -232,3 +232,34 @@ def test_masked_scatter_of_a_mask_that_is_not_per_row_is_kept():
     model.graph.input[1].CopyFrom(vi("lens_bt", I64, ["batch", 4]))
     once, ctx = run_pass(model, "select-masked-rows")
     assert ctx.rewrites == 0 and ops(once).count("NonZero") == 1 and "ScatterND" in ops(once)
+
+
+def einsum_attention(score_eq="bnik,bnjk->bnij"):
+    """PaddleRec AutoInt (paddle2onnx): projections `bnk,kj->bnj`, scores `bnik,bnjk->bnij`, then softmax · V."""
+    rng = np.random.default_rng(2)
+    nodes = [node("Einsum", ["x", "wq"], ["q"], equation="bnk,kj->bnj"),
+             node("Einsum", ["x", "wk"], ["k"], equation="bnk,kj->bnj"),
+             node("Unsqueeze", ["q", "ax1"], ["q4"]), node("Unsqueeze", ["k", "ax1"], ["k4"]),
+             node("Einsum", ["q4", "k4"], ["s"], equation=score_eq), node("Softmax", ["s"], ["p"], axis=-1),
+             node("MatMul", ["p", "k4"], ["y"])]
+    inits = [init("wq", rng.normal(size=(8, 8)).astype(np.float32)), init("wk", rng.normal(size=(8, 8)).astype(np.float32)),
+             init("ax1", np.array([1]))]
+    return make_model(nodes, [vi("x", F, ["B", 6, 8])], [vi("y", F, ["B", 1, 6, 8])], inits, opset=13)
+
+
+def test_einsums_that_are_matrix_products_become_matmuls():
+    from helpers import check_pass
+
+    out, ctx = check_pass(einsum_attention(), "einsum-as-matmul",
+                          ["MatMul", "MatMul", "Unsqueeze", "Unsqueeze", "Transpose", "MatMul", "Softmax", "MatMul"])
+    assert ctx.rewrites == 3
+    transposed = next(n for n in out.graph.node if n.op_type == "Transpose")
+    assert list(transposed.attribute[0].ints) == [0, 1, 3, 2]
+
+
+def test_other_einsums_stay():
+    """An outer product (xDeepFM's CIN: bhd,bmd->bhmd) and a trace-like contraction are not matrix products."""
+    for eq in ("bnid,bnjd->bnijd", "bnii,bnjk->bnij"):
+        model = einsum_attention(eq)
+        done, ctx = run_pass(model, "einsum-as-matmul")
+        assert ops(done).count("Einsum") == 1 and ctx.rewrites == 2

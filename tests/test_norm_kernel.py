@@ -75,3 +75,25 @@ def test_norms_that_stay():
         graph = to_graph(model)
         annotate_shapes(graph)   # as the pass does before it matches
         assert why in " ".join(REGISTRY["layer-norm-kernel"].misses(graph, "ort"))
+
+
+def written_out_norm(axes=(-1,), width: int = 16):
+    """paddle2onnx (opset 13): ReduceMean, Sub, Pow 2, ReduceMean, Add eps, Sqrt, Div, Mul scale, Add bias."""
+    nodes = [node("ReduceMean", ["x"], ["mean"], axes=list(axes), keepdims=1), node("Sub", ["x", "mean"], ["d"]),
+             node("Pow", ["d", "two"], ["d2"]), node("ReduceMean", ["d2"], ["var"], axes=list(axes), keepdims=1),
+             node("Add", ["var", "eps"], ["ve"]), node("Sqrt", ["ve"], ["std"]), node("Div", ["d", "std"], ["n"]),
+             node("Mul", ["n", "g"], ["ng"]), node("Add", ["ng", "beta"], ["y"])]
+    inits = [init("two", np.array(2, np.float32)), init("eps", np.array(1e-5, np.float32)),
+             init("g", RNG.normal(1, 0.2, width).astype(np.float32)),
+             init("beta", RNG.normal(0, 0.2, width).astype(np.float32))]
+    return make_model(nodes, [vi("x", F, ["B", 39, width])], [vi("y", F, ["B", 39, width])], inits, opset=13)
+
+
+def test_a_norm_written_out_by_paddle2onnx():
+    feeds = {"x": RNG.normal(2, 3, (4, 39, 16)).astype(np.float32)}
+    model, _ = run_pass(written_out_norm(), "infer-shapes")
+    out, _ = check_pass(model, "layer-norm-kernel", ["LayerNorm"], feeds)
+    assert next(n for n in out.graph.node if n.op_type == "LayerNorm").input[0] == "x"
+    other_axis, _ = run_pass(written_out_norm(axes=(1,)), "infer-shapes")
+    done, ctx = run_pass(other_axis, "layer-norm-kernel")
+    assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)

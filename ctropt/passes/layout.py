@@ -10,7 +10,9 @@ those ops read instead. It does the same for rows reshaped to rank 3 and back ar
 two FC layers that fuse-fc flattened), so the layers form one 2-D chain; fuse-fc calls it after its rewrites.
 `select-masked-rows` turns torch's masked_select over whole rows (deepctr-torch DIEN keeps the users that have
 a history this way: NonZero of the row mask expanded to [B, T, E], then one GatherND index per element) into a
-Compress of the rows.
+Compress of the rows. `einsum-as-matmul` writes an Einsum that is a (batched) matrix product as the MatMul it is
+(PaddleRec's AutoInt: ``bnk,kj->bnj`` projections and ``bnik,bnjk->bnij`` scores; onnxruntime's Einsum is 2–3×
+slower), so the passes that read attention and FC layers see them.
 """
 
 from __future__ import annotations
@@ -309,3 +311,49 @@ def select_masked_rows(ctx: PassContext) -> None:
     if any(n.op == "NonZero" for n in ctx.graph.nodes):
         annotate_shapes(ctx.graph)  # the mask's rank and unit dims are read from shapes
     ctx.apply(*MASKED_ROWS_RULES)
+
+
+def _matmul_of(equation: str) -> tuple[bool, int] | None:
+    """(whether B enters transposed, the rank of B) when `lhs,rhs->out` is a matrix product over shared leading batch
+    letters: A = batch·i·k, B = batch·k·j (or batch·j·k, or k·j alone), out = batch·i·j; None otherwise."""
+    if "->" not in equation or "." in equation:
+        return None
+    terms, out = equation.replace(" ", "").split("->")
+    parts = terms.split(",")
+    if len(parts) != 2 or any(len(set(t)) != len(t) for t in (*parts, out)):
+        return None
+    a, b = parts
+    if len(a) < 2 or len(out) != len(a) or a[:-1] != out[:-1]:
+        return None
+    batch, i, k, j = a[:-2], a[-2], a[-1], out[-1]
+    if len({i, k, j}) != 3 or any(c in batch for c in (i, k, j)):
+        return None
+    if b == batch + k + j or (b == k + j and len(a) >= 2):
+        return False, len(b)
+    if b == batch + j + k:
+        return True, len(b)
+    return None
+
+
+def _einsum_as_matmul(m: Match) -> list | None:
+    found = _matmul_of(m.root.attrs.get("equation", b"").decode() if isinstance(m.root.attrs.get("equation"), bytes)
+                       else str(m.root.attrs.get("equation", "")))
+    if found is None or len(m.root.inputs) != 2:
+        return None
+    transposed, rank = found
+    out = m.root.outputs[0]
+    a, b = m.root.inputs
+    if transposed:
+        (b,) = m.op("Transpose", [b], {"perm": list(range(rank - 2)) + [rank - 1, rank - 2]}, dtype=b.dtype)
+    (y,) = m.op("MatMul", [a, b], dtype=out.dtype, shape=out.shape)
+    return [y]
+
+
+EINSUM_RULES = (Rewrite("einsum-as-matmul", P.Einsum(Var(), Var()), _einsum_as_matmul),)
+
+
+@register_pass("einsum-as-matmul", group="cleanup", rules=EINSUM_RULES)
+def einsum_as_matmul(ctx: PassContext) -> None:
+    """An Einsum that is a batched matrix product (``bnk,kj->bnj``, ``bnik,bnjk->bnij``, ``bij,bjk->bik``) →
+    MatMul (with a Transpose of B where it enters as Bᵀ)."""
+    ctx.apply(*EINSUM_RULES)

@@ -96,15 +96,77 @@ def _to_norm_kernel(m: Match) -> list:
                  name=f"{m.root.name}/LayerNorm", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
 
 
+def _producer(t: gs.Tensor, op: str, graph: gs.Graph) -> gs.Node | None:
+    node = t.inputs[0] if t.inputs else None
+    return node if node is not None and node.op == op and read_once(t, graph) else None
+
+
+def _const_of(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
+    """(the computed input, the constant one) of a binary node."""
+    a, b = node.inputs
+    return (a, b) if const_value(b) is not None else (b, a) if const_value(a) is not None else None
+
+
+def _decomposed(m: Match) -> dict | None:
+    """``(x - mean(x)) / sqrt(mean((x - mean(x))²) + eps) · scale + bias`` over the last axis, as paddle2onnx writes
+    a LayerNorm before opset 17 (onnxruntime fuses it back at load time, into its own slow kernel): x, scale, bias,
+    eps; None when it is not that."""
+    g = m.graph
+    scaled_bias = _const_of(m.root)
+    mul = scaled_bias and _producer(scaled_bias[0], "Mul", g)
+    norm_scale = mul and _const_of(mul)
+    div = norm_scale and _producer(norm_scale[0], "Div", g)
+    sqrt = div and _producer(div.inputs[1], "Sqrt", g)
+    add = sqrt and _producer(sqrt.inputs[0], "Add", g)
+    var_eps = add and _const_of(add)
+    var = var_eps and _producer(var_eps[0], "ReduceMean", g)
+    power = var and _producer(var.inputs[0], "Pow", g)
+    centred = div and div.inputs[0]
+    sub = centred is not None and centred.inputs and centred.inputs[0].op == "Sub" and centred.inputs[0]
+    if not (power and sub) or power.inputs[0] is not centred or len(centred.outputs) != 2:
+        return None
+    x, mean = sub.inputs
+    mean_node = _producer(mean, "ReduceMean", g)
+    two, eps = const_value(power.inputs[1]), const_value(var_eps[1])
+    rank = len(shape_of(x) or [])
+    if mean_node is None or mean_node.inputs[0] is not x or two is None or two.size != 1 or float(two) != 2.0 or \
+            eps is None or eps.size != 1 or not rank:
+        return None
+    if any((axes_of(n) or [None]) != [rank - 1] and (axes_of(n) or [None]) != [-1] or not n.attrs.get("keepdims", 1)
+           for n in (mean_node, var)):
+        return None
+    width, scale, bias = (shape_of(x) or [None])[-1], norm_scale[1], scaled_bias[1]
+    if not isinstance(width, (int, np.integer)) or any(const_value(c).size != width for c in (scale, bias)):
+        return None
+    return {"x": x, "scale": scale, "bias": bias, "eps": float(np.ravel(eps)[0])}
+
+
+def _is_decomposed_norm(m: Match) -> bool | str:
+    found = _decomposed(m)
+    if found is None:
+        return "not a layer norm written out over the last axis"
+    return True if np.dtype(dtype_of(found["x"]) or np.float64) == np.float32 else "not float32"
+
+
+def _decomposed_to_kernel(m: Match) -> list:
+    found, out = _decomposed(m), m.root.outputs[0]
+    scale = m.constant(f"{m.root.name}/scale", np.ravel(const_value(found["scale"])).astype(np.float32))
+    bias = m.constant(f"{m.root.name}/bias", np.ravel(const_value(found["bias"])).astype(np.float32))
+    return [m.op("LayerNorm", [found["x"], scale, bias], {"epsilon": found["eps"]}, name=f"{m.root.name}/LayerNorm",
+                 domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
+
+
 NORM_RULES = (
     Rewrite("layer-norm", P.LayerNormalization(Var("x"), ..., _domain=""), _to_norm_kernel, _is_row_norm,
+            subgraphs=False),
+    Rewrite("layer-norm-written-out", P.Add(Var(), Var(), _domain=""), _decomposed_to_kernel, _is_decomposed_norm,
             subgraphs=False),
 )
 
 
 @register_pass("layer-norm-kernel", group="lower", targets=("ort",), rules=NORM_RULES)
 def layer_norm_kernel(ctx: PassContext) -> None:
-    """LayerNormalization over the last axis, and the residual Add or Sum before it → ctropt's LayerNorm kernel,
-    where its library loads."""
-    if any(n.op == "LayerNormalization" for n in ctx.graph.nodes):
+    """LayerNormalization over the last axis, and the residual Add or Sum before it, or a layer norm written out in
+    elementwise ops (paddle2onnx before opset 17) → ctropt's LayerNorm kernel, where its library loads."""
+    if any(n.op in ("LayerNormalization", "ReduceMean") for n in ctx.graph.nodes):
         kernels.apply_rules(ctx, NORM_RULES, "layer norms")
