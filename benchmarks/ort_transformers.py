@@ -1,7 +1,7 @@
 """ctropt against onnxruntime's own transformer optimizer on the corpus's transformer exports: paired ratios over
 the raw export in one run.
 
-    python benchmarks/ort_transformers.py                 # BST, TransAct, SASRec, AutoInt exports; 1 thread, batch 256
+    python benchmarks/ort_transformers.py                 # BST, TransAct, SASRec, BERT4Rec, AutoInt; 1 thread, b256
     python benchmarks/ort_transformers.py --only BST --seconds 4
     python benchmarks/ort_transformers.py --openvino    # the same exports on OpenVINO CPU: its own attention form
 
@@ -32,7 +32,7 @@ from ctropt.graph import load  # noqa: E402
 from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
 from ctropt.runtime.bench import bench  # noqa: E402
 
-KINDS = ("BST", "TransAct", "SASRec", "AutoInt")
+KINDS = ("BST", "TransAct", "SASRec", "BERT4Rec", "AutoInt")
 ATTENTION = {"Attention", "MultiHeadAttention", "AttentionCore"}
 
 
