@@ -232,3 +232,30 @@ def test_a_packed_value_read_whole_too_is_left():
     model.graph.output.append(vi("whole", F, None))
     model, _ = run_pass(model, "infer-shapes")
     assert sorted(ops(run_pass(model, "eliminate-identity")[0])) == sorted(ops(model))
+
+
+def test_a_slice_reaches_only_the_axes_each_operand_holds():
+    """Add(a [1, 1, 3, 4], b [3, 4]) sliced on axes 0 and 3 (b has no axis 0; a's is 1): b is sliced on its own
+    last axis only; a step and a negative axis are taken as given; a Slice keeping more than half stays."""
+    nodes = [node("Add", ["a", "b"], ["s"]), node("Slice", ["s", "st", "en", "ax", "sp"], ["y"])]
+    inits = [init("st", np.array([0, 0])), init("en", np.array([1, 4])), init("ax", np.array([2, -1])),
+             init("sp", np.array([1, 2]))]
+    model = make_model(nodes, [vi("a", F, [1, 1, 3, 4]), vi("b", F, [3, 4])], [vi("y", F, [1, 1, 1, 2])], inits)
+    model, _ = run_pass(model, "infer-shapes")
+    feeds = {"a": np.random.default_rng(0).random((1, 1, 3, 4), np.float32),
+             "b": np.random.default_rng(1).random((3, 4), np.float32)}
+    check_pass(model, "eliminate-identity", ["Slice", "Slice", "Add"], feeds)
+    most = make_model(nodes, [vi("a", F, [1, 1, 3, 4]), vi("b", F, [3, 4])], [vi("y", F, None)],
+                      [init("st", np.array([1])), init("en", np.array([3])), init("ax", np.array([2])),
+                       init("sp", np.array([1]))])
+    most, _ = run_pass(most, "infer-shapes")
+    assert ops(run_pass(most, "eliminate-identity")[0]) == ["Add", "Slice"]
+
+
+def test_parts_gathered_first_before_opset_13():
+    """Squeeze/Unsqueeze axes are attributes before opset 13: the Unsqueeze that stays is written so."""
+    nodes = [node("Unsqueeze", ["x"], ["u"], axes=[0]), node("Gather", ["u", "i"], ["y"], axis=2)]
+    model = make_model(nodes, [vi("x", F, [3, 5, 4])], [vi("y", F, [1, 3, 4])], [init("i", np.array(1))], opset=11)
+    model, _ = run_pass(model, "infer-shapes")
+    out, _ = check_pass(model, "eliminate-identity", ["Gather", "Unsqueeze"])
+    assert len(next(n for n in out.graph.node if n.op_type == "Unsqueeze").input) == 1

@@ -97,3 +97,16 @@ def test_a_norm_written_out_by_paddle2onnx():
     other_axis, _ = run_pass(written_out_norm(axes=(1,)), "infer-shapes")
     done, ctx = run_pass(other_axis, "layer-norm-kernel")
     assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)
+
+
+def test_a_norms_mean_as_a_graph_output_and_a_scale_that_is_a_column_stay():
+    with_mean = block_norm(32)
+    with_mean.graph.node[1].output.append("mean")
+    with_mean.graph.output.append(vi("mean", F, None))
+    column, _ = run_pass(written_out_norm(width=16), "infer-shapes")
+    g = next(i for i in column.graph.initializer if i.name == "g")
+    g.dims[:] = [16, 1]   # broadcast along axis -2 in the original: not the kernel's per-column scale
+    column.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 16
+    for model in (with_mean, column):
+        done, ctx = run_pass(model, "layer-norm-kernel")
+        assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)

@@ -259,3 +259,15 @@ def test_one_position_per_row_through_heads_merged_to_a_computed_shape():
     picked = next(nd for nd in done.graph.node if nd.op_type == "GatherElements")
     assert q_proj.input[0] == picked.output[0]
     assert not any(nd.op_type == "Shape" and nd.input[0] == "ot" for nd in done.graph.node)
+
+
+def test_history_dims_the_probe_sizes_alike_are_not_taken_as_one():
+    """z [B, N, 4] added to a [B, T, 4] sequence: the probe gives N and T the same length, but only the batch is
+    compared by its probed size; N may be 1 at run time, so z is not selected (the read stays after the Add)."""
+    model = make_model([node("Relu", ["x"], ["r"]), node("Add", ["r", "z"], ["s"]), node("Tanh", ["s"], ["t"]),
+                        node("Gather", ["t", "at"], ["y"], axis=1)],
+                       [vi("x", F, ["B", "T", 4]), vi("z", F, ["B", "N", 4])], [vi("y", F, None)],
+                       [init("at", np.array(2, np.int64))])
+    done = _exact(model, {"x": RNG.normal(size=(3, 5, 4)).astype(np.float32),
+                          "z": RNG.normal(size=(3, 1, 4)).astype(np.float32)}, 1)
+    assert [n.op_type for n in done.graph.node].count("Add") == 1 and "Tanh" in ops(done)

@@ -257,31 +257,39 @@ def _overwritten_where(m):
 
 def _sliced_operands(m):
     """Slice(f(a, b, …)) with f a broadcasting elementwise op read by this Slice only = f(Slice(a), Slice(b), …):
-    an operand as long as the result on each sliced axis is sliced the same way, one of length 1 is kept (a Slice
-    of the first tokens of TransAct's masked sequence: the Where then runs on them only)."""
+    each operand sliced on the sliced axes it holds at the result's length, left whole on those where it broadcasts
+    (length 1, or no such axis). Only for a Slice that keeps at most half of the result, on axes whose lengths are
+    known and above 1 (a Slice of the first tokens of TransAct's masked sequence: the Where then runs on them only)."""
     f, out = m.node("f"), m.root.outputs[0]
     res, axes = shape_of(f.outputs[0]), m.const("axes")
-    if res is None or f.op == "BitShift" or f.attrs:
+    steps = const_value(m.root.inputs[4]) if len(m.root.inputs) > 4 and m.root.inputs[4].name else None
+    if not res or f.op == "BitShift" or f.attrs or (len(m.root.inputs) > 4 and m.root.inputs[4].name and steps is None):
         return None
     axes = [int(a) % len(res) for a in np.atleast_1d(axes)]
-    if any(not isinstance(res[a], (int, np.integer)) for a in axes):
+    kept = shape_of(out)
+    if len(set(axes)) != len(axes) or kept is None or any(
+            not isinstance(res[a], (int, np.integer)) or res[a] <= 1 or not isinstance(kept[a], (int, np.integer))
+            for a in axes) or 2 * int(np.prod([kept[a] for a in axes])) > int(np.prod([res[a] for a in axes])):
         return None
-    slice_inputs = list(m.root.inputs[1:])
+    bounds = [np.atleast_1d(m.const("starts")), np.atleast_1d(m.const("ends"))] + \
+        ([np.atleast_1d(steps)] if steps is not None else [])
     operands = []
-    for t in f.inputs:
+    for i, t in enumerate(f.inputs):
         s = shape_of(t)
-        if s is None:
+        if s is None or len(s) > len(res):
             return None
         lead = len(res) - len(s)
-        sizes = [s[a - lead] if a >= lead else 1 for a in axes]
-        if all(d == 1 for d in sizes):
+        held = [k for k, a in enumerate(axes) if a >= lead and s[a - lead] != 1]
+        if any(s[axes[k] - lead] != res[axes[k]] for k in held):
+            return None   # neither the result's length nor 1: not provably a broadcast
+        if not held:
             operands.append(t)
-        elif all(d == res[a] for d, a in zip(sizes, axes)):
-            local = m.constant(f"{m.root.name}/axes", np.array([a - lead for a in axes], np.int64)) if lead else slice_inputs[2]
-            (part,) = m.op("Slice", [t, slice_inputs[0], slice_inputs[1], local, *slice_inputs[3:]], dtype=t.dtype)
-            operands.append(part)
-        else:
-            return None
+            continue
+        pick = [m.constant(f"{m.root.name}/{what}{i}", b[held].astype(np.int64))
+                for what, b in zip(("starts", "ends", "steps"), bounds)]
+        local = m.constant(f"{m.root.name}/axes{i}", np.array([axes[k] - lead for k in held], np.int64))
+        (part,) = m.op("Slice", [t, pick[0], pick[1], local, *pick[2:]], dtype=t.dtype)
+        operands.append(part)
     (y,) = m.op(f.op, operands, dtype=out.dtype, shape=out.shape)
     return [y]
 
@@ -343,8 +351,10 @@ def _part_gathered_first(m):
     if order != sorted(order):
         (y,) = m.op("Transpose", [y], {"perm": order}, dtype=out.dtype)
     units = [i for i, a in enumerate(rest) if a == "u"]
-    if units:
+    if units and int(m.graph.opset or 13) >= 13:
         (y,) = m.op("Unsqueeze", [y, m.constant(f"{m.root.name}/units", np.array(units, np.int64))], dtype=out.dtype)
+    elif units:   # axes an attribute before opset 13
+        (y,) = m.op("Unsqueeze", [y], {"axes": units}, dtype=out.dtype)
     y.shape = out.shape
     return [y]
 

@@ -76,7 +76,7 @@ def _is_row_norm(m: Match) -> bool | str:
         return "not a float32 value of rank 1 to 8"
     if m.root.attrs.get("axis", -1) % len(shape) != len(shape) - 1:
         return "not a norm over the last axis"
-    if any(o.name and o.outputs for o in m.root.outputs[1:]):
+    if any(o.name and (o.outputs or any(o is g for g in m.graph.outputs)) for o in m.root.outputs[1:]):
         return "its mean or inverse deviation is read"
     width = shape[-1]
     if not isinstance(width, (int, np.integer)) or any(
@@ -136,7 +136,9 @@ def _decomposed(m: Match) -> dict | None:
            for n in (mean_node, var)):
         return None
     width, scale, bias = (shape_of(x) or [None])[-1], norm_scale[1], scaled_bias[1]
-    if not isinstance(width, (int, np.integer)) or any(const_value(c).size != width for c in (scale, bias)):
+    if not isinstance(width, (int, np.integer)) or rank > 8 or any(   # a [D] row (leading 1s) broadcast as the kernel does
+            const_value(c).ndim > rank or const_value(c).shape[-1:] != (width,) or const_value(c).size != width
+            for c in (scale, bias)):
         return None
     return {"x": x, "scale": scale, "bias": bias, "eps": float(np.ravel(eps)[0])}
 

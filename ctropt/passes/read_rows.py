@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 from ..graph import annotate_shapes_if_bare
 from ..graph.edit import Builder, const_value, read_once, redirect_consumers, shape_of
 from ..patterns import Match, P, Rewrite, Var
-from ..runtime.probe import try_probe
+from ..runtime.probe import PROBE_SIZES, try_probe
 from .cleanup import tidy
 from .registry import PassContext, register_pass
 
@@ -353,10 +353,11 @@ def _has_read(graph: gs.Graph) -> bool:
 
 
 def _dims_named_by_probe(graph: gs.Graph) -> list:
-    """Symbolic dims renamed after their sizes in the probe's two runs (PROBE_SIZES), so that two dims shape
-    inference named apart but equal in both runs compare equal in the walk: the batch of a value reshaped to a
-    computed shape (`unk__8`) and the batch of the value it is added to (`unk__10`), in RecBole's legacy SASRec.
-    Returns (value, shape) pairs to restore."""
+    """Symbolic dims that are the batch in both of the probe's runs (PROBE_SIZES) renamed alike, so that batches shape
+    inference named apart compare equal in the walk: the batch of a value reshaped to a computed shape (`unk__8`)
+    and that of the value it is added to (`unk__10`), in RecBole's legacy SASRec. Other dims keep their names (the
+    probe gives every history axis the same length: equal there is not the same). Returns (value, shape) pairs to
+    restore."""
     symbolic = [t for t in graph.tensors().values()
                 if isinstance(t, gs.Variable) and t.shape is not None and any(isinstance(d, str) for d in t.shape)]
     if not symbolic:
@@ -364,12 +365,15 @@ def _dims_named_by_probe(graph: gs.Graph) -> list:
     probe, _ = try_probe(graph)
     if probe is None:
         return []
+    batches = [batch for batch, _ in PROBE_SIZES]
     renamed = []
     for t in symbolic:
         sizes = probe.shapes(t)
         if sizes is None or any(len(s) != len(t.shape) for s in sizes):
             continue
-        renamed.append((t, t.shape))
-        t.shape = [f"probed_{'x'.join(str(s[i]) for s in sizes)}" if isinstance(d, str) else d
-                   for i, d in enumerate(t.shape)]
+        shape = ["probed_batch" if isinstance(d, str) and [s[i] for s in sizes] == batches else d
+                 for i, d in enumerate(t.shape)]
+        if shape != list(t.shape):
+            renamed.append((t, t.shape))
+            t.shape = shape
     return renamed

@@ -132,7 +132,7 @@ REGISTRY: dict[str, Pass] = {}
 PIPELINE_ORDER = {
     # cleanup: what the exporters leave (dead and training-only nodes, constants, no-ops, duplicates)
     "eliminate-dead-nodes": 1, "infer-shapes": 2, "prune-training-ops": 5, "fold-constants": 8,
-    "eliminate-identity": 10, "fold-batchnorm": 12, "cancel-transposes": 13, "einsum-as-matmul": 13, "select-masked-rows": 14,
+    "eliminate-identity": 10, "fold-batchnorm": 12, "einsum-as-matmul": 11, "cancel-transposes": 13, "select-masked-rows": 14,
     "dedup-initializers": 25, "eliminate-common-subexpressions": 30,
     # fusion: tables first (they change the lookups the others read), then sequences, attention, FC layers
     "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
