@@ -98,10 +98,13 @@ static void norm_row(const Job *j, int64_t row, float *s) {
     for (int64_t k = full; k < D; ++k) y[k] = (s[k] - mean) * inv * j->scale[k] + (j->bias ? j->bias[k] : 0.0f);
 }
 
+/* The widths of these models' blocks, normalized in registers (no row buffer). */
+static int in_registers(int64_t D) { return D == 8 || D == 16 || D == 24 || D == 32 || D == 48 || D == 64; }
+
 static void norm_block(void *data, size_t b) {
     const Job *j = data;
     const int64_t first = j->rows * (int64_t)b / j->blocks, end = j->rows * ((int64_t)b + 1) / j->blocks;
-    switch (j->D) {   /* the widths of these models' blocks, in registers */
+    switch (j->D) {
         case 8: norm_rows_in_registers(j, first, end, 1); return;
         case 16: norm_rows_in_registers(j, first, end, 2); return;
         case 24: norm_rows_in_registers(j, first, end, 3); return;
@@ -138,8 +141,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(ort->GetTensorMutableData(y, (void **)&j.y));
     if (j.rows == 0 || j.D == 0) return NULL;
     j.blocks = j.rows < MAX_BLOCKS ? j.rows : MAX_BLOCKS;
-    j.scratch = malloc((size_t)(j.blocks * j.D) * sizeof(float));
-    if (!j.scratch) return ort->CreateStatus(ORT_FAIL, "LayerNorm: out of memory");
+    if (!in_registers(j.D)) {
+        j.scratch = malloc((size_t)(j.blocks * j.D) * sizeof(float));
+        if (!j.scratch) return ort->CreateStatus(ORT_FAIL, "LayerNorm: out of memory");
+    }
     OrtStatus *s = ort->KernelContext_ParallelFor(ctx, norm_block, (size_t)j.blocks, 0, &j);
     free(j.scratch);
     return s;

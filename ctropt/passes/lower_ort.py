@@ -129,7 +129,7 @@ def _decomposed(m: Match) -> dict | None:
     mean_node = _producer(mean, "ReduceMean", g)
     two, eps = const_value(power.inputs[1]), const_value(var_eps[1])
     rank = len(shape_of(x) or [])
-    if mean_node is None or mean_node.inputs[0] is not x or two is None or two.size != 1 or float(two) != 2.0 or \
+    if mean_node is None or mean_node.inputs[0] is not x or two is None or two.size != 1 or float(np.ravel(two)[0]) != 2.0 or \
             eps is None or eps.size != 1 or not rank:
         return None
     if any((axes_of(n) or [None]) != [rank - 1] and (axes_of(n) or [None]) != [-1] or not n.attrs.get("keepdims", 1)
