@@ -336,8 +336,8 @@ def _matmul_of(equation: str) -> tuple[bool, int] | None:
 
 
 def _einsum_as_matmul(m: Match) -> list | None:
-    found = _matmul_of(m.root.attrs.get("equation", b"").decode() if isinstance(m.root.attrs.get("equation"), bytes)
-                       else str(m.root.attrs.get("equation", "")))
+    equation = m.root.attrs.get("equation", "")
+    found = _matmul_of(equation.decode() if isinstance(equation, bytes) else equation)
     if found is None or len(m.root.inputs) != 2:
         return None
     transposed, rank = found

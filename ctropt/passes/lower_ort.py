@@ -21,7 +21,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph.edit import axes_of, const_value, dtype_of, read_once, shape_of
-from ..patterns import Match, P, Rewrite, Var
+from ..patterns import Const, Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
 
@@ -96,51 +96,29 @@ def _to_norm_kernel(m: Match) -> list:
                  name=f"{m.root.name}/LayerNorm", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
 
 
-def _producer(t: gs.Tensor, op: str, graph: gs.Graph) -> gs.Node | None:
-    node = t.inputs[0] if t.inputs else None
-    return node if node is not None and node.op == op and read_once(t, graph) else None
-
-
-def _const_of(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
-    """(the computed input, the constant one) of a binary node."""
-    a, b = node.inputs
-    return (a, b) if const_value(b) is not None else (b, a) if const_value(a) is not None else None
-
-
 def _decomposed(m: Match) -> dict | None:
     """``(x - mean(x)) / sqrt(mean((x - mean(x))²) + eps) · scale + bias`` over the last axis, as paddle2onnx writes
-    a LayerNorm before opset 17 (onnxruntime fuses it back at load time, into its own slow kernel): x, scale, bias,
-    eps; None when it is not that."""
-    g = m.graph
-    scaled_bias = _const_of(m.root)
-    mul = scaled_bias and _producer(scaled_bias[0], "Mul", g)
-    norm_scale = mul and _const_of(mul)
-    div = norm_scale and _producer(norm_scale[0], "Div", g)
-    sqrt = div and _producer(div.inputs[1], "Sqrt", g)
-    add = sqrt and _producer(sqrt.inputs[0], "Add", g)
-    var_eps = add and _const_of(add)
-    var = var_eps and _producer(var_eps[0], "ReduceMean", g)
-    power = var and _producer(var.inputs[0], "Pow", g)
-    centred = div and div.inputs[0]
-    sub = centred is not None and centred.inputs and centred.inputs[0].op == "Sub" and centred.inputs[0]
-    if not (power and sub) or power.inputs[0] is not centred or len(centred.outputs) != 2:
+    a LayerNorm before opset 17 (onnxruntime fuses it back at load time, into its own slow kernel); the pattern
+    (WRITTEN_OUT) holds from the bias to the centred value d: here d = x - mean(x), read by the square and the
+    division only. x, scale, bias, eps; None when it is not that."""
+    d = m["d"]
+    sub = d.inputs[0] if d.inputs else None
+    if sub is None or sub.op != "Sub" or len(d.outputs) != 2 or any(d is o for o in m.graph.outputs):
         return None
     x, mean = sub.inputs
-    mean_node = _producer(mean, "ReduceMean", g)
-    two, eps = const_value(power.inputs[1]), const_value(var_eps[1])
-    rank = len(shape_of(x) or [])
-    if mean_node is None or mean_node.inputs[0] is not x or two is None or two.size != 1 or float(np.ravel(two)[0]) != 2.0 or \
-            eps is None or eps.size != 1 or not rank:
+    mean_node = mean.inputs[0] if mean.inputs and read_once(mean, m.graph) else None
+    two, eps, rank = m.const("two"), m.const("eps"), len(shape_of(x) or [])
+    if mean_node is None or mean_node.op != "ReduceMean" or mean_node.inputs[0] is not x or two.size != 1 or \
+            float(np.ravel(two)[0]) != 2.0 or eps.size != 1 or not rank:
         return None
     if any((axes_of(n) or [None]) != [rank - 1] and (axes_of(n) or [None]) != [-1] or not n.attrs.get("keepdims", 1)
-           for n in (mean_node, var)):
+           for n in (mean_node, m.node("var"))):
         return None
-    width, scale, bias = (shape_of(x) or [None])[-1], norm_scale[1], scaled_bias[1]
+    width = (shape_of(x) or [None])[-1]
     if not isinstance(width, (int, np.integer)) or rank > 8 or any(   # a [D] row (leading 1s) broadcast as the kernel does
-            const_value(c).ndim > rank or const_value(c).shape[-1:] != (width,) or const_value(c).size != width
-            for c in (scale, bias)):
+            c.ndim > rank or c.shape[-1:] != (width,) or c.size != width for c in (m.const("scale"), m.const("bias"))):
         return None
-    return {"x": x, "scale": scale, "bias": bias, "eps": float(np.ravel(eps)[0])}
+    return {"x": x, "scale": m.const("scale"), "bias": m.const("bias"), "eps": float(np.ravel(eps)[0])}
 
 
 def _is_decomposed_norm(m: Match) -> bool | str:
@@ -152,17 +130,21 @@ def _is_decomposed_norm(m: Match) -> bool | str:
 
 def _decomposed_to_kernel(m: Match) -> list:
     found, out = _decomposed(m), m.root.outputs[0]
-    scale = m.constant(f"{m.root.name}/scale", np.ravel(const_value(found["scale"])).astype(np.float32))
-    bias = m.constant(f"{m.root.name}/bias", np.ravel(const_value(found["bias"])).astype(np.float32))
+    scale = m.constant(f"{m.root.name}/scale", np.ravel(found["scale"]).astype(np.float32))
+    bias = m.constant(f"{m.root.name}/bias", np.ravel(found["bias"]).astype(np.float32))
     return [m.op("LayerNorm", [found["x"], scale, bias], {"epsilon": found["eps"]}, name=f"{m.root.name}/LayerNorm",
                  domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
+
+
+_d = Var("d")   # the centred value, read twice: by the square and by the division
+WRITTEN_OUT = P.Add(P.Mul(P.Div(_d, P.Sqrt(P.Add(P.ReduceMean(P.Pow(_d, Const("two")), ..., _name="var"),
+                                                 Const("eps")))), Const("scale")), Const("bias"), _domain="")
 
 
 NORM_RULES = (
     Rewrite("layer-norm", P.LayerNormalization(Var("x"), ..., _domain=""), _to_norm_kernel, _is_row_norm,
             subgraphs=False),
-    Rewrite("layer-norm-written-out", P.Add(Var(), Var(), _domain=""), _decomposed_to_kernel, _is_decomposed_norm,
-            subgraphs=False),
+    Rewrite("layer-norm-written-out", WRITTEN_OUT, _decomposed_to_kernel, _is_decomposed_norm, subgraphs=False),
 )
 
 

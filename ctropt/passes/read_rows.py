@@ -95,13 +95,16 @@ class _Walk:
             if t is None or i not in self.plans or i in self.cut or self.places.get(i) != place:
                 continue
             for reader in [r for r in t.outputs if r.op == "Shape" and self._reads_shape(t, r)]:
-                at = np.zeros(len(shape_of(t)), np.int64)
-                at[place[0]] = 1
                 rows = self.b.op("Shape", [made], dtype=np.int64)
-                kept = self.b.op("Mul", [rows, self.b.const("others", 1 - at)], dtype=np.int64)
-                whole = self.b.op("Add", [kept, self.b.const("length", at * int(shape_of(t)[place[0]]))],
-                                  dtype=np.int64)
+                whole = self._with_length(rows, len(shape_of(t)), place[0], int(shape_of(t)[place[0]]))
                 redirect_consumers(reader.outputs[0], whole)
+
+    def _with_length(self, dims: gs.Tensor, rank: int, axis: int, length: int) -> gs.Tensor:
+        """An int64 vector of `rank` dims (a shape, a Reshape's target) with `length` on `axis`, by arithmetic."""
+        at = np.zeros(rank, np.int64)
+        at[axis] = 1
+        kept = self.b.op("Mul", [dims, self.b.const("others", 1 - at)], dtype=np.int64)
+        return self.b.op("Add", [kept, self.b.const("length", at * length)], dtype=np.int64)
 
     def take(self, t: gs.Tensor, place: tuple) -> gs.Tensor:
         """t's selected rows at `place` (where its reader wants them): its producer copied onto the rows of its
@@ -144,10 +147,7 @@ class _Walk:
             if new[axis] > 0:
                 new[axis] = self.count
             return self.b.const("shape", new)
-        at = np.zeros(len(shape_of(node.outputs[0])), np.int64)
-        at[axis] = 1
-        kept = self.b.op("Mul", [node.inputs[1], self.b.const("others", 1 - at)], dtype=np.int64)
-        return self.b.op("Add", [kept, self.b.const("count", at * self.count)], dtype=np.int64)
+        return self._with_length(node.inputs[1], len(shape_of(node.outputs[0])), axis, self.count)
 
 
 def _plan(node: gs.Node, t: gs.Tensor, where: tuple, rank: int, opset: int) -> list | None:
