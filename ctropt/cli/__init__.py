@@ -18,11 +18,13 @@ from rich.table import Table
 
 from ..graph import CtroptError, check_output_path, interface, iter_proto_nodes, load, node_count, save
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
+from ..passes.registry import DEVICES
 from ..passes.speed import SpeedCheck
 from ..report import write_report
 from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
 from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
+from ..runtime.session import available_backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
@@ -70,6 +72,29 @@ def _input_names(model) -> list[str]:
 
 def _fmt_err(value) -> str:
     return "-" if value is None else f"{value:.1e}"
+
+
+def _extra_passes(passes: str, int8: bool, device: str, precision: str) -> str:
+    """The pass list with what --int8 and --precision f16 add."""
+    if device not in DEVICES:
+        raise CtroptError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if precision not in ("f32", "f16"):
+        raise CtroptError(f"--precision must be f32 or f16, not {precision!r}")
+    if precision == "f16" and device != "cuda":
+        raise CtroptError("--precision f16 is for --device cuda (on this CPU, FP16 runs slower than FP32)")
+    if int8 and device != "cpu":
+        raise CtroptError("--int8 is for --device cpu (onnxruntime's INT8 kernels are CPU kernels); on the GPU use "
+                          "--precision f16")
+    return passes + (",quantize-int8" if int8 else "") + (",convert-float16" if precision == "f16" else "")
+
+
+def _can_time_on(device: str) -> bool:
+    """The speed check times on the device the model is for; without a CUDA provider it is off, with a note."""
+    if device == "cpu" or available_backends().get(f"ort-{device}") == "available":
+        return True
+    console.print(f"[yellow]speed check off:[/] onnxruntime has no {device.upper()} provider here (install "
+                  "onnxruntime-gpu); passes are verified, not timed")
+    return False
 
 
 def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) -> dict:
@@ -123,6 +148,10 @@ def optimize(
                                               "requests. Stored in the saved model."),
     int8: bool = typer.Option(False, "--int8", help="Also run quantize-int8: FC layers to INT8 where measured "
                               "faster, within the accuracy gate."),
+    device: str = typer.Option("cpu", "--device", help="Where the ort-target model runs: cpu, or cuda (standard "
+                               "ops only, no INT8, the speed check on the GPU)."),
+    precision: str = typer.Option("f32", "--precision", help="f32, or f16 with --device cuda: the model computes "
+                                  "in FP16 where its worst row stays within the accuracy gate (I/O stay FP32)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="INT8 calibration data: .npz of input arrays "
                                          "(batch first), optional `label` for AUC/logloss."),
     show_diff: bool = typer.Option(False, "--show-diff", help="Print what each pass changed (a tree of changed "
@@ -144,7 +173,7 @@ def optimize(
     with _user_errors():
         _plugins(plugin)
         options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
-        passes = f"{passes},quantize-int8" if int8 else passes
+        passes = _extra_passes(passes, int8, device, precision)
         out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
         for extra in (report, json_out):
             if extra is not None:
@@ -161,11 +190,12 @@ def optimize(
                 done.append(p.name)
 
         speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes) \
-            if speed_check or bench_passes else None
+            if (speed_check or bench_passes) and _can_time_on(device) else None
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
-                              verify=verify, strict=strict, on_pass=progress, options=options, speed=speed)
+                              verify=verify, strict=strict, on_pass=progress, options=options, speed=speed,
+                              device=device)
         console.print(f"[bold]{escape(model.name)}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, "
-                      f"target {target}")
+                      f"target {target}" + (f" on {device}" if device != "cpu" else ""))
         with status:
             result = manager.run(m)
         save(result.model, out, protect=(model,))
@@ -180,7 +210,7 @@ def optimize(
             print_pass_diffs(console, result.records)
         if json_out is not None:
             _write_json(json_out, result, model, out, target)
-        console.print(_closing_line(result, node_count(m), verify, target, speed_batch))
+        console.print(_closing_line(result, node_count(m), verify, target, speed_batch, device))
         console.print(f"saved {out}")
         if report is not None:
             applied = sum(r.status == "applied" for r in result.records)
@@ -266,12 +296,12 @@ def _why_not(record) -> str:
     return first + (" (--show-diff: all reasons)" if first is not reasons[0] or len(reasons) > 1 else "")
 
 
-def _closing_line(result, nodes_before: int, verified: bool, target: str, batch: int) -> str:
+def _closing_line(result, nodes_before: int, verified: bool, target: str, batch: int, device: str = "cpu") -> str:
     """"N → M nodes, verified (max err E), X.X× faster on <runtime> (paired, batch B)"."""
     errors = [r.max_abs_err for r in result.records if r.max_abs_err is not None and r.status == "applied"
               and not result.kept_input]
     check = (f"verified (max err {max(errors):.1e})" if errors else "verified") if verified else "outputs NOT verified"
-    runtime = {"ort": "onnxruntime CPU", "openvino": "OpenVINO CPU"}.get(target, target)
+    runtime = {"ort": f"onnxruntime {device.upper()}", "openvino": "OpenVINO CPU"}.get(target, target)
     if result.kept_input:
         speed = f"[bold red]the input kept: the result was slower[/] ({escape(result.speed_note)})"
     elif result.speed is not None:
@@ -279,7 +309,8 @@ def _closing_line(result, nodes_before: int, verified: bool, target: str, batch:
         verdict = f"{v.ratio:.2f}× faster" if v.ratio >= 1 else f"{1 / v.ratio:.2f}× slower"
         one_user = any(f.is_user for f in stored_input_facts(result.model).values())
         rows = f"one user × {batch} candidates" if one_user else f"batch {batch}"
-        speed = f"[bold]{verdict}[/] on {runtime} (paired, {rows}, 1 thread; p10–p90 {v.p10:.2f}–{v.p90:.2f})"
+        threads = ", 1 thread" if device == "cpu" else ""
+        speed = f"[bold]{verdict}[/] on {runtime} (paired, {rows}{threads}; p10–p90 {v.p10:.2f}–{v.p90:.2f})"
     else:
         speed = f"speed not measured ({escape(result.speed_note)})" if result.speed_note else "speed not measured"
     return f"{nodes_before} → {node_count(result.model)} nodes, {check}, {speed}"

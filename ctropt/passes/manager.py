@@ -73,11 +73,15 @@ class PassManager:
                  batch: int = DEFAULT_BATCH, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, verify: bool = True,
                  strict: bool = False, options: dict | None = None,
                  on_pass: Callable[[Pass, PassRecord | None], None] | None = None,
-                 speed: SpeedCheck | bool | None = None):
-        self.passes = resolve(passes, skip, target)
-        self.target, self.feeds, self.batch = target, feeds, batch
+                 speed: SpeedCheck | bool | None = None, device: str = "cpu"):
+        self.passes = resolve(passes, skip, target, device)
+        self.target, self.device, self.feeds, self.batch = target, device, feeds, batch
         self.atol, self.rtol, self.verify, self.strict = atol, rtol, verify, strict
-        self.options = options or {}
+        self.options = dict(options or {})
+        if device == "cuda":
+            if self.options.get("ort_kernels", "off") != "off":
+                raise CtroptError("ctropt's kernels are CPU code: --device cuda needs ort_kernels=off")
+            self.options["ort_kernels"] = "off"
         self.on_pass = on_pass
         self.speed = SpeedCheck() if speed is True else (speed or None)
         self.input_facts = None  # the model's runtime.inputs facts, set by run for the passes
@@ -116,7 +120,7 @@ class PassManager:
         self.input_facts = model_input_facts(model, user_inputs=self.options.get("user_inputs", ""))
         store_input_facts(current, self.input_facts)  # id bounds outlive rewrites that hide them (fused tables)
         start = current
-        guard = SpeedGuard(self.speed, self.target, start) if self.speed else None
+        guard = SpeedGuard(self.speed, self.target, start, self.device) if self.speed else None
         current, records = self._run_line(start, reference, feeds, original_interface, guard, self.on_pass)
         result = OptimizeResult(current, records, self.verify, repairs=repairs)
         if guard is not None:
@@ -226,7 +230,7 @@ class PassManager:
         record = PassRecord(p.name, "applied", nodes_before=nodes_before, nodes_after=nodes_before)
         try:
             graph = to_graph(before)
-            ctx = PassContext(graph, self.target, dict(self.options), input_facts=self.input_facts)
+            ctx = PassContext(graph, self.target, dict(self.options), input_facts=self.input_facts, device=self.device)
             p(ctx)
             if ctx.rewrites:
                 annotate_shapes(ctx.graph)  # new values get dtypes/shapes, so later passes (and reruns) see them

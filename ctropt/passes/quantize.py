@@ -285,7 +285,7 @@ def _run_all(model: onnx.ModelProto, batches: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------------------- the pass
 
 
-@register_pass("quantize-int8", group="quantize", default=False, exact=False)
+@register_pass("quantize-int8", group="quantize", default=False, exact=False, devices=("cpu",))
 def quantize_int8(ctx: PassContext) -> None:
     """FC layers → INT8 (QDQ, calibrated), where measured faster and within the accuracy gate (opt-in: --int8)."""
     opt = ctx.options

@@ -18,6 +18,7 @@ from ..patterns import Rewrite, apply_rewrites, explain, find_matches
 
 GROUPS = ("cleanup", "fusion", "quantize", "lower")
 TARGETS = ("any", "ort", "openvino")
+DEVICES = ("cpu", "cuda")  # where an ort-target model runs: ctropt's kernels and INT8 are CPU-only, FP16 CUDA-only
 
 
 @dataclasses.dataclass
@@ -31,6 +32,7 @@ class PassContext:
     rewrites: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
     input_facts: dict | None = None  # the raw model's runtime.inputs facts, for passes that generate inputs
+    device: str = "cpu"  # where the model will run (DEVICES)
 
     def apply(self, *rules: Rewrite) -> int:
         """Run pattern rewrites to a fixpoint over the graph and its subgraphs (a rule with subgraphs=False: the
@@ -74,6 +76,7 @@ class Pass:
     exact: bool = True  # False: outputs change by design (INT8); the pass gates its own accuracy
     rules: "tuple[Rewrite, ...] | Callable[[str], list[Rewrite]]" = ()  # pattern rules (or target → rules), for explain
     speed: bool | None = None  # there for speed: the speed guard times it (None: fusion and lower passes are)
+    devices: tuple[str, ...] = DEVICES  # the devices whose models it may rewrite
 
     def rules_for(self, target: str) -> list[Rewrite]:
         """The pattern rules this pass applies for `target` (to explain why it did not fire)."""
@@ -110,6 +113,8 @@ class Pass:
             self.description = describe(self.fn.__doc__ or "")
         if self.speed is None:
             self.speed = self.group in ("fusion", "lower")
+        if not self.devices or any(d not in DEVICES for d in self.devices):
+            raise ValueError(f"pass {self.name}: devices must be some of {DEVICES}")
 
     def __call__(self, ctx: PassContext) -> None:
         """Run the pass on `ctx`; a count it returns is added to ctx.matches and ctx.rewrites."""
@@ -148,7 +153,8 @@ PIPELINE_ORDER = {
 
 
 def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int | None = None,
-                  description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None):
+                  description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None,
+                  devices: tuple[str, ...] = DEVICES):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`).
 
     rules: the pattern rules (`Rewrite`s) the pass applies with `ctx.apply(*rules)`, or a function target → rules;
@@ -157,12 +163,13 @@ def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] 
     instead: calling the Pass adds it to ctx.matches and ctx.rewrites.
 
     speed: whether the speed guard times the pass against its input (default: fusion and lower passes; a pass
-    that makes a model load or compute right on its target, rather than faster, says False)."""
+    that makes a model load or compute right on its target, rather than faster, says False).
+    devices: the devices (`--device`) whose models the pass may rewrite (default: all)."""
 
     def wrap(fn: Callable[[PassContext], int | None]) -> Pass:
         place = order if order is not None else PIPELINE_ORDER.get(name, 100)
         p = Pass(name, fn, group, tuple(targets), description, place, default, exact,
-                 rules if callable(rules) else tuple(rules), speed)
+                 rules if callable(rules) else tuple(rules), speed, tuple(devices))
         REGISTRY[name] = p
         return p
 
@@ -198,11 +205,16 @@ def load_plugin(module: str) -> None:
         raise CtroptError(f"cannot load plugin {module}: {type(e).__name__}: {e}") from None
 
 
-def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
+def resolve(passes="all", skip=(), target: str = "ort", device: str = "cpu") -> list[Pass]:
     """Turn `all`, a comma list, or a list of names/Pass objects into the passes to run, in order: a list with
-    `all` in the pipeline's order (groups, then PIPELINE_ORDER), any other list as given."""
+    `all` in the pipeline's order (groups, then PIPELINE_ORDER), any other list as given. A pass named for a
+    device it does not serve is an error; `all` leaves such passes out."""
     if target not in TARGETS[1:]:
         raise CtroptError(f"unknown target {target!r}; choose one of {', '.join(TARGETS[1:])}")
+    if device not in DEVICES:
+        raise CtroptError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device != "cpu" and target != "ort":
+        raise CtroptError(f"--device {device} is for --target ort (onnxruntime's CUDA execution provider)")
     if isinstance(passes, str):
         passes = [p.strip() for p in passes.split(",") if p.strip()]
     skip = [s.strip() for s in (skip.split(",") if isinstance(skip, str) else skip) if s.strip()]
@@ -212,10 +224,13 @@ def resolve(passes="all", skip=(), target: str = "ort") -> list[Pass]:
     chosen: list[Pass] = []
     for p in passes:
         if p == "all":
-            chosen += sorted((q for q in REGISTRY.values() if q.default and q.applies_to(target)),
-                             key=lambda q: q.sort_key)
+            chosen += sorted((q for q in REGISTRY.values()
+                              if q.default and q.applies_to(target) and device in q.devices), key=lambda q: q.sort_key)
         else:
             chosen.append(REGISTRY[p] if isinstance(p, str) else p)
+            if device not in chosen[-1].devices:
+                raise CtroptError(f"{chosen[-1].name} is for --device {' or '.join(chosen[-1].devices)}, "
+                                  f"not {device}")
     seen, result = set(), []
     for p in chosen:
         if p.name not in skip and p.name not in seen:

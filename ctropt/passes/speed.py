@@ -30,6 +30,7 @@ import onnx
 
 from ..graph import CtroptError, iter_proto_nodes
 from ..runtime import Runner, compare_outputs, generate_inputs
+from ..runtime.session import check_backend
 from ..runtime.bench import SpeedVerdict, compare_speed
 from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
 
@@ -62,9 +63,10 @@ def fused_op_counts(model: onnx.ModelProto) -> collections.Counter:
 class SpeedGuard:
     """Checkpoints and measurements for one PassManager run on one target."""
 
-    def __init__(self, check: SpeedCheck, target: str, model: onnx.ModelProto):
+    def __init__(self, check: SpeedCheck, target: str, model: onnx.ModelProto, device: str = "cpu"):
         self.check = check
-        self.backend = "openvino-cpu" if target == "openvino" else "ort-cpu"
+        self.backend = "openvino-cpu" if target == "openvino" else f"ort-{device}"
+        check_backend(self.backend)  # the GPU: where onnxruntime has no CUDA provider the caller turns the guard off
         one_user = any(f.is_user for f in stored_input_facts(model).values())   # declared: requests of one user
         self.feeds = check.feeds if check.feeds is not None else generate_inputs(
             model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN, one_user=one_user)

@@ -16,6 +16,7 @@ from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_v
 BACKENDS = {
     "ort-cpu": ("ort", "CPUExecutionProvider"),
     "ort-cuda": ("ort", "CUDAExecutionProvider"),
+    "ort-trt": ("ort", "TensorrtExecutionProvider"),
     "ort-openvino": ("ort", "OpenVINOExecutionProvider"),
     "openvino-cpu": ("openvino", "CPU"),
     "openvino-gpu": ("openvino", "GPU"),
@@ -23,6 +24,7 @@ BACKENDS = {
 PRECISIONS = ("f32", "f16", "bf16")
 _INSTALL_HINT = {
     "CUDAExecutionProvider": "install onnxruntime-gpu on a machine with an NVIDIA GPU and CUDA",
+    "TensorrtExecutionProvider": "install onnxruntime-gpu and TensorRT's libraries on a machine with an NVIDIA GPU",
     "OpenVINOExecutionProvider": "install its plugin: pip install onnxruntime-ep-openvino",
     "GPU": "OpenVINO needs an Intel GPU and its driver",
 }
@@ -71,19 +73,43 @@ _PLUGINS_REGISTERED: list[str] = []
 def available_backends() -> dict[str, str]:
     """Every backend with 'available' or the reason it is not."""
     import onnxruntime as ort
-    import openvino as ov
 
     providers = set(ort.get_available_providers())
-    devices = set(ov.Core().available_devices)
+    try:
+        import openvino as ov
+
+        devices, no_openvino = set(ov.Core().available_devices), ""
+    except ImportError:   # a GPU image with onnxruntime-gpu alone
+        devices, no_openvino = set(), "pip install openvino"
     status = {}
     for name, (runtime, device) in BACKENDS.items():
         present = device in providers if runtime == "ort" else any(d.split(".")[0] == device for d in devices)
-        why = _INSTALL_HINT.get(device, "missing")
+        why = (runtime == "openvino" and no_openvino) or _INSTALL_HINT.get(device, "missing")
+        if present and device == "TensorrtExecutionProvider" and not _tensorrt_loads():
+            present, why = False, "onnxruntime-gpu has the provider, but TensorRT's libnvinfer does not load here " \
+                                  "(install tensorrt)"
         if not present and device == "OpenVINOExecutionProvider":   # the plugin package, not a build of its own
             plugin, why = openvino_plugin_devices()
             present = bool(plugin)
         status[name] = "available" if present else f"not available: {why}"
     return status
+
+
+def _tensorrt_loads() -> bool:
+    """onnxruntime-gpu lists its TensorRT provider wherever the wheel has it; sessions then fall back to CUDA with
+    a banner when TensorRT's own library is missing. Loadable: on the library path, or pip's tensorrt-libs."""
+    import ctypes
+    import importlib
+
+    try:
+        ctypes.CDLL("libnvinfer.so.10")
+        return True
+    except OSError:
+        try:
+            importlib.import_module("tensorrt_libs")   # pip's TensorRT: importing it loads its libraries
+            return True
+        except ImportError:
+            return False
 
 
 def check_backend(backend: str) -> None:
@@ -98,7 +124,8 @@ class Runner:
     """One loaded model on one backend; `run(feeds)` returns {output name: array}.
 
     threads: 0 = the runtime's default (all cores). precision: an OpenVINO inference precision hint (default f32,
-    which OpenVINO's CPU default is not where the CPU has bf16).
+    which OpenVINO's CPU default is not where the CPU has bf16); on ort-trt, f16 builds FP16 TensorRT engines. The
+    other onnxruntime backends run the model's own types (an FP16 model: `ctropt optimize --precision f16`).
     initializers: {name: onnxruntime.OrtValue} used instead of the model's own (onnxruntime; the caller keeps
     them alive), so that several sessions hold one copy of the same weights.
     """
@@ -108,7 +135,10 @@ class Runner:
         check_backend(backend)
         if precision is not None and precision not in PRECISIONS:
             raise CtroptError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-        self.backend = backend
+        if precision not in (None, "f32") and backend.startswith("ort") and (backend, precision) != ("ort-trt", "f16"):
+            raise CtroptError(f"{backend} runs the model's own types: make an FP16 model with "
+                              "`ctropt optimize --device cuda --precision f16`, or use ort-trt or openvino")
+        self.backend, self.precision = backend, precision
         runtime, device = BACKENDS[backend]
         self._tmp = None
         source = model
@@ -153,7 +183,7 @@ class Runner:
             opts.add_provider_for_devices(devices, {"num_of_threads": str(threads)} if threads else {})
             self._sess = ort.InferenceSession(source, opts)
         else:
-            self._sess = ort.InferenceSession(source, opts, providers=[provider])
+            self._sess = ort.InferenceSession(source, opts, providers=_providers(provider, self.precision))
         self.output_names = [o.name for o in self._sess.get_outputs()]
 
     def _init_openvino(self, source, device, threads, precision):
@@ -184,6 +214,20 @@ class Runner:
             return {name: np.asarray(results[out]) for name, out in zip(self.output_names, self._compiled.outputs)}
         except Exception as e:
             raise CtroptError(f"{self.backend} failed to run the model: {_first_line(e)}") from None
+
+
+def _providers(provider: str, precision: str | None) -> list:
+    """onnxruntime's provider list for one backend, the CPU last for the ops a GPU provider lacks. CUDA computes
+    FP32 MatMuls in FP32 (not TF32, onnxruntime's default), so an FP32 model keeps its outputs; TensorRT builds FP16
+    engines where precision f16 asks for them and caches them beside the temporary files."""
+    if provider == "CPUExecutionProvider":
+        return [provider]
+    cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
+    if provider == "CUDAExecutionProvider":
+        return [cuda, "CPUExecutionProvider"]
+    trt = {"trt_fp16_enable": "1" if precision == "f16" else "0", "trt_engine_cache_enable": "1",
+           "trt_engine_cache_path": os.path.join(tempfile.gettempdir(), "ctropt-trt-cache")}
+    return [(provider, trt), cuda, "CPUExecutionProvider"]
 
 
 def run_model(model: onnx.ModelProto | str, feeds: dict[str, np.ndarray], backend: str = "ort-cpu") -> dict:

@@ -219,7 +219,10 @@ ORT_RULES = _ort_rules()
 def lower_rnn_ort(ctx: PassContext) -> None:
     """ai.ctropt sequence ops → ctropt's GRUScan kernel where its library loads (the saved model then needs it at
     run time: `ctropt.kernels.register`), else onnxruntime's fastest measured stock form (lean Scan with X·W
-    hoisted, GRU op at small batch); rnn_ort_form picks one (kernel, standard, scan, gru-op)."""
+    hoisted, GRU op at small batch); rnn_ort_form picks one (kernel, standard, scan, gru-op).
+
+    --device cuda gets the standard form too: the GRU op (cuDNN) at every batch measured 0.26× at batch 4096 on
+    zoo dien_tf (H100, benchmarks/RESULTS.md's GPU section)."""
     form = ctx.options.get("rnn_ort_form") or ("auto" if kernels.wanted(ctx.options) else "standard")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
