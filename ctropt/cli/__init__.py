@@ -550,10 +550,12 @@ def verify(
 
 def _check_table(checks, title: str) -> bool:
     table = Table(title=title)
-    for col in ("batch", "seq len", "max abs err", "ok"):
+    ids = any(c.ids for c in checks)  # ids computed from strings, compared exactly
+    for col in ("batch", "seq len", "max abs err") + (("ids from strings",) if ids else ()) + ("ok",):
         table.add_column(col)
     for c in checks:
         table.add_row(str(c.batch), str(c.seq_len or "-"), f"{c.max_abs_err:.2e}",
+                      *([f"{c.ids} equal" if "ids differ" not in c.detail else "[red]differ[/]"] if ids else []),
                       "[green]yes[/]" if c.ok else f"[red]NO[/] {escape(c.detail)}")
     console.print(table)
     ok = all(c.ok for c in checks)
