@@ -1,8 +1,8 @@
 """String features: tf2onnx's ai.onnx.contrib ops run by onnxruntime-extensions (hash buckets, vocabularies, split).
 
 The shipped zoo exports (wdl_strings, din_strings) run without TensorFlow; the exact-id checks against TensorFlow
-export a small function and skip without it. Everything skips where onnxruntime-extensions is not installed (its
-library is looked up without importing the package: 0.14's __init__ imports transformers).
+export a small function and skip without it. What runs a model skips where onnxruntime-extensions is not installed
+(its library is looked up without importing the package: 0.14's __init__ imports transformers).
 """
 
 import numpy as np
@@ -15,8 +15,8 @@ from ctropt.graph import CtroptError, export_graph, interface, load, to_graph
 from ctropt.runtime import Runner, compare_outputs, generate_inputs, model_input_facts, strings
 from ctropt.runtime.inputs import InputFacts
 
-pytestmark = pytest.mark.skipif(not strings.available(), reason=f"{strings.PACKAGE} not installed: "
-                                f"pip install '{strings.REQUIREMENT}'")
+needs_library = pytest.mark.skipif(not strings.available(), reason=f"{strings.PACKAGE} not installed: "
+                                   f"pip install '{strings.REQUIREMENT}'")
 
 # what TensorFlow users feed: seen and unseen, empty, other scripts, emoji, long, whitespace
 SAMPLE = ["", " ", "us", "de", "zz-unseen", "user_42", "héllo", "日本語", "🙂", "x" * 300, "tab\tsep", "a|b", "a||b|",
@@ -29,10 +29,12 @@ def shipped(name):
         return load(path), {k: f[k] for k in f.files}, {k: r[k] for k in r.files}
 
 
+@needs_library
 def test_installed_library_hashes_like_tensorflow():
     assert strings.hashes_like_tensorflow(), f"{strings.PACKAGE} {strings.version()} does not hash as TensorFlow"
 
 
+@needs_library
 @pytest.mark.parametrize("name", zoo.STRINGS)
 def test_runner_registers_the_library_and_matches_tensorflow(name):
     model, feeds, reference = shipped(name)
@@ -48,6 +50,7 @@ def test_missing_library_is_a_clear_error(monkeypatch):
         Runner(model)
 
 
+@needs_library
 def test_a_library_that_hashes_otherwise_is_refused(monkeypatch):
     model, _, _ = shipped("wdl_strings")
     monkeypatch.setattr(strings, "hashes_like_tensorflow", lambda: False)
@@ -55,6 +58,7 @@ def test_a_library_that_hashes_otherwise_is_refused(monkeypatch):
         Runner(model)
 
 
+@needs_library
 @pytest.mark.parametrize("name", zoo.STRINGS)
 def test_optimize_all_passes_keeps_outputs(name):
     model, feeds, reference = shipped(name)
@@ -66,6 +70,7 @@ def test_optimize_all_passes_keeps_outputs(name):
     assert all(d.ok for d in diffs), diffs
 
 
+@needs_library
 def test_string_constants_survive_a_graph_round_trip():
     model, feeds, reference = shipped("wdl_strings")
     graph = to_graph(model)
@@ -124,6 +129,7 @@ def _frozen(tf, keep_init=True):
             return tf.compat.v1.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(), names), init
 
 
+@needs_library
 def test_export_ids_equal_tensorflow_on_unseen_and_empty_strings():
     tf = pytest.importorskip("tensorflow")
     from ctropt.exporters.common import check_export
@@ -140,6 +146,7 @@ def test_export_ids_equal_tensorflow_on_unseen_and_empty_strings():
     assert all(c.ok and c.ids > 0 for c in checks), checks  # ids compared inside the graph too
 
 
+@needs_library
 def test_a_frozen_graph_without_its_table_initializer_is_a_clear_error():
     tf = pytest.importorskip("tensorflow")
     from ctropt.exporters.tf import from_graph_def
