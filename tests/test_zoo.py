@@ -9,7 +9,7 @@ from ctropt.cli import app
 from ctropt.exporters import zoo
 from ctropt.graph import CtroptError, interface, load, to_graph
 from ctropt.inspect import ctr_structures, recurrent_structures
-from ctropt.runtime import Runner, compare_outputs
+from ctropt.runtime import Runner, compare_outputs, strings
 
 SHIPPED = [(name, fw) for name, e in zoo.ENTRIES.items() for fw in e.frameworks]
 runner = CliRunner()
@@ -24,7 +24,10 @@ STRUCTURES = {
     ("din", "torch"): [("padded attention", 1)],
     ("dien", "torch"): [("GRU op", 1), ("unrolled chain", 2)],
     ("mmoe", "tf"): [],
+    ("wdl_strings", "tf"): [],
+    ("din_strings", "tf"): [("padded attention", 1)],
 }
+NEEDS_STRINGS = "onnxruntime-extensions is not installed (string features)"
 
 
 def npz(path):
@@ -34,6 +37,8 @@ def npz(path):
 
 @pytest.mark.parametrize("name, framework", SHIPPED)
 def test_shipped_export_matches_its_framework_and_optimizes(name, framework):
+    if name in zoo.STRINGS and not strings.available():
+        pytest.skip(NEEDS_STRINGS)
     path = zoo.shipped_path(name, framework)
     model = load(path)
     feeds, framework_out = npz(path.with_suffix(".npz")), npz(path.with_suffix(".ref.npz"))
@@ -66,6 +71,8 @@ def test_zoo_cli_list_and_shipped_build(tmp_path):
 @pytest.mark.parametrize("name", [n for n, e in zoo.ENTRIES.items() if "tf" in e.frameworks])
 def test_rebuild_from_tensorflow_matches_at_every_batch_and_length(name):
     pytest.importorskip("tensorflow")
+    if name in zoo.STRINGS and not strings.available():
+        pytest.skip(NEEDS_STRINGS)
     _, _, checks = zoo.build_and_check(name, "tf")
     expected = 6 if zoo.ENTRIES[name].sequence else 3  # batch 1, 7, 256 (x two history lengths)
     assert len(checks) == expected and all(c.ok and c.max_abs_err <= 1e-5 for c in checks), checks

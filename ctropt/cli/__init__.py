@@ -246,12 +246,18 @@ def _print_runtime_needs(result) -> None:
     """Which form the recurrent layers took on onnxruntime: ctropt's kernels (the saved model needs the library)
     or stock ops, and why."""
     from .. import kernels
+    from ..runtime import strings
 
     if kernels.uses_kernels(result.model):
         used = sorted({n.op_type for n in iter_proto_nodes(result.model.graph) if n.domain == kernels.DOMAIN})
         console.print(f"[cyan]kernels:[/] {', '.join(used)} run as ctropt's kernels; onnxruntime needs "
                       f"{kernels.library_path()} registered (ctropt's own sessions and `ctropt repository` do it; "
                       "other code: ctropt.kernels.register(session_options))")
+    if strings.uses_strings(result.model):
+        used = sorted({n.op_type for n in iter_proto_nodes(result.model.graph) if n.domain == strings.DOMAIN})
+        console.print(f"[cyan]strings:[/] {', '.join(used)} run in onnxruntime-extensions {strings.version()}; "
+                      f"onnxruntime needs {strings.library_path()} registered (ctropt's sessions do it; other "
+                      "code: ctropt.runtime.strings.register(session_options))")
     for r in result.records:
         for note in r.notes if r.name == "lower-rnn-ort" and r.status == "applied" else ():
             if note.startswith("standard ops"):
@@ -581,10 +587,12 @@ def verify(
 
 def _check_table(checks, title: str) -> bool:
     table = Table(title=title)
-    for col in ("batch", "seq len", "max abs err", "ok"):
+    ids = any(c.ids for c in checks)  # ids computed from strings, compared exactly
+    for col in ("batch", "seq len", "max abs err") + (("ids from strings",) if ids else ()) + ("ok",):
         table.add_column(col)
     for c in checks:
         table.add_row(str(c.batch), str(c.seq_len or "-"), f"{c.max_abs_err:.2e}",
+                      *([f"{c.ids} equal" if "ids differ" not in c.detail else "[red]differ[/]"] if ids else []),
                       "[green]yes[/]" if c.ok else f"[red]NO[/] {escape(c.detail)}")
     console.print(table)
     ok = all(c.ok for c in checks)

@@ -23,6 +23,10 @@ class Export:
     model: onnx.ModelProto
     run_framework: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
     exporter: str
+    # the framework's ids computed from strings (hash buckets, vocabulary lookups): tensors the ONNX graph computes
+    # under the same names, and the framework's values of them; check_export compares them exactly
+    id_names: tuple[str, ...] = ()
+    ids: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
 
 
 @dataclasses.dataclass
@@ -32,6 +36,7 @@ class ExportCheck:
     max_abs_err: float
     ok: bool
     detail: str = ""
+    ids: int = 0  # ids computed from strings, compared exactly (all equal when ok)
 
 
 def strip_port_suffixes(model: onnx.ModelProto) -> None:
@@ -64,19 +69,37 @@ def name_dims(model: onnx.ModelProto, sequence_inputs=()) -> None:
 
 def check_export(export: Export, sample, *, batches=CHECK_BATCHES, seq_lens=(None,), atol: float = CHECK_ATOL,
                  seed: int = 0) -> list[ExportCheck]:
-    """Run the ONNX model in onnxruntime and the framework on the same sample batches; compare every output.
+    """Run the ONNX model in onnxruntime and the framework on the same sample batches; compare every output,
+    and the ids computed from strings exactly (`Export.ids`).
 
     `sample(batch, seq_len, rng)` makes the feeds (seq_len None: the model's default).
     """
-    runner = Runner(export.model)
+    id_names = list(export.id_names) if export.ids else []
+    runner = Runner(_with_outputs(export.model, id_names))
     checks = []
     for seq_len in seq_lens:
         for batch in batches:
             feeds = sample(batch, seq_len, np.random.default_rng(seed + batch))
             framework = export.run_framework(feeds)
             got = runner.run(feeds)
-            diffs = compare_outputs(framework, got, atol=atol, rtol=0.0)
+            diffs = compare_outputs(framework, {k: got[k] for k in framework}, atol=atol, rtol=0.0)
             err = max((d.max_abs for d in diffs), default=0.0)
             bad = [f"{d.name}: {d.reason}" for d in diffs if not d.ok]
-            checks.append(ExportCheck(batch, seq_len, err, not bad, "; ".join(bad)))
+            expected_ids = export.ids(feeds) if id_names else {}
+            for name, want in expected_ids.items():
+                differ = int(np.sum(np.asarray(got[name]) != want)) if got[name].shape == want.shape else want.size
+                if differ:
+                    bad.append(f"{name}: {differ} of {want.size} ids differ from the framework's")
+            count = sum(v.size for v in expected_ids.values())
+            checks.append(ExportCheck(batch, seq_len, err, not bad, "; ".join(bad), count))
     return checks
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy of `model` that also outputs the int64 tensors `names` (the ids computed from strings)."""
+    if not names:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT64, None) for n in names)
+    return copy

@@ -7,12 +7,14 @@ original in TensorFlow, so `check_export` can compare the two.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 import numpy as np
 import onnx
 
 from ..graph import CtroptError
+from ..runtime import strings
 from .common import DEFAULT_OPSET, Export, name_dims, strip_port_suffixes
 
 
@@ -31,28 +33,121 @@ def _port(name: str) -> str:
 
 def from_graph_def(graph_def, inputs: list[str], outputs: list[str], *, opset: int = DEFAULT_OPSET,
                    sequence_inputs: tuple[str, ...] = ()) -> Export:
-    """A frozen GraphDef (variables already constants) with named placeholders and outputs."""
-    tf = _tf()
-    import tf2onnx
+    """A frozen GraphDef (variables already constants) with named placeholders and outputs.
 
+    String ops go to the ai.onnx.contrib domain (onnxruntime-extensions runs them); lookup tables are read
+    from the graph after its table initializers ran (frozen with them: e.g. 'init_all_tables' kept) and
+    become CategoryMapper."""
+    tf = _tf()
     inputs, outputs = [_port(n) for n in inputs], [_port(n) for n in outputs]
-    try:
-        model, _ = tf2onnx.convert.from_graph_def(graph_def, input_names=inputs, output_names=outputs, opset=opset)
-    except Exception as e:  # tf2onnx raises anything from ValueError to KeyError on unsupported graphs
-        raise CtroptError(f"tf2onnx could not convert the graph: {type(e).__name__}: {e}") from None
-    model = _finish(model, sequence_inputs)
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
     session = tf.compat.v1.Session(graph=graph)
+    tables = _tables(graph_def, graph, session)
+    try:
+        model = _convert_graph_def(graph_def, inputs, outputs, opset, tables)
+    except CtroptError:
+        raise
+    except Exception as e:  # tf2onnx raises anything from ValueError to KeyError on unsupported graphs
+        raise CtroptError(f"tf2onnx could not convert the graph: {type(e).__name__}: {e}") from None
+    model = _finish(model, sequence_inputs)
     fetches = [graph.get_tensor_by_name(n) for n in outputs]
     out_names = [n.split(":")[0] for n in outputs]
 
-    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = session.run(fetches, {graph.get_tensor_by_name(_port(k)): v for k, v in feeds.items()})
-        return dict(zip(out_names, values))
+    def feed(feeds):
+        return {graph.get_tensor_by_name(_port(k)): v for k, v in feeds.items()}
 
-    return Export(model, run, "tf2onnx")
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(out_names, session.run(fetches, feed(feeds))))
+
+    id_names = _id_tensors(graph_def, model)
+
+    def ids(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(id_names, session.run([graph.get_tensor_by_name(n) for n in id_names], feed(feeds))))
+
+    return Export(model, run, "tf2onnx", tuple(id_names), ids if id_names else None)
+
+
+# TensorFlow ops that take strings, which tf2onnx converts only with the ai.onnx.contrib opset
+STRING_OPS = {"StringToHashBucketFast", "StringSplit", "StringSplitV2", "StaticRegexReplace", "StringJoin",
+              "ReduceJoin", "StringToHashBucket", "StringToHashBucketStrong"}
+TABLE_INIT_OPS = {"InitializeTableV2", "InitializeTableFromTextFileV2", "LookupTableImportV2"}
+# ops whose output is an id computed from a string (compared exactly with TensorFlow's by check_export)
+ID_OPS = {"StringToHashBucketFast", "LookupTableFindV2"}
+
+
+def _has_strings(graph_def) -> bool:
+    """The graph takes or hashes strings: a string placeholder or a string op."""
+    string = 7  # tf.string's DataType enum
+    return any(n.op in STRING_OPS or (n.op == "Placeholder" and n.attr["dtype"].type == string)
+               for n in graph_def.node)
+
+
+def _tables(graph_def, graph, session) -> dict:
+    """{shared name: (keys, values)} of every lookup table, read after running the graph's table initializers."""
+    tf = _tf()
+    from tensorflow.python.ops import lookup_ops
+
+    nodes = [n for n in graph_def.node if n.op in ("HashTableV2", "MutableHashTableV2")]
+    if not nodes:
+        return {}
+    inits = [n.name for n in graph_def.node if n.op in TABLE_INIT_OPS]
+    if not inits:
+        raise CtroptError("the graph looks strings up in tables but holds no table initializer: freeze it with "
+                          "the tables' init op among the output nodes (tf.compat.v1.tables_initializer's, e.g. "
+                          "'init_all_tables')")
+    session.run([graph.get_operation_by_name(n) for n in inits])
+    tables = {}
+    with graph.as_default():
+        for n in nodes:
+            handle = graph.get_operation_by_name(n.name).outputs[0]
+            keys, values = lookup_ops.lookup_table_export_v2(
+                handle, tf.as_dtype(n.attr["key_dtype"].type), tf.as_dtype(n.attr["value_dtype"].type))
+            tables[n.attr["shared_name"].s] = tuple(session.run([keys, values]))
+    return tables
+
+
+def _convert_graph_def(graph_def, inputs, outputs, opset, tables) -> onnx.ModelProto:
+    """tf2onnx on a frozen graph, with the contrib opset when it has strings. With tables, through
+    tf2onnx's `_convert_common`, as its own checkpoint/Keras paths do: its public from_graph_def passes none."""
+    import tf2onnx
+    from tf2onnx import tf_loader
+
+    extra = [onnx.helper.make_opsetid(strings.DOMAIN, 1)] if _has_strings(graph_def) else None
+    if extra:  # "Cannot infer shape for .../LookupTableFindV2" for every table: not the user's business
+        logging.getLogger("tf2onnx.shape_inference").setLevel(logging.ERROR)
+    if not tables:
+        model, _ = tf2onnx.convert.from_graph_def(graph_def, input_names=inputs, output_names=outputs,
+                                                  opset=opset, extra_opset=extra)
+        return _drop_unused_contrib(model)
+    convert = getattr(tf2onnx.convert, "_convert_common", None)
+    if convert is None:
+        raise CtroptError(f"tf2onnx {tf2onnx.__version__} has no _convert_common: lookup tables need tf2onnx 1.16/1.17")
+    tf = _tf()
+    with tf.Graph().as_default():
+        optimized = tf_loader.tf_optimize(inputs, outputs, graph_def)
+    model, _ = convert(optimized, name="tf2onnx", continue_on_error=True, opset=opset, extra_opset=extra,
+                       input_names=inputs, output_names=outputs, initialized_tables=tables)
+    return _drop_unused_contrib(model)
+
+
+def _drop_unused_contrib(model: onnx.ModelProto) -> onnx.ModelProto:
+    """No ai.onnx.contrib import where no node uses it (a string placeholder that only a table reads)."""
+    if not strings.uses_strings(model):
+        kept = [o for o in model.opset_import if o.domain != strings.DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+    return model
+
+
+def _id_tensors(graph_def, model: onnx.ModelProto) -> list[str]:
+    """TensorFlow tensors that turn strings into ids and that the ONNX graph computes under the same name."""
+    produced = {o for n in model.graph.node for o in n.output}
+    string = 7
+    names = [f"{n.name}:0" for n in graph_def.node if n.op in ID_OPS
+             and (n.op != "LookupTableFindV2" or n.attr["Tin"].type == string)]
+    return [n for n in names if n in produced]
 
 
 def from_function(fn, input_signature, *, opset: int = DEFAULT_OPSET, sequence_inputs: tuple[str, ...] = ()) -> Export:
@@ -62,10 +157,13 @@ def from_function(fn, input_signature, *, opset: int = DEFAULT_OPSET, sequence_i
 
     function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
     try:
-        model, _ = tf2onnx.convert.from_function(function, input_signature=input_signature, opset=opset)
+        graph_def = function.get_concrete_function(*input_signature).graph.as_graph_def()
+        extra = [onnx.helper.make_opsetid(strings.DOMAIN, 1)] if _has_strings(graph_def) else None
+        model, _ = tf2onnx.convert.from_function(function, input_signature=input_signature, opset=opset,
+                                                 extra_opset=extra)
     except Exception as e:
         raise CtroptError(f"tf2onnx could not convert the function: {type(e).__name__}: {e}") from None
-    model = _finish(model, sequence_inputs)
+    model = _finish(_drop_unused_contrib(model), sequence_inputs)
     names = [spec.name for spec in input_signature]
     out_names = [o.name for o in model.graph.output]
 

@@ -9,8 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 from google.protobuf.message import DecodeError
 
 # The highest versions onnxruntime 1.31 loads (tests/test_graph.py checks the installed runtime loads them):
@@ -30,6 +32,7 @@ KNOWN_DOMAINS = {
     "com.microsoft.nchwc",
     "ai.ctropt",
     "ai.ctropt.kernels",  # ctropt's onnxruntime kernel library (ctropt.kernels)
+    "ai.onnx.contrib",  # tf2onnx's string ops, run by onnxruntime-extensions (ctropt.runtime.strings)
 }
 
 
@@ -336,10 +339,23 @@ def strip_identity(t: gs.Tensor) -> gs.Tensor:
     return t
 
 
+def export_graph(graph: gs.Graph) -> onnx.ModelProto:
+    """gs.export_onnx (no type check), string constants included: onnx-graphsurgeon 0.6 writes a constant whose
+    values were read as raw bytes, which onnx refuses for strings (the separators, vocabularies and "" of string
+    features), so those go back as the TensorProtos onnx makes of them."""
+    for g in [graph, *graph.subgraphs(recursive=True)]:
+        constants = [t for t in g.tensors().values() if isinstance(t, gs.Constant)]
+        constants += [a for n in g.nodes for a in n.attrs.values() if isinstance(a, gs.Constant)]
+        for t in constants:
+            if isinstance(t._values, np.ndarray) and t._values.dtype.kind in "OUS":
+                t._values = LazyValues(onnx.numpy_helper.from_array(t._values.astype(object), t.name))
+    return gs.export_onnx(graph, do_type_check=False)
+
+
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     """Export a graphsurgeon graph, keeping `like`'s model-level fields and opset imports."""
     graph.toposort(recurse_subgraphs=True, mode="nodes")  # "full" also sorts functions: recursion bug in gs 0.6.1
-    model = gs.export_onnx(graph, do_type_check=False)
+    model = export_graph(graph)
     opsets = {o.domain: o.version for o in like.opset_import}
     for o in model.opset_import:
         opsets.setdefault(o.domain, o.version)
@@ -396,7 +412,7 @@ def annotate_shapes(graph: gs.Graph) -> tuple[int, str]:
 
     Graph inputs and outputs are never touched. Returns (values annotated, reason if inference could not run).
     """
-    model = gs.export_onnx(graph, do_type_check=False)
+    model = export_graph(graph)
     if model.ByteSize() > PROTOBUF_LIMIT - (1 << 20):
         return 0, "model over 2 GiB: shape inference skipped"
     try:

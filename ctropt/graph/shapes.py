@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from . import iter_proto_graphs
+from . import export_graph, iter_proto_graphs
 from .edit import const_value
 
 
@@ -28,7 +28,7 @@ class Shapes:
         if self._inferred is None:
             self._inferred = {}
             try:
-                model = gs.export_onnx(self.graph, do_type_check=False)
+                model = export_graph(self.graph)
                 model = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
             except Exception:  # best effort: annotations only
                 return self._inferred

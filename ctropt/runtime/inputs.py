@@ -50,6 +50,8 @@ class InputFacts:
     additive: bool = False  # a mask added to the scores: 0 where valid, -1e9 where padded (PaddleRec's readers)
     zero_row: bool = False  # looked up in a table whose row 0 is zeros (torch's padding_idx=0)
     is_user: bool = False  # declared user side (`--user-inputs`): one value per user, the same for a request's rows
+    vocab: list[str] = dataclasses.field(default_factory=list)  # strings a vocabulary (CategoryMapper) knows (some)
+    separator: str | None = None  # strings split on this (StringSplit): each value joins several tokens
 
     def bound(self, bound: int, region: tuple[int, int] | None):
         bound = max(int(bound), 1)
@@ -81,7 +83,8 @@ class InputFacts:
         return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
                    {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
                    set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")),
-                   bool(d.get("additive")), is_user=bool(d.get("is_user")))
+                   bool(d.get("additive")), is_user=bool(d.get("is_user")), vocab=list(d.get("vocab", [])),
+                   separator=d.get("separator"))
 
 
 def store_input_facts(model: onnx.ModelProto, facts: dict[str, InputFacts]) -> None:
@@ -177,6 +180,8 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
             _follow(node.outputs[0], offset, _slice_region(node, region, shape), facts, seen, None)
         elif _compares_with_zero(node, pos) and region is None and offset == 0:
             facts.padded = True
+        elif op in ("CategoryMapper", "StringSplit") and pos == [0]:
+            _string_facts(node, facts)
         elif (op in _COMPARE and not _validity_check(node, pos)) or (op in ("GRU", "LSTM", "RNN") and 4 in pos):
             facts.length(region)
         elif op in ("Loop", "Scan"):
@@ -203,12 +208,33 @@ def _added(t: gs.Tensor, depth: int = 0) -> bool:
 
 
 def _compares_with_zero(node: gs.Node, pos: list[int]) -> bool:
-    """`id == 0`, `id != 0` or `id > 0`: the graph masks a history whose padding id is 0."""
+    """`id == 0`, `id != 0` or `id > 0`: the graph masks a history whose padding id is 0 (or "": StringEqual)."""
     if len(node.inputs) != 2 or len(pos) != 1:
         return False
     other = const_value(node.inputs[1 - pos[0]])
-    zero = other is not None and other.size == 1 and float(np.asarray(other).ravel()[0]) == 0
-    return zero and (node.op in ("Equal", "NotEqual") or (node.op, pos[0]) in (("Greater", 0), ("Less", 1)))
+    if other is None or other.size != 1:
+        return False
+    value = np.asarray(other).ravel()[0]
+    if other.dtype.kind in "OUS":
+        return node.op in ("Equal", "StringEqual") and (value.decode() if isinstance(value, bytes) else value) == ""
+    return float(value) == 0 and (node.op in ("Equal", "NotEqual") or (node.op, pos[0]) in (("Greater", 0), ("Less", 1)))
+
+
+VOCAB_KEPT = 256  # vocabulary strings kept in the facts (and in an optimized model's metadata)
+
+
+def _string_facts(node: gs.Node, facts: InputFacts) -> None:
+    """A vocabulary's strings (CategoryMapper) or the separator a string is split on (StringSplit)."""
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    if node.op == "CategoryMapper":
+        known = [text(v) for v in node.attrs.get("cats_strings", [])]
+        facts.vocab = (facts.vocab + [v for v in known if v not in facts.vocab])[:VOCAB_KEPT]
+    elif len(node.inputs) > 1:
+        sep = const_value(node.inputs[1])
+        if sep is not None and sep.size == 1:
+            facts.separator = text(np.asarray(sep).ravel()[0])
 
 
 def _validity_check(node: gs.Node, pos: list[int]) -> bool:
@@ -393,7 +419,7 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths,
     if dtype == np.bool_:
         return rng.random(shape) < 0.5
     if dtype.kind in "OUS":
-        return rng.choice(np.array([f"tok{i}" for i in range(20)], dtype=object), size=shape)
+        return _strings(rng, shape, f, prefix if has_lengths and len(shape) >= 2 else None)
     if np.issubdtype(dtype, np.integer) or f.upper is not None:
         high = f.upper if f.upper is not None else 100
         ids = rng.integers(0, high, size=shape)
@@ -410,6 +436,37 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths,
     if f.length_columns and len(shape) == 2:
         _length_columns(values, f, lengths if f.history_len(time_len) == time_len else None, rng, fill_user)
     return values
+
+
+UNSEEN = ["unseen-7f3a", "ünïcödé", "日本語の値", "🙂", "x" * 40]  # strings no vocabulary holds
+
+
+def _strings(rng, shape, f: InputFacts, prefix) -> np.ndarray:
+    """String features as traffic sends them: a vocabulary's words (or ids like 's123' where the graph hashes),
+    about 10 % unseen (other scripts too) and 5 % empty, at least one of each; '|'-joined 0..4 tokens where the
+    graph splits on a separator (an empty row, a trailing separator); "" past each row's length in a padded history.
+    """
+    pool = np.array(f.vocab or [f"s{i}" for i in range(500)], dtype=object)
+
+    def draw(size):
+        out = pool[rng.integers(0, len(pool), size=size)]
+        roll = rng.random(size)
+        out = np.where(roll < 0.1, np.array(UNSEEN, dtype=object)[rng.integers(0, len(UNSEEN), size=size)], out)
+        return np.where(roll > 0.95, "", out)
+
+    values = draw(shape)
+    if f.separator is not None:
+        counts = rng.integers(0, 5, size=values.size)
+        values = np.array([f.separator.join(draw(int(c))) for c in counts], dtype=object).reshape(shape)
+        if values.size >= 3:
+            values.flat[2] += f.separator
+    flat = values.reshape(-1)
+    if flat.size >= 2:
+        flat[rng.choice(flat.size, 2, replace=False)] = [UNSEEN[int(rng.integers(len(UNSEEN)))], ""]
+    if prefix is not None:
+        valid = np.broadcast_to(prefix, shape)
+        values = np.where(valid, np.where(values == "", pool[0], values), "")  # "" is the padding only
+    return values.astype(str)
 
 
 def _both_ends(flat: np.ndarray, high: int, rng) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 
 from .. import kernels
+from . import strings
 from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save
 
 # backend -> (runtime, device or execution provider)
@@ -145,6 +146,7 @@ class Runner:
         proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
         self._onnx_outputs = [o.name for o in proto.graph.output]
         self._needs_kernels = kernels.uses_kernels(proto)
+        self._strings = proto if strings.uses_strings(proto) else None  # string ops: onnxruntime-extensions
         if isinstance(model, onnx.ModelProto):
             if initializer_bytes(model) > PROTOBUF_LIMIT // 2:
                 self._tmp = tempfile.TemporaryDirectory(prefix="ctropt-run-")
@@ -176,6 +178,8 @@ class Runner:
             opts.inter_op_num_threads = 1
         if self._needs_kernels:
             kernels.register(opts)
+        if self._strings is not None:
+            strings.register(opts, self._strings)
         if provider == "OpenVINOExecutionProvider" and provider not in ort.get_available_providers():
             devices, why = openvino_plugin_devices()
             if not devices:

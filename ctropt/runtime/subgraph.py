@@ -11,7 +11,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .. import kernels
-from ..graph import PROTOBUF_LIMIT, initializer_bytes, save
+from . import strings
+from ..graph import PROTOBUF_LIMIT, export_graph, initializer_bytes, save
 from ..graph.edit import const_value
 
 
@@ -105,7 +106,7 @@ def _model(nodes: list, leaves: list, outputs: list, opset: int, functions: list
         copies.append(gs.Node("Identity", f"out{i}", inputs=[value(t)], outputs=[outs[-1]]))
     g = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=opset, functions=functions)
     g.toposort(mode="nodes")
-    model = gs.export_onnx(g, do_type_check=False)
+    model = export_graph(g)
     for domain in {n.domain for n in copies if n.domain} - {o.domain for o in model.opset_import}:
         model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     model.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
@@ -124,6 +125,7 @@ def ort_session(model: onnx.ModelProto, optimize: bool = True):
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     kernels.register_if_used(so, model)
+    strings.register_if_used(so, model)
     if initializer_bytes(model) <= PROTOBUF_LIMIT // 2:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="ctropt-run-") as tmp:  # the session holds the tensors once made

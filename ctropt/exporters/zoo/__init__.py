@@ -43,7 +43,14 @@ ENTRIES = {e.name: e for e in [
     Entry("dien", "DIEN: GRU interest extraction, attention, AUGRU interest evolution (H=36, E=18, T=100)",
           ("tf", "torch"), "GRU and AUGRU cells (Scan bodies from TF; GRU op + unrolled AUGRU from PyTorch)", sequence=True),
     Entry("mmoe", "MMoE: shared experts, per-task gates, two outputs", ("tf",), "experts and gates"),
+    Entry("wdl_strings", "Wide&Deep on raw strings: hash-bucket, vocabulary (OOV id, OOV buckets) and "
+          "'|'-split tag columns", ("tf",),
+          "StringToHashBucketFast, CategoryMapper, StringSplit (ai.onnx.contrib: needs onnxruntime-extensions)"),
+    Entry("din_strings", "DIN on raw strings: hashed ids, a category vocabulary, a [B, T] string history padded "
+          "with \"\"", ("tf",), "StringToHashBucketFast, CategoryMapper, StringEqual mask (ai.onnx.contrib)",
+          sequence=True),
 ]}
+STRINGS = ("wdl_strings", "din_strings")  # their exports run with onnxruntime-extensions registered
 
 
 def entry(name: str) -> Entry:
