@@ -4,8 +4,11 @@ Model Server config, each with the model optimized for that server's runtime and
 Triton: `<name>/config.pbtxt` + `<name>/1/model.onnx` (onnxruntime backend), max_batch_size = the largest
 bucket and dynamic batching preferring the buckets when rows are independent (padding-free batching of
 requests is only exact then); otherwise max_batch_size 0 and the full shapes. A model that uses ctropt's kernel
-library gets a copy of it beside config.pbtxt, named in `model_operations { op_library_filename }`. OVMS: `config.json` with
-`model_config_list` and `<name>/1/model.onnx` optimized with `--target openvino`, checked to load in OpenVINO.
+library, or string ops (onnxruntime-extensions), gets a copy of each library beside config.pbtxt, named in
+`model_operations { op_library_filename }`. OVMS: `config.json` with `model_config_list` and `<name>/1/model.onnx`
+optimized with `--target openvino`, checked to load in OpenVINO. OpenVINO has no converter for the string ops, so a
+model with string inputs is served there as its id model (`string_front.split_strings`), with the front written
+beside config.json for the client that turns strings into ids.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 import onnx
 
 from . import kernels
+from .runtime import strings
+from .string_front import split_strings
 from .graph import CtroptError, interface, save
 from .passes import PassManager
 from .runtime import Runner, generate_inputs
@@ -43,12 +48,13 @@ def _dims(dims, batched: bool) -> tuple[list[int], bool]:
 
 
 def triton_config(model: onnx.ModelProto, name: str, buckets: list[int], *, batched: bool,
-                  instance_kind: str = "KIND_CPU", queue_delay_us: int = 100, op_library: str | None = None) -> str:
-    """config.pbtxt text (protobuf text format of Triton's ModelConfig); `op_library`: a custom-op library the
-    onnxruntime backend registers for the model."""
+                  instance_kind: str = "KIND_CPU", queue_delay_us: int = 100, op_libraries: tuple[str, ...] = ()) -> str:
+    """config.pbtxt text (protobuf text format of Triton's ModelConfig); `op_libraries`: the custom-op libraries
+    the onnxruntime backend registers for the model."""
     lines = [f'name: "{name}"', 'backend: "onnxruntime"', f"max_batch_size: {max(buckets) if batched else 0}"]
-    if op_library:
-        lines.append(f'model_operations {{\n  op_library_filename: "{op_library}"\n}}')
+    if op_libraries:
+        lines.append("model_operations {\n" + "".join(f'  op_library_filename: "{lib}"\n' for lib in op_libraries)
+                     + "}")
     for kind in ("input", "output"):
         entries = []
         for k, tensor, elem, dims in interface(model):
@@ -88,6 +94,12 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
     why_not = rows_independent(model, feeds)
     summary = {"batched": not why_not, "why_not": why_not}
     for target, server in (("ort", "triton"), ("openvino", "ovms")):
+        if server == "ovms" and strings.uses_strings(model):
+            model, front = split_strings(model)
+            feeds = front.ids(feeds)
+            (out / server).mkdir(parents=True, exist_ok=True)
+            front.save(out / server / f"{name}.front.onnx")
+            summary["ovms_front"] = str(out / server / f"{name}.front.onnx")
         opts = dict(options or {})
         if target == "openvino" and static_seq_len:
             opts["static_seq_len"] = static_seq_len
@@ -103,11 +115,12 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
         model_dir.mkdir(parents=True, exist_ok=True)
         save(result.model, model_dir / "model.onnx")
         if server == "triton":
-            library = None
-            if kernels.uses_kernels(result.model):  # Triton's onnxruntime backend registers it for this model
-                library = str((out / server / name / kernels.library_path().name).resolve())
-                shutil.copyfile(kernels.library_path(), library)
-            text = triton_config(result.model, name, buckets, batched=not why_not, op_library=library)
+            libraries = []   # Triton's onnxruntime backend registers each for this model
+            for uses, path in ((kernels.uses_kernels, kernels.library_path), (strings.uses_strings, strings.library_path)):
+                if uses(result.model):
+                    libraries.append(str((out / server / name / path().name).resolve()))
+                    shutil.copyfile(path(), libraries[-1])
+            text = triton_config(result.model, name, buckets, batched=not why_not, op_libraries=tuple(libraries))
             (out / server / name / "config.pbtxt").write_text(text)
             summary["triton"] = str(out / server / name / "config.pbtxt")
         else:

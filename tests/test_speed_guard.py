@@ -155,3 +155,30 @@ def test_cli_says_what_was_rolled_back_for_speed_and_turns_it_off(tmp_path):
         assert res.exit_code == 0 and "MatMul" in ops(onnx.load(tmp_path / "b.onnx"))
     finally:
         ctropt.REGISTRY.pop("t-cli-slow", None)
+
+
+def wrap_relu_in_scaler(ctx):
+    """y := Relu(Scaler(x)): the same values, in an ai.onnx.ml op that OpenVINO cannot load."""
+    import onnx_graphsurgeon as gs
+
+    relu = next(n for n in ctx.graph.nodes if n.op == "Relu")
+    if relu.inputs[0].inputs:
+        return
+    scaled = gs.Variable("scaled", np.float32)
+    ctx.graph.nodes.append(gs.Node("Scaler", "scaler", {"scale": [1.0], "offset": [0.0]}, [relu.inputs[0]], [scaled],
+                                   domain="ai.onnx.ml"))
+    relu.inputs[0] = scaled
+    ctx.matches = ctx.rewrites = 1
+
+
+def test_openvino_target_leaves_out_the_fusion_that_makes_the_result_unloadable(temp_pass):
+    """A result OpenVINO cannot load, from an input it loads, is made again without the fusion that broke it."""
+    breaker = temp_pass("t-breaks-openvino", wrap_relu_in_scaler)
+    tidy = temp_pass("t-keeps-loading", lambda ctx: None)
+    result = ctropt.optimize(light(), passes=[breaker, tidy], target="openvino", speed=FAST_CHECK)
+    rec = result.records[0]
+    assert rec.status == "rolled back" and "OpenVINO cannot load" in rec.message, rec
+    assert [r.name for r in result.records] == ["t-breaks-openvino", "t-keeps-loading"]
+    assert ops(result.model) == ["Relu"]
+    ort_only = ctropt.optimize(light(), passes=[breaker], target="ort", speed=False)
+    assert ort_only.records[0].status == "applied" and "Scaler" in ops(ort_only.model)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
+import onnx
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -32,7 +34,8 @@ console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 PLUGIN = typer.Option(None, "--plugin", help="Python module or .py file with your own passes (repeatable).")
-INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated.")
+INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated. "
+                      "optimize also times its passes on them.")
 BATCH = typer.Option(DEFAULT_BATCH, "--batch", min=1, help="Batch size of generated inputs.")
 ATOL = typer.Option(DEFAULT_ATOL, "--atol", help="Absolute tolerance of the output comparison.")
 RTOL = typer.Option(DEFAULT_RTOL, "--rtol", help="Relative tolerance of the output comparison.")
@@ -161,7 +164,7 @@ def optimize(
     speed_check: bool = typer.Option(True, "--speed-check/--no-speed-check", help="Time each speed pass against "
                                      "its input on the target's runtime (paired, 1 thread, --speed-batch rows) "
                                      "and roll it back when slower; then the whole result against the input."),
-    speed_batch: int = typer.Option(256, "--speed-batch", min=1, help="Rows of the speed check's inputs."),
+    speed_batch: int = typer.Option(256, "--speed-batch", min=1, help="Rows of the speed check's generated inputs (with --inputs: those)."),
     bench_passes: bool = typer.Option(False, "--bench-passes", help="Time every applied pass against its input "
                                       "(as the speed check does) and only record the ratios: nothing is rolled back "
                                       "for speed."),
@@ -189,7 +192,7 @@ def optimize(
             else:
                 done.append(p.name)
 
-        speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes) \
+        speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes, feeds=feeds) \
             if (speed_check or bench_passes) and _can_time_on(device) else None
         manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
                               verify=verify, strict=strict, on_pass=progress, options=options, speed=speed,
@@ -210,7 +213,8 @@ def optimize(
             print_pass_diffs(console, result.records)
         if json_out is not None:
             _write_json(json_out, result, model, out, target)
-        console.print(_closing_line(result, node_count(m), verify, target, speed_batch, device))
+        timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
+        console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
         console.print(f"saved {out}")
         if report is not None:
             applied = sum(r.status == "applied" for r in result.records)
@@ -427,7 +431,9 @@ def repository_cmd(
             summary = write_repositories(m, output, name or model.name.removesuffix(".onnx"), sizes,
                                          static_seq_len=static_seq_len, options=_pass_options(option or []))
         console.print(f"Triton: {summary['triton']}" + ("" if summary["batched"] else " (no dynamic batching)"))
-        console.print(f"OpenVINO Model Server: {summary['ovms']}")
+        console.print(f"OpenVINO Model Server: {summary['ovms']}" + (
+            f" (the id model: clients turn strings into ids with {summary['ovms_front']})"
+            if "ovms_front" in summary else ""))
         if not summary["batched"]:
             console.print(f"[yellow]requests are not batched together:[/] {escape(summary['why_not'])}")
         for item in summary.get("rolled_back", []):
@@ -465,6 +471,49 @@ def pack_inputs_cmd(
         console.print(table)
         before = len(_input_names(m))
         console.print(f"{before} → {len(_input_names(packed))} inputs; adapter {adapter}")
+
+
+@app.command("split-strings")
+def split_strings_cmd(
+    model: Path = typer.Argument(..., help="Input .onnx model with string inputs."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The id model (default: IN.ids.onnx)."),
+    front_out: Optional[Path] = typer.Option(None, "--front", help="Where to write the front, the model's own "
+                                             "string ops (default: OUT with .front.onnx)."),
+    batch: int = typer.Option(256, "--batch", min=1, help="Rows of the sample id inputs written beside the id model "
+                              "(OUT with .inputs.npz: the front's ids of generated strings, for optimize --inputs)."),
+):
+    """Strings → ids outside the model: the id model (any runtime, OpenVINO included, loads it) and the front (the
+    model's own string ops, run with onnxruntime-extensions where the strings arrive), verified together against
+    the model (Python: ctropt.string_front.StringFront.load(path).ids(feeds))."""
+    from ..string_front import split_strings, verify_split
+
+    with _user_errors():
+        out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".ids.onnx"), model)
+        front_path = check_output_path(front_out or out.with_name(out.name.removesuffix(".onnx") + ".front.onnx"),
+                                       model, out)
+        m = load(model)
+        ids, front = split_strings(m)
+        err = verify_split(m, ids, front)
+        sample = check_output_path(out.with_name(out.name.removesuffix(".onnx") + ".inputs.npz"), model, out)
+        save(ids, out, protect=(model,))
+        front.save(front_path)
+        np.savez(sample, **front.ids(generate_inputs(m, batch=batch, seed=256)))
+        table = Table(title=f"{model.name} → {out.name} + {front_path.name} (verified together, max err {err:.1e})")
+        for col in ("id model input", "dtype", "dims"):
+            table.add_column(col)
+        for i in ids.graph.input:
+            dims = [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            table.add_row(escape(i.name), onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type).lower(), escape(str(dims)))
+        console.print(table)
+        front_ops = collections.Counter(n.op_type for n in front.model.graph.node)
+        console.print(f"front: {sum(front_ops.values())} ops ({', '.join(f'{k} ×{v}' for k, v in front_ops.most_common(4))}"
+                      f"{', …' if len(front_ops) > 4 else ''}); passes through {len(front.passthrough)} numeric "
+                      f"inputs; sample id inputs {sample.name} (`ctropt optimize {out.name} --inputs {sample.name}`)")
+        try:
+            console.print(f"OpenVINO CPU: the id model loads and matches (max err "
+                          f"{verify_split(m, ids, front, 'openvino-cpu'):.1e})")
+        except CtroptError as e:
+            console.print(f"[yellow]OpenVINO CPU cannot run the id model:[/] {escape(str(e))}")
 
 
 @app.command("passes")
@@ -561,19 +610,26 @@ def verify(
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
     packing: Optional[Path] = typer.Option(None, "--packing", help="B was made by pack-inputs: feed it A's inputs "
                                            "packed by this adapter (.pack.json)."),
+    strings: Optional[Path] = typer.Option(None, "--strings", help="B is the id model of split-strings: feed it "
+                                           "what this front (.front.onnx) makes of A's inputs; A runs on ort-cpu."),
 ):
     """Run two models on the same inputs; exit 0 iff every output matches."""
     from ..packing import Packing
+    from ..string_front import StringFront
 
     with _user_errors():
+        if packing and strings:
+            raise CtroptError("--packing and --strings adapt B's feeds two ways: give one")
         a, b = load(model_a), load(model_b)
         adapter = Packing.load(packing) if packing else None
+        front = StringFront.load(strings) if strings else None
         feeds = _feeds(inputs, a, batch)
-        feeds_b = adapter.pack(feeds) if adapter else feeds
+        feeds_b = adapter.pack(feeds) if adapter else front.ids(feeds) if front else feeds
         if sorted(feeds_b) != sorted(_input_names(b)):
             raise CtroptError(f"the models have different inputs: {_input_names(a)} vs {_input_names(b)}"
-                              + ("" if adapter else " (a packed model? give --packing)"))
-        diffs = compare_outputs(Runner(a, backend).run(feeds), Runner(b, backend).run(feeds_b), atol=atol, rtol=rtol)
+                              + ("" if adapter or front else " (a packed model? give --packing)"))
+        diffs = compare_outputs(Runner(a, "ort-cpu" if front else backend).run(feeds), Runner(b, backend).run(feeds_b),
+                                atol=atol, rtol=rtol)
         table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
         for col in ("output", "shape", "max abs err", "max rel err", "ok"):
             table.add_column(col)

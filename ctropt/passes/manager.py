@@ -15,7 +15,7 @@ from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compar
                        model_input_facts, store_input_facts, summary)
 from ..report.diff import ModelDiff, diff_models
 from ..runtime.bench import SpeedVerdict
-from .registry import Pass, PassContext, resolve
+from .registry import REGISTRY, Pass, PassContext, resolve
 from .speed import SpeedCheck, SpeedGuard, fused_op_counts
 
 
@@ -122,6 +122,9 @@ class PassManager:
         start = current
         guard = SpeedGuard(self.speed, self.target, start, self.device) if self.speed else None
         current, records = self._run_line(start, reference, feeds, original_interface, guard, self.on_pass)
+        if guard is not None and self.target == "openvino":
+            current, records = self._loadable_on_openvino(guard, start, current, records, reference, feeds,
+                                                          original_interface)
         result = OptimizeResult(current, records, self.verify, repairs=repairs)
         if guard is not None:
             self._try_every_pass(guard, start, reference, feeds, original_interface, result)
@@ -145,6 +148,27 @@ class PassManager:
                 on_pass(p, record)
         if guard is not None and pending.timed:  # a fusion no lowering followed: timed as it is
             current, reference = self._settle(guard, pending, current, reference)
+        return current, records
+
+    def _loadable_on_openvino(self, guard: SpeedGuard, start, current, records, reference, feeds, interface_):
+        """--target openvino: a result OpenVINO cannot load, from an input it loads, is made again without the
+        fusion that broke loading (each applied fusion left out in turn, in the order they ran; the first line
+        that loads is kept). Lowering passes fix forms OpenVINO refuses, so loading is judged on the whole line."""
+        if guard.loads(current) or not guard.loads(start):
+            return current, records
+        every = self.passes
+        try:
+            for i, r in enumerate(records):
+                if r.status != "applied" or REGISTRY[r.name].group != "fusion":
+                    continue
+                self.passes = [p for p in every if p.name != r.name]
+                again, rerun = self._run_line(start, reference, feeds, interface_, guard, None)
+                if guard.loads(again):
+                    r.status, r.rewrites, r.nodes_after = "rolled back", 0, r.nodes_before
+                    r.message = "OpenVINO cannot load the result with it (the rest made again without it)"
+                    return again, rerun[:i] + [r] + rerun[i:]
+        finally:
+            self.passes = every
         return current, records
 
     def _try_every_pass(self, guard: SpeedGuard, start, reference, feeds, original_interface, result) -> None:

@@ -82,6 +82,14 @@ class SpeedGuard:
             self._runners[key] = (model, Runner(model, self.backend, threads=self.check.threads))
         return self._runners[key][1]
 
+    def loads(self, model: onnx.ModelProto) -> bool:
+        """Whether the target's runtime loads and runs the model on the guard's inputs."""
+        try:
+            self.runner(model).run(self.feeds)
+            return True
+        except CtroptError:
+            return False
+
     def forget_except(self, *models: onnx.ModelProto) -> None:
         keep = {id(m) for m in models}
         self._runners = {k: v for k, v in self._runners.items() if k in keep}
