@@ -46,7 +46,8 @@ def optimized(raw: onnx.ModelProto, device: str, passes: str = "all", seconds: f
     timed = available_backends()[f"ort-{device}"] == "available"   # a smoke run without a GPU: not timed
     result = PassManager(passes, device=device, speed=SpeedCheck(seconds=seconds) if timed else None).run(raw)
     back = [r.name for r in result.records if r.status != "applied" and r.status != "unchanged"]
-    notes = [n for r in result.records if r.name == "convert-float16" for n in r.notes]
+    half = [r for r in result.records if r.name == "convert-float16"]
+    notes = [n for r in half for n in r.notes] + [f"{r.status}: {r.message}" for r in half if r.message]
     return result.model, time.perf_counter() - t0, back, notes
 
 
@@ -158,7 +159,7 @@ def table(data: dict) -> str:
             lines.append(f"| {row['model']} | fails: {row['error'][:80]} | | | | | |")
             continue
         for b, c in row["batches"].items():
-            err = f"{c['fp16_err']:.1e}" if row["fp16_kept"] else "FP32 kept"
+            err = f"{c['fp16_err']:.1e}" if row["fp16_kept"] else "FP32 (not kept)"
             lines.append(f"| {row['model']} | {b} | {_r(c['raw_vs_opt'])} | {_r(c['opt_vs_fp16'])} | {err} | "
                          f"{_r(c['cpu_vs_gpu'])} | {c['opt_vs_fp16']['b_ms']:.2f} ms |")
     lines += ["", "| model | FP16 kept | GPU faster from batch | seed 002 mix: GPU alone vs CPU | split vs CPU "
@@ -168,7 +169,8 @@ def table(data: dict) -> str:
         if "error" in row:
             continue
         mix, p = row["mix"], row["packed"]
-        lines.append(f"| {row['model']} | {'yes' if row['fp16_kept'] else 'no'} | {row['threshold'] or 'never'} | "
+        kept = "yes" if row["fp16_kept"] else "no" + (" (converter failed)" if "fp16_status" in row else "")
+        lines.append(f"| {row['model']} | {kept} | {row['threshold'] or 'never'} | "
                      f"{mix['cpu'] / mix['gpu']:.2f}× | {mix['cpu'] / mix['split']:.2f}× | "
                      f"{mix['gpu'] / mix['split']:.2f}× | {_r(p['64'])} / {_r(p['1024'])} | "
                      f"{row['optimize_s']:.0f} / {row['cpu_optimize_s']:.0f} |")

@@ -94,7 +94,7 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
     why_not = rows_independent(model, feeds)
     summary = {"batched": not why_not, "why_not": why_not}
     for target, server in (("ort", "triton"), ("openvino", "ovms")):
-        if server == "ovms" and strings.uses_strings(model):
+        if server == "ovms" and strings.has_string_inputs(model):
             model, front = split_strings(model)
             feeds = front.ids(feeds)
             (out / server).mkdir(parents=True, exist_ok=True)

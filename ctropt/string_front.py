@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .graph import CtroptError
+from .graph import CtroptError, iter_proto_nodes
 from .runtime import generate_inputs
 from .runtime.probe import all_values
 
@@ -38,6 +38,9 @@ class StringFront:
         if self._session is None:
             self._session = ort_session(self.model)
         wanted = {i.name for i in self._session.get_inputs()}
+        missing = sorted((wanted | set(self.passthrough)) - set(feeds))
+        if missing:
+            raise CtroptError(f"the front needs the inputs {missing}: feeds of another model?")
         made = self._session.run(None, {k: v for k, v in feeds.items() if k in wanted})
         out = {k: feeds[k] for k in self.passthrough}
         out.update(zip((o.name for o in self._session.get_outputs()), made))
@@ -61,23 +64,35 @@ def _is_string(value) -> bool:
     return isinstance(value, np.ndarray) and value.dtype == object
 
 
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """The values a node reads: its inputs and what its subgraphs (If/Loop/Scan bodies) read from outside them."""
+    names = [x for x in node.input if x]
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            made = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            made |= {o for n in iter_proto_nodes(sub) for o in n.output}
+            names += [x for n in iter_proto_nodes(sub) for x in n.input if x and x not in made]
+    return names
+
+
 def _string_side(model: onnx.ModelProto, values: dict) -> set[int]:
-    """Indices of the nodes that read or write a string tensor (initializers and inputs included)."""
+    """Indices of the main-graph nodes that read or write a string tensor (initializers and inputs included, and
+    reads by their subgraphs)."""
     strings = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.STRING}
     strings |= {k for k, v in values.items() if _is_string(v)}
-    return {i for i, n in enumerate(model.graph.node) if any(x in strings for x in list(n.input) + list(n.output))}
+    return {i for i, n in enumerate(model.graph.node) if any(x in strings for x in _reads(n) + list(n.output))}
 
 
-def _ancestors(model: onnx.ModelProto, seeds: set[int]) -> set[int]:
-    """`seeds` and every node whose outputs they need, transitively."""
+def _ancestors(model: onnx.ModelProto, seeds: set[int], stop: set[int] = frozenset()) -> set[int]:
+    """`seeds` and every node whose outputs they need, transitively, not through the nodes in `stop`."""
     producer = {o: i for i, n in enumerate(model.graph.node) for o in n.output if o}
     done, todo = set(), list(seeds)
     while todo:
         i = todo.pop()
-        if i in done:
+        if i in done or i in stop:
             continue
         done.add(i)
-        todo += [producer[x] for x in model.graph.node[i].input if x in producer]
+        todo += [producer[x] for x in _reads(model.graph.node[i]) if x in producer]
     return done
 
 
@@ -94,12 +109,23 @@ def _axis_names(model: onnx.ModelProto) -> dict[tuple, str]:
 
 
 def _value_info(name: str, runs: list[dict], axes: dict[tuple, str]) -> onnx.ValueInfoProto:
-    """A dim equal in both runs is fixed; one that follows the batch or the history is named as the model names
-    it; any other that changes is named after the tensor."""
+    """A dim that follows the batch or the history is named as the model names it; every other dim is named after
+    the tensor: what the string ops make can depend on the data (the longest tag list), which two runs cannot rule
+    out."""
     array = runs[0][name]
     sizes = zip(*(r[name].shape for r in runs))
-    dims = [a[0] if len(set(a)) == 1 else axes.get(a, f"{name}_dim{k}") for k, a in enumerate(sizes)]
+    dims = [axes.get(a, f"{name}_dim{k}") for k, a in enumerate(sizes)]
     return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), dims)
+
+
+def _probe(model: onnx.ModelProto) -> list[dict]:
+    try:
+        return [all_values(model, generate_inputs(model, batch=b, seq_len=t, seed=b)) for b, t in PROBES]
+    except CtroptError:
+        raise
+    except Exception as e:  # onnxruntime refuses the model or the generated inputs
+        raise CtroptError(f"cannot split: the model does not run on generated inputs "
+                          f"({str(e).strip().splitlines()[0][:300]})") from None
 
 
 def split_strings(model: onnx.ModelProto) -> tuple[onnx.ModelProto, StringFront]:
@@ -108,52 +134,45 @@ def split_strings(model: onnx.ModelProto) -> tuple[onnx.ModelProto, StringFront]
     string_inputs = [i.name for i in g.input if i.type.tensor_type.elem_type == onnx.TensorProto.STRING]
     if not string_inputs:
         raise CtroptError("the model has no string input: nothing to split")
-    runs = [all_values(model, generate_inputs(model, batch=b, seq_len=t, seed=b)) for b, t in PROBES]
+    string_outputs = [o.name for o in g.output if o.type.tensor_type.elem_type == onnx.TensorProto.STRING]
+    if string_outputs:
+        raise CtroptError(f"the model outputs strings ({', '.join(string_outputs[:3])}): its id model could not "
+                          "give them")
+    runs = _probe(model)
     axes = _axis_names(model)
     side = _string_side(model, runs[0])
-    front_nodes = _ancestors(model, side)
-    read_after = {x for i, n in enumerate(g.node) if i not in side for x in n.input} | {o.name for o in g.output}
-    handed = [o for i in sorted(side) for o in g.node[i].output if o in read_after]
-    strings_out = [o for o in handed if _is_string(runs[0][o])]
-    if strings_out:
-        raise CtroptError(f"strings reach the numeric part of the model ({', '.join(strings_out[:3])}): no cut "
-                          "where every string has become a number")
+    outputs = {o.name for o in g.output}
+    rest = _ancestors(model, {i for i, n in enumerate(g.node) if outputs & set(n.output)}, stop=side)
+    read_after = {x for i in rest for x in _reads(g.node[i])} | outputs
+    handed = list(dict.fromkeys(o for i in sorted(side) for o in g.node[i].output if o and o in read_after))
     inits = {t.name: t for t in g.initializer}
-    front_ops = [g.node[i] for i in sorted(front_nodes)]
-    front_reads = {x for n in front_ops for x in n.input}
+    front_ops = [g.node[i] for i in sorted(_ancestors(model, side))]
+    front_reads = {x for n in front_ops for x in _reads(n)}
     front = helper.make_graph(front_ops, f"{g.name}_strings", [i for i in g.input if i.name in front_reads],
                               [_value_info(o, runs, axes) for o in handed],
                               [t for name, t in inits.items() if name in front_reads])
-    rest_ops = [n for i, n in enumerate(g.node) if i not in side]
-    rest_reads = {x for n in rest_ops for x in n.input} | {o.name for o in g.output}
-    passthrough = [i.name for i in g.input if i.name in rest_reads and i.name not in string_inputs]
-    rest = helper.make_graph(rest_ops, g.name, [i for i in g.input if i.name in passthrough]
-                             + [_value_info(o, runs, axes) for o in handed], list(g.output),
-                             [t for name, t in inits.items() if name in rest_reads])
-    ids_model = helper.make_model(rest, opset_imports=[o for o in model.opset_import if o.domain != "ai.onnx.contrib"],
-                                  ir_version=model.ir_version, producer_name=model.producer_name)
-    front_model = helper.make_model(front, opset_imports=list(model.opset_import), ir_version=model.ir_version)
-    return _without_dead_nodes(ids_model), StringFront(front_model, passthrough)
-
-
-def _without_dead_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The id model without the numeric nodes that only fed the string side."""
-    g = model.graph
-    needed = _ancestors(model, {i for i, n in enumerate(g.node) if any(o in {x.name for x in g.output}
-                                                                          for o in n.output)})
-    keep = [n for i, n in enumerate(g.node) if i in needed]
-    del g.node[:]
-    g.node.extend(keep)
-    return model
+    passthrough = [i.name for i in g.input if i.name in read_after and i.name not in string_inputs]
+    rest_graph = helper.make_graph([g.node[i] for i in sorted(rest)], g.name,
+                                   [i for i in g.input if i.name in passthrough]
+                                   + [_value_info(o, runs, axes) for o in handed], list(g.output),
+                                   [t for name, t in inits.items() if name in read_after])
+    ids_model = helper.make_model(rest_graph, ir_version=model.ir_version, producer_name=model.producer_name,
+                                  opset_imports=[o for o in model.opset_import if o.domain != "ai.onnx.contrib"],
+                                  functions=list(model.functions))
+    front_model = helper.make_model(front, opset_imports=list(model.opset_import), ir_version=model.ir_version,
+                                    functions=list(model.functions))
+    return ids_model, StringFront(front_model, passthrough)
 
 
 def verify_split(original: onnx.ModelProto, ids_model: onnx.ModelProto, front: StringFront,
                  backend: str = "ort-cpu", batch: int = 13) -> float:
-    """The largest difference between the model on raw feeds and the id model on the front's feeds."""
+    """The largest difference between the model on raw feeds and the id model on the front's feeds (inf where an
+    integer or bool output differs)."""
     from .runtime import Runner
 
     feeds = generate_inputs(original, batch=batch, seed=3)
     want = Runner(original).run(feeds)
     got = Runner(ids_model, backend).run(front.ids(feeds))
     return max((float(np.abs(want[k].astype(np.float64) - got[k].astype(np.float64)).max(initial=0.0))
-                for k in want if np.issubdtype(want[k].dtype, np.number)), default=0.0)
+                if np.issubdtype(want[k].dtype, np.floating) else 0.0 if np.array_equal(want[k], got[k]) else np.inf
+                for k in want), default=0.0)

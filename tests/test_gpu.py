@@ -146,3 +146,14 @@ def test_gpu_runs_the_zoo_like_the_cpu_and_times_passes_there():
     assert all(d.ok for d in compare_outputs(truth, Runner(raw, "ort-cuda").run(feeds), atol=1e-5, rtol=1e-4))
     half = Runner(result.model, "ort-cuda").run(feeds)
     assert max(float(np.abs(truth[k] - half[k]).max()) for k in truth) < 5e-3
+
+
+def test_float16_on_a_model_with_a_scan_body_sharing_constants():
+    """A graphsurgeon round trip writes a constant shared by a Scan body and its graph into both; onnxruntime's
+    converter refuses the repeat, so the pass drops it first (zoo DIEN-TF failed on the H100 run)."""
+    raw = ctropt.load(ZOO / "dien_tf.onnx")
+    opt = PassManager("all", speed=None, device="cuda").run(raw).model
+    result = PassManager("convert-float16", speed=None, device="cuda").run(opt)
+    (rec,) = result.records
+    assert rec.status == "applied", (rec.status, rec.message, rec.notes)
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in result.model.graph.initializer)

@@ -182,3 +182,12 @@ def test_openvino_target_leaves_out_the_fusion_that_makes_the_result_unloadable(
     assert ops(result.model) == ["Relu"]
     ort_only = ctropt.optimize(light(), passes=[breaker], target="ort", speed=False)
     assert ort_only.records[0].status == "applied" and "Scaler" in ops(ort_only.model)
+
+
+def test_openvino_loading_is_checked_without_the_speed_guard_too(temp_pass):
+    breaker = temp_pass("t-breaks-openvino-unguarded", wrap_relu_in_scaler)
+    result = ctropt.optimize(light(), passes=[breaker], target="openvino", speed=False)
+    assert result.records[0].status == "rolled back" and ops(result.model) == ["Relu"]
+    unregistered = ctropt.Pass("t-unregistered-breaker", wrap_relu_in_scaler)
+    result = ctropt.optimize(light(), passes=[unregistered], target="openvino", speed=False)
+    assert result.records[0].status == "rolled back"

@@ -94,14 +94,15 @@ def test_id_model_optimizes_for_openvino_on_the_sample_inputs(tmp_path):
     assert all(np.abs(want[k] - got[k]).max() < 1e-5 for k in want)
 
 
-def test_repository_of_a_string_model_names_both_libraries_and_serves_ids_on_openvino(tmp_path):
+@pytest.mark.parametrize("name", ["wdl_strings", "din_strings"])
+def test_repository_of_a_string_model_names_both_libraries_and_serves_ids_on_openvino(tmp_path, name):
     """Triton: the model as it is, with onnxruntime-extensions (and ctropt's kernels where used) registered as the
     onnxruntime backend does; OVMS: the id model, with the front beside config.json for the clients."""
     import onnxruntime as ort
     from google.protobuf import text_format
 
     model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
-    r = runner.invoke(app, ["repository", str(shipped("wdl_strings")), "-o", str(tmp_path), "--name", "wdl"],
+    r = runner.invoke(app, ["repository", str(shipped(name)), "-o", str(tmp_path), "--name", "wdl"],
                       catch_exceptions=False)
     assert r.exit_code == 0, r.output
     folder = tmp_path / "triton" / "wdl"
@@ -112,11 +113,11 @@ def test_repository_of_a_string_model_names_both_libraries_and_serves_ids_on_ope
     for lib in libraries:
         so.register_custom_ops_library(lib)
     sess = ort.InferenceSession(str(folder / "1" / "model.onnx"), so, providers=["CPUExecutionProvider"])
-    raw = onnx.load(shipped("wdl_strings"))
+    raw = onnx.load(shipped(name))
     feeds = generate_inputs(raw, batch=5, seed=8)
     want = Runner(raw).run(feeds)
-    (got,) = sess.run(None, feeds)
-    assert np.abs(got - want["prob"]).max() < 1e-5
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     front = StringFront.load(tmp_path / "ovms" / "wdl.front.onnx")
     served = Runner(onnx.load(tmp_path / "ovms" / "wdl" / "1" / "model.onnx"), "openvino-cpu").run(front.ids(feeds))
-    assert np.abs(served["prob"] - want["prob"]).max() < 1e-5
+    for k in want:
+        assert np.abs(got[k] - want[k]).max() < 1e-5 and np.abs(served[k] - want[k]).max() < 1e-5

@@ -26,6 +26,7 @@ from ..report import write_report
 from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
 from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
+from ..runtime import strings
 from ..runtime.session import available_backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -229,7 +230,9 @@ def optimize(
                     feeds or generate_inputs(result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
                 console.print("OpenVINO CPU: loads and runs")
             except CtroptError as e:
-                console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}")
+                console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}"
+                              + ("; it has string inputs: `ctropt split-strings` makes the id model OpenVINO runs"
+                                 if strings.has_string_inputs(result.model) else ""))
 
 
 def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None:
@@ -250,7 +253,6 @@ def _print_runtime_needs(result) -> None:
     """Which form the recurrent layers took on onnxruntime: ctropt's kernels (the saved model needs the library)
     or stock ops, and why."""
     from .. import kernels
-    from ..runtime import strings
 
     if kernels.uses_kernels(result.model):
         used = sorted({n.op_type for n in iter_proto_nodes(result.model.graph) if n.domain == kernels.DOMAIN})
@@ -494,6 +496,8 @@ def split_strings_cmd(
         m = load(model)
         ids, front = split_strings(m)
         err = verify_split(m, ids, front)
+        if err > 1e-5:
+            raise CtroptError(f"the id model fed by the front does not give the model's outputs (max err {err:.2e})")
         sample = check_output_path(out.with_name(out.name.removesuffix(".onnx") + ".inputs.npz"), model, out)
         save(ids, out, protect=(model,))
         front.save(front_path)
@@ -610,7 +614,7 @@ def verify(
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
     packing: Optional[Path] = typer.Option(None, "--packing", help="B was made by pack-inputs: feed it A's inputs "
                                            "packed by this adapter (.pack.json)."),
-    strings: Optional[Path] = typer.Option(None, "--strings", help="B is the id model of split-strings: feed it "
+    strings_front: Optional[Path] = typer.Option(None, "--strings", help="B is the id model of split-strings: feed it "
                                            "what this front (.front.onnx) makes of A's inputs; A runs on ort-cpu."),
 ):
     """Run two models on the same inputs; exit 0 iff every output matches."""
@@ -618,11 +622,11 @@ def verify(
     from ..string_front import StringFront
 
     with _user_errors():
-        if packing and strings:
+        if packing and strings_front:
             raise CtroptError("--packing and --strings adapt B's feeds two ways: give one")
         a, b = load(model_a), load(model_b)
         adapter = Packing.load(packing) if packing else None
-        front = StringFront.load(strings) if strings else None
+        front = StringFront.load(strings_front) if strings_front else None
         feeds = _feeds(inputs, a, batch)
         feeds_b = adapter.pack(feeds) if adapter else front.ids(feeds) if front else feeds
         if sorted(feeds_b) != sorted(_input_names(b)):

@@ -27,10 +27,37 @@ ACCUMULATING_OPS = ("ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceLogSumE
 
 
 def to_float16(model: onnx.ModelProto, block: tuple[str, ...] = ()) -> onnx.ModelProto:
-    """The FP16 model onnxruntime's converter makes, I/O kept FP32; `block`: op types left FP32 as well."""
+    """The FP16 model onnxruntime's converter makes, I/O kept FP32; `block`: op types left FP32 as well. A
+    CtroptError where the converter fails."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    return convert_float_to_float16(model, keep_io_types=True, op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(block))
+    try:
+        return convert_float_to_float16(_outer_constants_once(model), keep_io_types=True,
+                                        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(block))
+    except Exception as e:  # the converter asserts on graphs it does not handle
+        raise CtroptError(f"onnxruntime's FP16 converter fails: {type(e).__name__} {str(e)[:200]}") from None
+
+
+def _outer_constants_once(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy without the subgraph initializers that repeat an enclosing graph's (same name, same bytes): the
+    body reads the outer one, as ONNX scoping allows. The converter refuses a name on both levels, and a
+    graphsurgeon round trip writes a constant shared by a Scan body and its graph into both."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def walk(graph: onnx.GraphProto, outer: dict[str, bytes]) -> None:
+        own = {t.name: t.SerializeToString() for t in graph.initializer}
+        keep = [t for t in graph.initializer if outer.get(t.name) != own[t.name]]
+        if len(keep) != len(graph.initializer):
+            del graph.initializer[:]
+            graph.initializer.extend(keep)
+        scope = {**outer, **{t.name: own[t.name] for t in keep}}
+        for node in graph.node:
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                    walk(sub, scope)
+
+    walk(model.graph, {})
+    return model
 
 
 def _half_initializers(model: onnx.ModelProto) -> int:

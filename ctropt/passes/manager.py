@@ -15,7 +15,7 @@ from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compar
                        model_input_facts, store_input_facts, summary)
 from ..report.diff import ModelDiff, diff_models
 from ..runtime.bench import SpeedVerdict
-from .registry import REGISTRY, Pass, PassContext, resolve
+from .registry import Pass, PassContext, resolve
 from .speed import SpeedCheck, SpeedGuard, fused_op_counts
 
 
@@ -122,7 +122,7 @@ class PassManager:
         start = current
         guard = SpeedGuard(self.speed, self.target, start, self.device) if self.speed else None
         current, records = self._run_line(start, reference, feeds, original_interface, guard, self.on_pass)
-        if guard is not None and self.target == "openvino":
+        if self.target == "openvino":
             current, records = self._loadable_on_openvino(guard, start, current, records, reference, feeds,
                                                           original_interface)
         result = OptimizeResult(current, records, self.verify, repairs=repairs)
@@ -150,21 +150,25 @@ class PassManager:
             current, reference = self._settle(guard, pending, current, reference)
         return current, records
 
-    def _loadable_on_openvino(self, guard: SpeedGuard, start, current, records, reference, feeds, interface_):
+    def _loadable_on_openvino(self, guard: SpeedGuard | None, start, current, records, reference, feeds, interface_):
         """--target openvino: a result OpenVINO cannot load, from an input it loads, is made again without the
         fusion that broke loading (each applied fusion left out in turn, in the order they ran; the first line
         that loads is kept). Lowering passes fix forms OpenVINO refuses, so loading is judged on the whole line."""
-        if guard.loads(current) or not guard.loads(start):
+        loads = guard.loads if guard is not None else _openvino_loader(feeds[0] if feeds else
+                                                                       generate_inputs(start, batch=self.batch))
+        if loads(current) or not loads(start):
             return current, records
         every = self.passes
+        group = {p.name: p.group for p in every}
         try:
             for i, r in enumerate(records):
-                if r.status != "applied" or REGISTRY[r.name].group != "fusion":
+                if r.status != "applied" or group.get(r.name) != "fusion":
                     continue
                 self.passes = [p for p in every if p.name != r.name]
                 again, rerun = self._run_line(start, reference, feeds, interface_, guard, None)
-                if guard.loads(again):
+                if loads(again):
                     r.status, r.rewrites, r.nodes_after = "rolled back", 0, r.nodes_before
+                    r.max_abs_err = r.speedup = r.speedup_p10 = r.speedup_p90 = None
                     r.message = "OpenVINO cannot load the result with it (the rest made again without it)"
                     return again, rerun[:i] + [r] + rerun[i:]
         finally:
@@ -318,6 +322,19 @@ class _Pending:
 
     def reset(self, model, reference) -> None:
         self.model, self.reference, self.records = model, reference, []
+
+
+def _openvino_loader(feeds: dict[str, np.ndarray]) -> Callable[[onnx.ModelProto], bool]:
+    """Whether OpenVINO's CPU loads and runs a model on `feeds` (the loading check without a speed guard)."""
+
+    def loads(model: onnx.ModelProto) -> bool:
+        try:
+            Runner(model, "openvino-cpu", threads=1).run(feeds)
+            return True
+        except CtroptError:
+            return False
+
+    return loads
 
 
 def invalid_reason(model: onnx.ModelProto) -> str | None:

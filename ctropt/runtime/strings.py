@@ -40,6 +40,11 @@ def uses_strings(model: onnx.ModelProto) -> bool:
     return any(n.domain == DOMAIN for n in iter_proto_nodes(model.graph))
 
 
+def has_string_inputs(model: onnx.ModelProto) -> bool:
+    """Whether a graph input is a string tensor (a model OpenVINO serves through `split-strings`)."""
+    return any(i.type.tensor_type.elem_type == onnx.TensorProto.STRING for i in model.graph.input)
+
+
 def _hashes(model: onnx.ModelProto) -> bool:
     return any(n.domain == DOMAIN and n.op_type == "StringToHashBucketFast" for n in iter_proto_nodes(model.graph))
 

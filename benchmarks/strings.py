@@ -1,0 +1,109 @@
+"""String features (#29): the string zoo models raw vs ctropt, on onnxruntime (with onnxruntime-extensions) and, by
+way of `split-strings`, on OpenVINO.
+
+    python benchmarks/strings.py [--seconds 4] [--batch 256] [--write]
+
+Rows, each the median of paired, interleaved runs (time(A) / time(B), > 1: B is faster; 1 thread):
+- `ctropt optimize` (all passes) vs the raw export, both with their string ops, on onnxruntime;
+- the server's side when the client hashes: the raw export vs the optimized id model (split-strings of the
+  optimized model) fed the front's ids;
+- the same request end to end through the split: front + optimized id model vs the raw export (what the split
+  costs where strings arrive at the server);
+- OpenVINO, which cannot load the raw export: the id model optimized with --target openvino (optimized on the
+  front's ids of generated strings) vs the raw id model, both on OpenVINO, and end to end with the front on
+  onnxruntime against the raw export on onnxruntime.
+`--write` puts the table into RESULTS' string section.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import ROOT, ZOO  # noqa: E402  (puts the checkout on sys.path)
+
+import ctropt  # noqa: E402
+from ctropt.passes.speed import SpeedCheck  # noqa: E402
+from ctropt.runtime import Runner, generate_inputs  # noqa: E402
+from ctropt.runtime.bench import bench  # noqa: E402
+from ctropt.string_front import split_strings  # noqa: E402
+
+MODELS = ("wdl_strings_tf", "din_strings_tf")
+MARK = ("<!-- string features: benchmarks/strings.py writes it -->", "<!-- end of string features -->")
+
+
+class Split:
+    """The front on onnxruntime, then the id model on `backend`: one request through the split."""
+
+    def __init__(self, front, ids_model, backend: str):
+        self.front, self.model = front, Runner(ids_model, backend, threads=1)
+
+    def run(self, feeds):
+        return self.model.run(self.front.ids(feeds))
+
+
+def _cell(r) -> str:
+    return f"{r.ratio:.2f}× ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})"
+
+
+def measure(name: str, batch: int, seconds: float) -> list[tuple[str, str]]:
+    raw = ctropt.load(ZOO / f"{name}.onnx")
+    feeds = generate_inputs(raw, batch=batch, seed=7)
+    opt = ctropt.optimize(raw).model
+    ids_opt, front_opt = split_strings(opt)
+    ids_raw, front_raw = split_strings(raw)
+    id_feeds = front_raw.ids(feeds)
+    ov = ctropt.optimize(ids_raw, target="openvino", feeds=id_feeds,
+                         speed=SpeedCheck(batch=batch, feeds=id_feeds)).model
+    r_raw = Runner(raw, threads=1)
+    rows = [("optimize (all) vs raw, onnxruntime", bench([r_raw, Runner(opt, threads=1)], feeds, batch,
+                                                          seconds=seconds)),
+            ("server side, client hashes: optimized id model vs raw", bench(
+                [_Fixed(r_raw, feeds), _Fixed(Runner(ids_opt, threads=1), front_opt.ids(feeds))], feeds, batch,
+                seconds=seconds)),
+            ("end to end through the split: front + optimized id model vs raw",
+             bench([r_raw, Split(front_opt, ids_opt, "ort-cpu")], feeds, batch, seconds=seconds)),
+            ("OpenVINO: id model --target openvino vs raw id model", bench(
+                [Runner(ids_raw, "openvino-cpu", threads=1), Runner(ov, "openvino-cpu", threads=1)], id_feeds,
+                batch, seconds=seconds)),
+            ("front (onnxruntime) + OpenVINO id model vs raw on onnxruntime",
+             bench([r_raw, Split(front_raw, ov, "openvino-cpu")], feeds, batch, seconds=seconds))]
+    return [(what, _cell(r)) for what, r in rows]
+
+
+class _Fixed:
+    """A runner fed its own inputs whatever it is given (the id model on the ids the client computed)."""
+
+    def __init__(self, runner, feeds):
+        self.runner, self.feeds = runner, feeds
+
+    def run(self, _):
+        return self.runner.run(self.feeds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    lines = [f"Command: `python benchmarks/strings.py --seconds {args.seconds} --batch {args.batch}` (1 thread; "
+             "time(A) / time(B), > 1: B is faster; median, p10–p90).", "",
+             "| model | A → B | ratio |", "|---|---|---|"]
+    for name in MODELS:
+        for what, cell in measure(name, args.batch, args.seconds):
+            lines.append(f"| {name} | {what} | {cell} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    if args.write:
+        path = ROOT / "benchmarks/RESULTS.md"
+        doc = path.read_text()
+        block = f"{MARK[0]}\n{text}\n{MARK[1]}"
+        if MARK[0] in doc:
+            doc = doc[:doc.index(MARK[0])] + block + doc[doc.index(MARK[1]) + len(MARK[1]):]
+        else:
+            doc += f"\n## String features (#29)\n\n{block}\n"
+        path.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
