@@ -140,7 +140,7 @@ PIPELINE_ORDER = {
     "eliminate-identity": 10, "fold-batchnorm": 12, "einsum-as-matmul": 11, "cancel-transposes": 13, "select-masked-rows": 14,
     "dedup-initializers": 25, "eliminate-common-subexpressions": 30,
     # fusion: tables first (they change the lookups the others read), then sequences, attention, FC layers
-    "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
+    "string-embedding": 3, "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
     "rewrite-indicator-columns": 15, "fuse-rnn": 30, "compute-read-rows-only": 34, "dedup-user-side": 35, "remove-attention-padding": 40,
     "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
     "fuse-fc": 60, "fold-fc-affine": 62,
