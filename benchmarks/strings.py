@@ -5,6 +5,7 @@ way of `split-strings`, on OpenVINO.
 
 Rows, each the median of paired, interleaved runs (time(A) / time(B), > 1: B is faster; 1 thread):
 - `ctropt optimize` (all passes) vs the raw export, both with their string ops, on onnxruntime;
+- the fused string chains: `all` vs `all` without `string-embedding`;
 - the server's side when the client hashes: the raw export vs the optimized id model (split-strings of the
   optimized model) fed the front's ids;
 - the same request end to end through the split: front + optimized id model vs the raw export (what the split
@@ -49,14 +50,17 @@ def measure(name: str, batch: int, seconds: float) -> list[tuple[str, str]]:
     raw = ctropt.load(ZOO / f"{name}.onnx")
     feeds = generate_inputs(raw, batch=batch, seed=7)
     opt = ctropt.optimize(raw).model
+    unfused = ctropt.optimize(raw, skip=["string-embedding"]).model
     ids_opt, front_opt = split_strings(opt)
     ids_raw, front_raw = split_strings(raw)
     id_feeds = front_raw.ids(feeds)
     ov = ctropt.optimize(ids_raw, target="openvino", feeds=id_feeds,
                          speed=SpeedCheck(batch=batch, feeds=id_feeds)).model
     r_raw = Runner(raw, threads=1)
-    rows = [("optimize (all) vs raw, onnxruntime", bench([r_raw, Runner(opt, threads=1)], feeds, batch,
-                                                          seconds=seconds)),
+    r_opt = Runner(opt, threads=1)
+    rows = [("optimize (all) vs raw, onnxruntime", bench([r_raw, r_opt], feeds, batch, seconds=seconds)),
+            ("string-embedding: all vs all without it, onnxruntime",
+             bench([Runner(unfused, threads=1), r_opt], feeds, batch, seconds=seconds)),
             ("server side, client hashes: optimized id model vs raw", bench(
                 [_Fixed(r_raw, feeds), _Fixed(Runner(ids_opt, threads=1), front_opt.ids(feeds))], feeds, batch,
                 seconds=seconds)),
