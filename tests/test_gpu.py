@@ -45,7 +45,7 @@ def test_float16_pass_keeps_the_interface_within_the_gate():
     assert b.dtype == np.float32 and 0 < np.abs(a - b).max() < 5e-3
     assert any("max abs err" in n for n in ctx.notes), ctx.notes
     twice, ctx2 = run_pass(once, "convert-float16")
-    assert ctx2.rewrites == 0 and "no FP32 weight" in " ".join(ctx2.notes)
+    assert ctx2.rewrites == 0 and "already computes in FP16" in " ".join(ctx2.notes)
 
 
 def test_float16_gate_keeps_fp32_when_the_worst_row_is_off():
@@ -157,3 +157,5 @@ def test_float16_on_a_model_with_a_scan_body_sharing_constants():
     (rec,) = result.records
     assert rec.status == "applied", (rec.status, rec.message, rec.notes)
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in result.model.graph.initializer)
+    again = PassManager("convert-float16", speed=None, device="cuda").run(result.model)
+    assert again.records[0].status == "unchanged" and "already" in again.records[0].notes[0]

@@ -203,13 +203,7 @@ def optimize(
         with status:
             result = manager.run(m)
         save(result.model, out, protect=(model,))
-        for repair in result.repairs:
-            console.print(f"[yellow]repaired the export:[/] {escape(repair)}")
-        _print_pass_table(result)
-        _print_runtime_needs(result)
-        for r in result.records:
-            if not REGISTRY[r.name].exact and r.notes:  # INT8: what was kept and what it cost
-                console.print(f"[bold]{r.name}[/]:\n" + "\n".join(f"  {escape(n)}" for n in r.notes))
+        _print_result(result)
         if show_diff:
             print_pass_diffs(console, result.records)
         if json_out is not None:
@@ -225,14 +219,31 @@ def optimize(
                                   + ("" if verify else " · outputs NOT verified"))
             console.print(f"report {report}")
         if target == "openvino":
-            try:
-                Runner(result.model, "openvino-cpu").run(
-                    feeds or generate_inputs(result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
-                console.print("OpenVINO CPU: loads and runs")
-            except CtroptError as e:
-                console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}"
-                              + ("; it has string inputs: `ctropt split-strings` makes the id model OpenVINO runs"
-                                 if strings.has_string_inputs(result.model) else ""))
+            _print_openvino_check(result.model, feeds or generate_inputs(
+                result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
+
+
+def _print_openvino_check(model, feeds) -> None:
+    """Whether OpenVINO's CPU runs the optimized model, and what to do where it cannot."""
+    try:
+        Runner(model, "openvino-cpu").run(feeds)
+        console.print("OpenVINO CPU: loads and runs")
+    except CtroptError as e:
+        console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}"
+                      + ("; it has string inputs: `ctropt split-strings` makes the id model OpenVINO runs"
+                         if strings.has_string_inputs(model) else ""))
+
+
+def _print_result(result) -> None:
+    """The repairs, the pass table, what the saved model needs at run time, and the notes of the passes that gate
+    their own accuracy (INT8, FP16: what was kept and what it cost)."""
+    for repair in result.repairs:
+        console.print(f"[yellow]repaired the export:[/] {escape(repair)}")
+    _print_pass_table(result)
+    _print_runtime_needs(result)
+    for r in result.records:
+        if r.name in REGISTRY and not REGISTRY[r.name].exact and r.notes:
+            console.print(f"[bold]{r.name}[/]:\n" + "\n".join(f"  {escape(n)}" for n in r.notes))
 
 
 def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None:

@@ -82,6 +82,9 @@ def convert_float16(ctx: PassContext) -> None:
         store_input_facts(model, ctx.input_facts)
     floats = sum(t.data_type == onnx.TensorProto.FLOAT for t in model.graph.initializer)
     ctx.matches = floats
+    if _half_initializers(model):
+        ctx.note("the model already computes in FP16")
+        return
     if not floats:
         ctx.note("no FP32 weight: nothing to compute in FP16")
         return
