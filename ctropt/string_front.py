@@ -108,14 +108,28 @@ def _axis_names(model: onnx.ModelProto) -> dict[tuple, str]:
     return {tuple(p[0] for p in PROBES): batch, tuple(p[1] for p in PROBES): seq}
 
 
-def _value_info(name: str, runs: list[dict], axes: dict[tuple, str]) -> onnx.ValueInfoProto:
-    """A dim that follows the batch or the history is named as the model names it; every other dim is named after
-    the tensor: what the string ops make can depend on the data (the longest tag list), which two runs cannot rule
-    out."""
+def _value_info(name: str, runs: list[dict], axes: dict[tuple, str], static: dict | None = None) -> onnx.ValueInfoProto:
+    """A dim that follows the batch or the history is named as the model names it; a dim the model's shapes fix (a
+    SparseTensor's dense_shape or a split's indices hold the rank: OpenVINO needs it static to give a Reshape fed by
+    it a static rank) keeps its size where the runs agree; every other dim is named after the tensor: what the string
+    ops make can depend on the data (the longest tag list), which two runs cannot rule out."""
     array = runs[0][name]
-    sizes = zip(*(r[name].shape for r in runs))
-    dims = [axes.get(a, f"{name}_dim{k}") for k, a in enumerate(sizes)]
+    sizes = list(zip(*(r[name].shape for r in runs)))
+    known = (static or {}).get(name) or [None] * len(sizes)
+    dims = [known[k] if len(known) == len(sizes) and isinstance(known[k], int) and set(a) == {known[k]}
+            else axes.get(a, f"{name}_dim{k}") for k, a in enumerate(sizes)]
     return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), dims)
+
+
+def _static_dims(model: onnx.ModelProto) -> dict[str, list]:
+    """{value: its dims (an int where static)} as onnx's shape inference reads the model (empty where it fails)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 - shape inference is a hint here
+        return {}
+    return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in list(inferred.graph.value_info) + list(inferred.graph.output)
+            if v.type.tensor_type.HasField("shape")}
 
 
 def _probe(model: onnx.ModelProto) -> list[dict]:
@@ -140,6 +154,7 @@ def split_strings(model: onnx.ModelProto) -> tuple[onnx.ModelProto, StringFront]
                           "give them")
     runs = _probe(model)
     axes = _axis_names(model)
+    static = _static_dims(model)
     side = _string_side(model, runs[0])
     outputs = {o.name for o in g.output}
     rest = _ancestors(model, {i for i, n in enumerate(g.node) if outputs & set(n.output)}, stop=side)
@@ -149,12 +164,12 @@ def split_strings(model: onnx.ModelProto) -> tuple[onnx.ModelProto, StringFront]
     front_ops = [g.node[i] for i in sorted(_ancestors(model, side))]
     front_reads = {x for n in front_ops for x in _reads(n)}
     front = helper.make_graph(front_ops, f"{g.name}_strings", [i for i in g.input if i.name in front_reads],
-                              [_value_info(o, runs, axes) for o in handed],
+                              [_value_info(o, runs, axes, static) for o in handed],
                               [t for name, t in inits.items() if name in front_reads])
     passthrough = [i.name for i in g.input if i.name in read_after and i.name not in string_inputs]
     rest_graph = helper.make_graph([g.node[i] for i in sorted(rest)], g.name,
                                    [i for i in g.input if i.name in passthrough]
-                                   + [_value_info(o, runs, axes) for o in handed], list(g.output),
+                                   + [_value_info(o, runs, axes, static) for o in handed], list(g.output),
                                    [t for name, t in inits.items() if name in read_after])
     ids_model = helper.make_model(rest_graph, ir_version=model.ir_version, producer_name=model.producer_name,
                                   opset_imports=[o for o in model.opset_import if o.domain != "ai.onnx.contrib"],

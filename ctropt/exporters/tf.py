@@ -7,6 +7,7 @@ original in TensorFlow, so `check_export` can compare the two.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -24,7 +25,53 @@ def _tf():
         import tf2onnx  # noqa: F401
     except ImportError as e:
         raise CtroptError(f"TensorFlow export needs the tf extra: pip install 'ctropt[tf]' ({e})") from None
+    _register_handlers()
     return tf
+
+
+@functools.cache
+def _register_handlers() -> None:
+    """tf2onnx handlers for TensorFlow ops it lacks and CTR graphs hold (registered once, never over one of its
+    own): SparseSlice, which DeepRec's DIN/DIEN/BST apply to a `tf.strings.split` history
+    (`tf.sparse.slice(split, [0, 0], [batch, MAX_SEQ_LENGTH])`)."""
+    from tf2onnx.handler import tf_op
+
+    if not any("SparseSlice" in ops for ops in tf_op.get_opsets().get("", [])):
+        tf_op("SparseSlice")(_SparseSlice)
+
+
+class _SparseSlice:
+    """tf.sparse.slice: the entries with start <= index < start + size in every dim, in their order, their
+    indices less start; dense shape max(min(start + size, shape) - start, 0), as TensorFlow's SparseTensor::Slice.
+    (indices [N, R], values [N], shape [R], start [R], size [R]) → Compress of the indices and the values."""
+
+    @classmethod
+    def version_13(cls, ctx, node, **kwargs):
+        from tf2onnx.graph_builder import GraphBuilder
+
+        indices, values, shape, start, size = node.input
+        out_indices, out_values, out_shape = node.output
+        end = ctx.make_node("Min", [ctx.make_node("Add", [start, size]).output[0], shape]).output[0]
+        inside = ctx.make_node("And", [ctx.make_node("GreaterOrEqual", [indices, start]).output[0],
+                                       ctx.make_node("Less", [indices, end]).output[0]]).output[0]
+        as_int = ctx.make_node("Cast", [inside], attr={"to": onnx.TensorProto.INT64}).output[0]
+        keep = ctx.make_node("Cast", [GraphBuilder(ctx).make_reduce_min({"data": as_int, "axes": [1], "keepdims": 0})],
+                             attr={"to": onnx.TensorProto.BOOL}).output[0]
+        dtypes, shapes = [ctx.get_dtype(o) for o in node.output], [ctx.get_shape(o) for o in node.output]
+        ctx.remove_node(node.name)
+        kept = ctx.make_node("Compress", [indices, keep], attr={"axis": 0}).output[0]
+        zero = ctx.make_const(utils_make_name("zero"), np.array([0], dtype=np.int64)).output[0]
+        ctx.make_node("Sub", [kept, start], outputs=[out_indices], shapes=shapes[:1], dtypes=dtypes[:1])
+        ctx.make_node("Compress", [values, keep], attr={"axis": 0}, outputs=[out_values], shapes=shapes[1:2],
+                      dtypes=dtypes[1:2])
+        ctx.make_node("Max", [ctx.make_node("Sub", [end, start]).output[0], zero], outputs=[out_shape],
+                      shapes=shapes[2:], dtypes=dtypes[2:])
+
+
+def utils_make_name(name: str) -> str:
+    from tf2onnx import utils
+
+    return utils.make_name(name)
 
 
 def _port(name: str) -> str:
@@ -129,7 +176,23 @@ def _convert_graph_def(graph_def, inputs, outputs, opset, tables) -> onnx.ModelP
         optimized = tf_loader.tf_optimize(inputs, outputs, graph_def)
     model, _ = convert(optimized, name="tf2onnx", continue_on_error=True, opset=opset, extra_opset=extra,
                        input_names=inputs, output_names=outputs, initialized_tables=tables)
+    _refuse_unconverted(model)
     return _drop_unused_contrib(model)
+
+
+def _refuse_unconverted(model: onnx.ModelProto) -> None:
+    """tf2onnx with continue_on_error (the lookup-table path) leaves an op it has no handler for as a node of the
+    ONNX domain named like the TensorFlow op: say which, rather than let onnxruntime refuse the model later."""
+    from collections import Counter
+
+    from ..graph import iter_proto_nodes
+
+    left = Counter(n.op_type for n in iter_proto_nodes(model.graph)
+                   if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type))
+    if left:
+        ops = ", ".join(f"{op} ({k})" for op, k in sorted(left.items()))
+        raise CtroptError(f"tf2onnx has no converter for the TensorFlow op(s) {ops}: rewrite them in the model "
+                          "before export, or register a tf2onnx handler (tf2onnx.handler.tf_op)")
 
 
 def _drop_unused_contrib(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -235,6 +235,22 @@ def _string_facts(node: gs.Node, facts: InputFacts) -> None:
         sep = const_value(node.inputs[1])
         if sep is not None and sep.size == 1:
             facts.separator = text(np.asarray(sep).ravel()[0])
+        if len(node.outputs) > 1:
+            _token_vocab(node.outputs[1], facts, set())
+
+
+def _token_vocab(t: gs.Tensor, facts: InputFacts, seen: set) -> None:
+    """The vocabulary a split's tokens are looked up in, through the ops that select or reshape them (DeepRec's
+    `tf.sparse.slice` of a `tf.strings.split` history is a Compress of the tokens): the tokens are its words."""
+    if id(t) in seen or len(seen) > 200:
+        return
+    seen.add(id(t))
+    for node in list(t.outputs):
+        if node.op == "CategoryMapper":
+            _string_facts(node, facts)
+        elif node.inputs and node.inputs[0] is t and node.op in _PASS_THROUGH | {"Compress"}:
+            for out in node.outputs:
+                _token_vocab(out, facts, seen)
 
 
 def _validity_check(node: gs.Node, pos: list[int]) -> bool:
@@ -419,7 +435,8 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths,
     if dtype == np.bool_:
         return rng.random(shape) < 0.5
     if dtype.kind in "OUS":
-        return _strings(rng, shape, f, prefix if has_lengths and len(shape) >= 2 else None)
+        return _strings(rng, shape, f, prefix if has_lengths and len(shape) >= 2 else None,
+                        lengths if len(shape) == 1 and shape[0] == len(lengths) else None)
     if np.issubdtype(dtype, np.integer) or f.upper is not None:
         high = f.upper if f.upper is not None else 100
         ids = rng.integers(0, high, size=shape)
@@ -441,10 +458,13 @@ def _one_input(rng, dtype, shape, f: InputFacts, lengths, time_len, has_lengths,
 UNSEEN = ["unseen-7f3a", "ünïcödé", "日本語の値", "🙂", "x" * 40]  # strings no vocabulary holds
 
 
-def _strings(rng, shape, f: InputFacts, prefix) -> np.ndarray:
+def _strings(rng, shape, f: InputFacts, prefix, lengths=None) -> np.ndarray:
     """String features as traffic sends them: a vocabulary's words (or ids like 's123' where the graph hashes),
-    about 10 % unseen (other scripts too) and 5 % empty, at least one of each; '|'-joined 0..4 tokens where the
-    graph splits on a separator (an empty row, a trailing separator); "" past each row's length in a padded history.
+    about 10 % unseen (other scripts too) and 5 % empty, at least one of each; where the graph splits on a
+    separator, each row joins as many tokens as the batch's history lengths say (0..T, an empty and a full row: every
+    split column of a row has one count, as a model that splits several histories of one user expects, DeepRec's DIN
+    asserting them equal), one row with a trailing separator (an empty token); "" past each row's length in a padded
+    history.
     """
     pool = np.array(f.vocab or [f"s{i}" for i in range(500)], dtype=object)
 
@@ -454,12 +474,20 @@ def _strings(rng, shape, f: InputFacts, prefix) -> np.ndarray:
         out = np.where(roll < 0.1, np.array(UNSEEN, dtype=object)[rng.integers(0, len(UNSEEN), size=size)], out)
         return np.where(roll > 0.95, "", out)
 
-    values = draw(shape)
     if f.separator is not None:
-        counts = rng.integers(0, 5, size=values.size)
-        values = np.array([f.separator.join(draw(int(c))) for c in counts], dtype=object).reshape(shape)
+        counts = lengths if lengths is not None else rng.integers(0, 5, size=int(np.prod(shape)))
+        rows = [list(draw(int(c))) for c in counts]
+        rows = [[pool[0]] if row == [""] else row for row in rows]  # "" joined alone would be no token at all
+        tokens = [(r, k) for r, row in enumerate(rows) for k in range(len(row))]
+        if len(tokens) >= 2:  # an unseen and an empty token, the rows' token counts kept
+            for (r, k), word in zip((tokens[i] for i in rng.choice(len(tokens), 2, replace=False)),
+                                    [UNSEEN[int(rng.integers(len(UNSEEN)))], ""]):
+                rows[r][k] = word if word or len(rows[r]) > 1 else rows[r][k]
+        values = np.array([f.separator.join(row) for row in rows], dtype=object).reshape(shape)
         if values.size >= 3:
             values.flat[2] += f.separator
+        return values.astype(str)
+    values = draw(shape)
     flat = values.reshape(-1)
     if flat.size >= 2:
         flat[rng.choice(flat.size, 2, replace=False)] = [UNSEEN[int(rng.integers(len(UNSEEN)))], ""]
