@@ -60,7 +60,7 @@ class _SparseSlice:
         dtypes, shapes = [ctx.get_dtype(o) for o in node.output], [ctx.get_shape(o) for o in node.output]
         ctx.remove_node(node.name)
         kept = ctx.make_node("Compress", [indices, keep], attr={"axis": 0}).output[0]
-        zero = ctx.make_const(utils_make_name("zero"), np.array([0], dtype=np.int64)).output[0]
+        zero = ctx.make_const(_fresh_name("zero"), np.array([0], dtype=np.int64)).output[0]
         ctx.make_node("Sub", [kept, start], outputs=[out_indices], shapes=shapes[:1], dtypes=dtypes[:1])
         ctx.make_node("Compress", [values, keep], attr={"axis": 0}, outputs=[out_values], shapes=shapes[1:2],
                       dtypes=dtypes[1:2])
@@ -68,7 +68,8 @@ class _SparseSlice:
                       shapes=shapes[2:], dtypes=dtypes[2:])
 
 
-def utils_make_name(name: str) -> str:
+def _fresh_name(name: str) -> str:
+    """A name tf2onnx has not given out yet."""
     from tf2onnx import utils
 
     return utils.make_name(name)
