@@ -7,3 +7,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ZOO = ROOT / "ctropt/exporters/zoo/data"
 THIRD = ROOT / "tests/data/thirdparty"
+
+
+def write_section(marks: tuple[str, str], text: str, heading: str | None = None) -> None:
+    """Put `text` between RESULTS.md's two marker lines, replacing what was there. The first time: at the end under
+    `## heading`, or without a heading right under the title."""
+    path = ROOT / "benchmarks/RESULTS.md"
+    doc = path.read_text()
+    block = f"{marks[0]}\n{text}\n{marks[1]}"
+    if marks[0] in doc:
+        doc = doc[:doc.index(marks[0])] + block + doc[doc.index(marks[1]) + len(marks[1]):]
+    elif heading:
+        doc = doc.rstrip() + f"\n\n## {heading}\n\n{block}\n"
+    else:
+        title, rest = doc.split("\n", 1)
+        doc = f"{title}\n\n{block}\n{rest}"
+    path.write_text(doc)

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from common import ROOT
+from common import ROOT, write_section
 
 FORMS = ("framework compiled", "ORT raw", "ORT ctropt", "OpenVINO raw", "OpenVINO ctropt")
 COMPILED = {"tf": "XLA", "torch": "torch.compile"}
@@ -186,19 +186,6 @@ def chart(rows: list[dict]) -> str:
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
-def write_results(text: str) -> None:
-    path = ROOT / "benchmarks/RESULTS.md"
-    doc = path.read_text()
-    block = f"{MARK[0]}\n{text}\n{MARK[1]}"
-    if MARK[0] in doc:
-        start, end = doc.index(MARK[0]), doc.index(MARK[1]) + len(MARK[1])
-        doc = doc[:start] + block + doc[end:]
-    else:   # first time: the table goes right under the title
-        head, rest = doc.split("\n", 1)
-        doc = f"{head}\n\n{block}\n{rest}"
-    path.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of zoo model names (wdl, din, ...)")
@@ -232,7 +219,7 @@ def main() -> None:
     print(text)
     if args.write:
         (ROOT / "benchmarks/frameworks.svg").write_text(chart(rows))
-        write_results(text)
+        write_section(MARK, text)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from common import ROOT, ZOO  # noqa: E402  (puts the checkout on sys.path)
+from common import ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -179,14 +179,7 @@ def table(data: dict) -> str:
 
 def write(path: str) -> None:
     text = table(json.load(open(path)))
-    doc_path = ROOT / "benchmarks/RESULTS.md"
-    doc = doc_path.read_text()
-    block = f"{MARK[0]}\n{text}\n{MARK[1]}"
-    if MARK[0] in doc:
-        doc = doc[:doc.index(MARK[0])] + block + doc[doc.index(MARK[1]) + len(MARK[1]):]
-    else:
-        doc += f"\n## GPU: onnxruntime CUDA provider (#28)\n\n{block}\n"
-    doc_path.write_text(doc)
+    write_section(MARK, text, "GPU: onnxruntime CUDA provider (#28)")
     print(text)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import ROOT, THIRD, ZOO  # noqa: E402  (puts the checkout on sys.path)
+from common import THIRD, ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.passes.speed import SpeedCheck  # noqa: E402
@@ -106,15 +106,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     text = "\n".join(lines)
     if args.write:
-        path = ROOT / "benchmarks/RESULTS.md"
-        doc = path.read_text()
-        block = f"{MARK[0]}\n{text}\n{MARK[1]}"
-        if MARK[0] in doc:
-            doc = doc[:doc.index(MARK[0])] + block + doc[doc.index(MARK[1]) + len(MARK[1]):]
-        else:
-            doc += f"\n## String features (#29)\n\n{block}\n"
-        path.write_text(doc)
-
+        write_section(MARK, text, "String features (#29)")
 
 if __name__ == "__main__":
     main()
