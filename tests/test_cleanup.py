@@ -4,7 +4,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ctropt.graph import interface
-from helpers import F, I64, check_pass, init, make_model, node, ops, run_pass, vi
+from helpers import F, I64, assert_same_outputs, check_pass, init, make_model, node, ops, run_pass, vi
 
 X = [vi("x", F, ["B", 4])]
 Y = [vi("y", F, ["B", 4])]
@@ -259,3 +259,32 @@ def test_parts_gathered_first_before_opset_13():
     model, _ = run_pass(model, "infer-shapes")
     out, _ = check_pass(model, "eliminate-identity", ["Gather", "Unsqueeze"])
     assert len(next(n for n in out.graph.node if n.op_type == "Unsqueeze").input) == 1
+
+
+def keras_dense_model(rows_of: str = "x", rank3: bool = False):
+    """tf2onnx's Keras Dense: MatMul, then a Reshape back to Concat(Shape(input)[:-1], [units]) (int32 casts)."""
+    shape = [None, 3, 7] if rank3 else [None, 7]
+    inputs = [vi("a", F, shape), vi("b", F, [None, 5])]
+    flat = [node("Reshape", ["a", "flat"], ["x"])] if rank3 else [node("Relu", ["a"], ["x"])]
+    nodes = flat + [
+        node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "bias"], ["h"]), node("Relu", ["h"], ["r"]),
+        node("Shape", [rows_of], ["s"]), node("Cast", ["s"], ["s32"], to=TensorProto.INT32),
+        node("Gather", ["s32", "free"], ["lead"]) if not rank3 else node("Slice", ["s32", "z", "two"], ["lead"]),
+        node("Concat", ["lead", "units"], ["target32"], axis=0), node("Cast", ["target32"], ["target"], to=TensorProto.INT64),
+        node("Reshape", ["r", "target"], ["d"]), node("Add", ["d", "b"], ["y"])]
+    inits = [init("w", np.full((7, 5), 0.1, np.float32)), init("bias", np.ones(5, np.float32)),
+             init("free", np.array([0])), init("units", np.array([5], np.int32)), init("flat", np.array([-1, 7])),
+             init("z", np.array([0])), init("two", np.array([2]))]
+    return make_model(nodes, inputs, [vi("y", F, [None, 5] if not rank3 else None)], inits)
+
+
+def test_keras_dense_reshape_to_its_own_rows_goes():
+    check_pass(keras_dense_model(), "eliminate-identity", ["Relu", "MatMul", "Add", "Relu", "Add"])
+
+
+def test_reshape_to_another_values_rows_or_another_rank_is_kept():
+    assert "Reshape" in ops(run_pass(keras_dense_model(rows_of="b"), "eliminate-identity")[0])
+    feeds = {"a": np.ones((4, 3, 7), np.float32), "b": np.ones((3, 5), np.float32)}
+    kept, _ = run_pass(keras_dense_model(rows_of="a", rank3=True), "eliminate-identity")
+    assert ops(kept).count("Reshape") == 2
+    assert_same_outputs(keras_dense_model(rows_of="a", rank3=True), kept, feeds)

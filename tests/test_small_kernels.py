@@ -169,6 +169,35 @@ def test_gather_rows_matches_numpy(rows, ids_type):
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids])
 
 
+@pytest.mark.parametrize("ids_type", [np.int64, np.int32])
+def test_gather_rows_adds_per_column_offsets(ids_type):
+    table, offsets = RNG.normal(size=(60, 8)).astype(np.float32), np.array([0, 20, 45], ids_type)
+    ids = RNG.integers(-15, 15, (5, 3)).astype(ids_type)
+    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids", "off"], ["y"], domain=kernels.DOMAIN)],
+                 [vi("ids", I64 if ids_type == np.int64 else I32, None)], [init("t", table), init("off", offsets)])
+    np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids + offsets])
+    with pytest.raises(Exception, match="offsets must be"):
+        s.run(None, {"ids": ids[:, :2]})
+
+
+def fused_lookup(expanded=True):
+    """fuse-parallel-embeddings' lookup: two tables read at the fields' ids plus per-field offsets (Expanded)."""
+    off = ["offx"] if expanded else ["off"]
+    nodes = ([node("Shape", ["ids"], ["s"]), node("Expand", ["off", "s"], ["offx"])] if expanded else []) + [
+        node("Add", ["ids"] + off, ["at"]), node("Gather", ["w8", "at"], ["y8"]), node("Gather", ["w1", "at"], ["y1"])]
+    return make_model(nodes, [vi("ids", I32, ["batch", 3])], [vi("y8", F, None), vi("y1", F, None)],
+                      [init("w8", RNG.normal(size=(60, 8)).astype(np.float32)),
+                       init("w1", RNG.normal(size=(60, 1)).astype(np.float32)),
+                       init("off", np.array([0, 20, 45], np.int32))])
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_lookups_at_offset_ids_take_the_offsets(expanded):
+    f = {"ids": RNG.integers(0, 15, (4, 3)).astype(np.int32)}
+    done, _ = check_pass(fused_lookup(expanded), "gather-rows-kernel", ["GatherRows", "GatherRows"], feeds=f)
+    assert all(len(n.input) == 3 for n in done.graph.node)
+
+
 def test_the_kernels_refuse_what_does_not_fit():
     s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64, None)], [init("t", np.ones((10, 4), np.float32))])

@@ -8,6 +8,9 @@
  * Node (domain "ai.ctropt.kernels", made by gather-rows-kernel):
  *   inputs   0 table [V, ...] (float: GatherRows; int64: GatherRowsInt64, positions the passes gather)
  *            1 indices (int32 or int64), any shape
+ *            2 offsets (optional, the indices' type), [K]: K the indices' last dim; index i reads row
+ *              indices[i] + offsets[i % K], the sum in the indices' type (fuse-parallel-embeddings' per-field offsets
+ *              into one concatenated table, without the Expand and Add that would make them [..., K] first)
  *   outputs  0 Y [indices..., ...]: as Gather(table, indices, axis=0): a negative index counts from the end, one out
  *            of [-V, V) is an error (onnxruntime's message's meaning).
  */
@@ -20,9 +23,9 @@
 
 typedef struct {
     const float *table;
-    const void *indices;
+    const void *indices, *offsets;   /* offsets: NULL when absent */
     float *y;
-    int64_t count, V, D, blocks, bad;   /* D: 4-byte words per row; bad: an index out of range (+1), 0 when none */
+    int64_t count, V, D, K, blocks, bad;   /* D: 4-byte words per row; K: offsets; bad: out of range (+1), 0: none */
     int wide;                          /* indices are int64 */
 } Job;
 
@@ -44,11 +47,21 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
     }
 }
 
+/* Index i: indices[i], plus its offset where there are offsets, added in the indices' own type (as Add would). */
+static inline int64_t index_at(const Job *j, int64_t i) {
+    if (j->wide) {
+        const uint64_t at = (uint64_t)((const int64_t *)j->indices)[i];
+        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[i % j->K] : at);
+    }
+    const uint32_t at = (uint32_t)((const int32_t *)j->indices)[i];
+    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[i % j->K] : at);
+}
+
 static void gather_block(void *data, size_t b) {
     Job *j = data;
     const int64_t first = j->count * (int64_t)b / j->blocks, end = j->count * ((int64_t)b + 1) / j->blocks;
     for (int64_t i = first; i < end; ++i) {
-        int64_t at = j->wide ? ((const int64_t *)j->indices)[i] : ((const int32_t *)j->indices)[i];
+        int64_t at = index_at(j, i);
         at += at < 0 ? j->V : 0;   /* a conditional move, not a branch */
         if ((uint64_t)at >= (uint64_t)j->V) {
             __atomic_store_n(&j->bad, i + 1, __ATOMIC_RELAXED);   /* reported after the loop */
@@ -72,6 +85,17 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         return error("GatherRows: indices must be int32 or int64");
     const int64_t words = tt == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ? 2 : 1;   /* per element */
     j.wide = ti == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    size_t n_in;
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    if (n_in > 2) {
+        int64_t dk[MAX_RANK];
+        size_t rk;
+        ONNXTensorElementDataType tk;
+        TRY(read_typed_input(ctx, 2, &j.offsets, dk, &rk, MAX_RANK, "GatherRows: the offsets have rank > 8", &tk));
+        if (j.offsets && (tk != ti || rk != 1 || ri < 1 || dk[0] != di[ri - 1] || dk[0] < 1))
+            return error("GatherRows: offsets must be [K] of the indices' type, K their last dim");
+        j.K = j.offsets ? dk[0] : 0;
+    }
     j.V = dt[0], j.D = 1, j.count = 1;
     size_t out_rank = 0;
     for (size_t x = 0; x < ri; ++x) j.count *= out[out_rank++] = di[x];
@@ -87,7 +111,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int64_t i = j.bad - 1;
         char msg[160];
         snprintf(msg, sizeof msg, "GatherRows: indices element out of data bounds, idx=%lld must be within the inclusive "
-                 "range [%lld,%lld]", (long long)(j.wide ? ((const int64_t *)j.indices)[i] : ((const int32_t *)j.indices)[i]),
+                 "range [%lld,%lld]", (long long)index_at(&j, i),
                  (long long)-j.V, (long long)(j.V - 1));
         return error(msg);
     }
@@ -96,7 +120,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatherRows"; }
 static const char *ORT_API_CALL name_int64(const OrtCustomOp *op) { (void)op; return "GatherRowsInt64"; }
-static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 2; }
+static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 3; }
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
     (void)op;   /* the indices' type is read at run time: int32 or int64 */
@@ -107,7 +135,7 @@ static ONNXTensorElementDataType ORT_API_CALL input_type_int64(const OrtCustomOp
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
 
-OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, required, required,
+OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, input_kind, required,
                                            no_attributes, compute);
-OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, n_outputs, required,
+OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, n_outputs, input_kind,
                                                  required, no_attributes, compute);

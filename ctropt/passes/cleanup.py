@@ -15,6 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
+from ..graph.dims import is_own_shape
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import axes_of, const_value, dtype_of, renameable, replace_outputs, shape_of, stacked_part, unique_name
 from .registry import PassContext, register_pass
@@ -113,6 +114,11 @@ def _reshape_to_same_shape(m) -> bool:
     return not unknown
 
 
+def _reshape_to_own_dims(m) -> bool:
+    """A Reshape to a computed shape that lists x's own sizes (tf2onnx's Keras Dense on a 2-D input)."""
+    return const_value(m["shape"]) is None and is_own_shape(m["x"], m["shape"], m.root.attrs.get("allowzero", 0))
+
+
 def _same_axes(m) -> bool:
     def axes(node):
         if "axes" in node.attrs:
@@ -175,6 +181,7 @@ NO_OP_RULES = (
     Rewrite("cast-same-type", P.Cast(x), _same, _cast_to_same_type),
     Rewrite("reshape-same-shape", P.Reshape(x, Const("shape")), _same, _reshape_to_same_shape),
     Rewrite("reshape-of-own-shape", P.Reshape(x, P.Shape(x)), _same),
+    Rewrite("reshape-to-own-dims", P.Reshape(x, Var("shape")), _same, _reshape_to_own_dims),
     Rewrite("squeeze-unsqueeze", P.Squeeze(P.Unsqueeze(x, ..., _name="inner"), ...), _same, _same_axes),
     Rewrite("unsqueeze-squeeze", P.Unsqueeze(P.Squeeze(x, ..., _name="inner"), ...), _same, _same_axes),
     Rewrite("transpose-identity", P.Transpose(x), _same, _identity_perm),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..graph.edit import dtype_of, rank_of, shape_of
+from ..graph.edit import const_value, dtype_of, rank_of, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -40,10 +40,29 @@ def _is_row_lookup(m: Match) -> bool | str:
     return True
 
 
+def _offset_ids(ids) -> tuple | None:
+    """(x, offsets) for ids = x + offsets, offsets a constant [K] over x's last axis of K (fuse-parallel-embeddings'
+    per-field offsets, Expanded to x's shape or not): the kernel adds them itself."""
+    add = ids.inputs[0] if len(ids.inputs) == 1 else None
+    if add is None or add.op != "Add" or add.domain not in (None, "", "ai.onnx"):
+        return None
+    for x, off in (add.inputs, add.inputs[::-1]):
+        made = off.inputs[0] if len(off.inputs) == 1 else None
+        if made is not None and made.op == "Expand" and made.inputs[1].inputs \
+                and made.inputs[1].inputs[0].op == "Shape" and made.inputs[1].inputs[0].inputs[0] is x \
+                and not made.inputs[1].inputs[0].attrs:
+            off = made.inputs[0]
+        value, shape = const_value(off), shape_of(x)
+        if value is not None and value.ndim == 1 and shape and value.dtype == dtype_of(x) \
+                and isinstance(shape[-1], (int, np.integer)) and shape[-1] == value.size:
+            return x, off
+    return None
+
+
 def _to_kernel(m: Match) -> list:
     out, op = m.root.outputs[0], KERNEL_OF[np.dtype(dtype_of(m["table"]))]
-    return m.op(op, [m["table"], m["ids"]], name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype,
-                shape=out.shape)
+    inputs = [m["table"], *(_offset_ids(m["ids"]) or [m["ids"]])]
+    return m.op(op, inputs, name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
 
 
 GATHER_RULES = (Rewrite("gather-rows", P.Gather(Var("table"), Var("ids"), _domain=""), _to_kernel, _is_row_lookup, subgraphs=False),)

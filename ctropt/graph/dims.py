@@ -1,0 +1,168 @@
+"""Sizes the graph names by construction: the entries of a shape value computed from Shape ops, and whether two
+(value, axis) pairs have the same size because one is made from the other by ops that keep that axis.
+
+tf2onnx writes a Keras Dense layer as MatMul, then a Reshape back to ``Concat(Shape(x)[:-1], [units])``: on a 2-D
+input that Reshape is the identity, but its target is computed, and symbolic shape inference cannot see it (the
+exports' inputs each have their own batch symbol, and a custom kernel in between stops inference). Following the
+batch axis back through the ops that keep it proves it instead, with no inference and no run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .edit import const_value, rank_of, shape_of
+
+ROW_WISE = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Gelu", "Erf", "Exp", "Log", "Neg", "Abs", "Sqrt",
+            "Reciprocal", "Softplus", "HardSigmoid", "Clip", "Cast", "Identity", "Not", "IsNaN", "Sign", "Floor",
+            "Ceil", "Round", "Softmax", "LogSoftmax", "LayerNormalization", "Dropout", "Sin", "Cos", "Swish"}
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal", "Greater",
+                "Less", "GreaterOrEqual", "LessOrEqual", "PRelu", "Mod", "BitwiseAnd", "BitwiseOr"}
+DEPTH = 64  # steps followed back from one value (a chain of layers is a few per layer)
+
+
+def shape_entries(t: gs.Tensor, depth: int = 0) -> list | None:
+    """The entries of an integer vector (or scalar) built from constants and Shape ops: each an int or a
+    (value, axis) pair naming that value's size there; None when some entry is neither."""
+    value = const_value(t)
+    if value is not None:
+        return [int(v) for v in value.ravel()] if value.dtype.kind in "iu" and value.ndim <= 1 else None
+    if len(t.inputs) != 1 or depth > DEPTH:
+        return None
+    node = t.inputs[0]
+    if node.op in ("Concat", "Squeeze", "Unsqueeze") and rank_of(t) not in (0, 1):
+        return None  # entries of a vector only
+    if node.op == "Shape":
+        rank = rank_of(node.inputs[0])
+        if rank is None:
+            return None
+        start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+        return [(node.inputs[0], a) for a in range(rank)][slice(start, end)]
+    if node.op in ("Cast", "Identity", "Squeeze", "Unsqueeze"):  # on shape values: rank 0 or 1, entries unchanged
+        if node.op == "Cast" and not np.issubdtype(np.dtype(t.dtype or np.int64), np.integer):
+            return None
+        return shape_entries(node.inputs[0], depth + 1)
+    if node.op == "Concat":
+        parts = [shape_entries(x, depth + 1) for x in node.inputs]
+        return None if any(p is None for p in parts) else [e for p in parts for e in p]
+    entries = shape_entries(node.inputs[0], depth + 1) if node.inputs else None
+    if entries is None:
+        return None
+    if node.op == "Gather" and node.attrs.get("axis", 0) == 0:
+        index = const_value(node.inputs[1])
+        if index is None or index.ndim > 1 or not all(-len(entries) <= i < len(entries) for i in index.ravel()):
+            return None
+        return [entries[int(i)] for i in index.ravel()]
+    if node.op == "Slice" and len(node.inputs) >= 3:
+        bounds = [const_value(x) for x in node.inputs[1:]]
+        if any(b is None or b.size != 1 for b in bounds) or (len(bounds) > 2 and int(bounds[2].ravel()[0]) != 0):
+            return None
+        step = int(bounds[3].ravel()[0]) if len(bounds) > 3 else 1
+        return entries[slice(int(bounds[0].ravel()[0]), int(bounds[1].ravel()[0]), step)]
+    return None
+
+
+def _axis(t: gs.Tensor, axis: int) -> int | None:
+    rank = rank_of(t)
+    return None if rank is None or not -rank <= axis < rank else axis % rank
+
+
+def _broadcast_source(node: gs.Node, axis: int, rank: int) -> tuple | None:
+    """The one input that sets the size of an elementwise op's output along `axis`: every other input has size 1
+    there or lacks the axis (shapes known)."""
+    candidates = []
+    for x in node.inputs:
+        shape = shape_of(x)
+        if shape is None:
+            return None
+        at = axis - (rank - len(shape))
+        if at < 0 or shape[at] == 1:
+            continue
+        candidates.append((x, at))
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
+    """(input, axis) whose size the output of `node` has along `axis` by the op's definition, or None."""
+    op, x = node.op, node.inputs[0] if node.inputs else None
+    if op in ROW_WISE:
+        return x, axis
+    if op in BROADCASTING:
+        return _broadcast_source(node, axis, rank)
+    if op in ("Gemm", "FusedGemm"):
+        if axis == 0:
+            return x, 1 if node.attrs.get("transA", 0) else 0
+        return node.inputs[1], 0 if node.attrs.get("transB", 0) else 1
+    if op == "MatMul" or op == "FusedMatMul" and not node.attrs.get("transA", 0):
+        a, b = rank_of(x), rank_of(node.inputs[1])
+        if a == rank and b == 2 and axis < rank - 1:
+            return x, axis
+        return None
+    if op == "Concat":
+        return (x, axis) if _axis(node.outputs[0], node.attrs.get("axis", 0)) != axis else None
+    if op in ("Gather", "GatherRows", "GatherRowsInt64"):
+        g, indices = _axis(x, node.attrs.get("axis", 0)), rank_of(node.inputs[1])
+        if g is None or indices is None:
+            return None
+        return (x, axis) if axis < g else (node.inputs[1], axis - g) if axis < g + indices else (x, axis - indices + 1)
+    if op == "Transpose" and "perm" in node.attrs:
+        return x, int(node.attrs["perm"][axis])
+    if op == "Reshape":
+        target = const_value(node.inputs[1])
+        if target is not None and not node.attrs.get("allowzero", 0) and axis < target.size and target[axis] == 0:
+            return x, axis
+    return None
+
+
+def size_source(t: gs.Tensor, axis: int) -> tuple | None:
+    """One step back: the (value, axis) that `t` takes its size along `axis` from, or None."""
+    rank = rank_of(t)
+    if len(t.inputs) != 1 or rank is None or t is not t.inputs[0].outputs[0]:
+        return None
+    return _kept_axis(t.inputs[0], axis, rank)
+
+
+def same_size(a: tuple, b: tuple) -> bool:
+    """Whether (value, axis) pairs a and b have the same size by construction: equal known ints, or one chain of
+    size-keeping ops leads back from both to one (value, axis)."""
+    (ta, xa), (tb, xb) = a, b
+    xa, xb = _axis(ta, xa), _axis(tb, xb)
+    if xa is None or xb is None:
+        return False
+    da, db = shape_of(ta)[xa], shape_of(tb)[xb]
+    if isinstance(da, (int, np.integer)) and isinstance(db, (int, np.integer)):
+        return int(da) == int(db)
+    seen, step = set(), (ta, xa)
+    for _ in range(DEPTH):
+        seen.add((id(step[0]), step[1]))
+        step = size_source(*step)
+        if step is None or _axis(step[0], step[1]) is None:
+            break
+        step = (step[0], _axis(step[0], step[1]))
+    step = (tb, xb)
+    for _ in range(DEPTH):
+        if (id(step[0]), step[1]) in seen:
+            return True
+        step = size_source(*step)
+        if step is None or _axis(step[0], step[1]) is None:
+            return False
+        step = (step[0], _axis(step[0], step[1]))
+    return False
+
+
+def is_own_shape(x: gs.Tensor, shape: gs.Tensor, allowzero: int = 0) -> bool:
+    """Whether the computed `shape` is `x`'s own shape entry by entry (a Reshape to it does nothing)."""
+    entries, dims = shape_entries(shape), shape_of(x)
+    if entries is None or dims is None or len(entries) != len(dims):
+        return False
+    free = [i for i, e in enumerate(entries) if e == -1]
+    for i, e in enumerate(entries):
+        if isinstance(e, tuple):
+            if not same_size((x, i), e):
+                return False
+        elif e == 0 and not allowzero:
+            continue
+        elif e != -1 and not (isinstance(dims[i], (int, np.integer)) and int(dims[i]) == e):
+            return False
+    return len(free) <= 1
