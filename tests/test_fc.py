@@ -65,7 +65,8 @@ def test_rank3_is_left_alone_for_openvino():
 
 
 def test_tensordot_reshape_between_product_and_bias():
-    """tf2onnx's Keras Dense (tensordot): MatMul → Reshape to the input's leading dims → Add bias → Relu."""
+    """tf2onnx's Keras Dense (tensordot): MatMul → Reshape to the input's leading dims → Add bias → Relu; on a 2-D
+    input that Reshape lists the product's own sizes, and goes."""
     model = make_model(
         [node("Shape", ["x"], ["s"]), node("Gather", ["s", "zero"], ["b0"], axis=0),
          node("Unsqueeze", ["b0", "ax0"], ["b1"]), node("Concat", ["b1", "n"], ["shape"], axis=0),
@@ -74,8 +75,7 @@ def test_tensordot_reshape_between_product_and_bias():
         [vi("x", F, ["B", 6])], [vi("y", F, ["B", 5])],
         [init("w", _w(6, 5)), init("b", _b(5)), init("zero", np.array(0, np.int64)), init("ax0", np.array([0])),
          init("n", np.array([5], np.int64))])
-    out, _ = check_pass(model, "fuse-fc", ["Shape", "Gather", "Unsqueeze", "Concat", "Gemm", "Relu", "Reshape"],
-                        feeds=_feeds((4, 6)))
+    check_pass(model, "fuse-fc", ["Gemm", "Relu"], feeds=_feeds((4, 6)))
 
 
 @pytest.mark.parametrize("act", ["PRelu", "Dice"])

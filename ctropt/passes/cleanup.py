@@ -17,7 +17,8 @@ from onnx_graphsurgeon.logger import G_LOGGER
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
 from ..graph.dims import is_own_shape
 from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import axes_of, const_value, dtype_of, renameable, replace_outputs, shape_of, stacked_part, unique_name
+from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
+                          unique_name)
 from .registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
@@ -203,6 +204,25 @@ def _reshape_chain(m):
     return [out]
 
 
+def _parts_gathered_alike(m) -> bool:
+    """Concat(Gather(x_1, i), ..., Gather(x_k, i)) along an axis other than the rows, each Gather read there only."""
+    gathers = [u.inputs[0] if len(u.inputs) == 1 and len(u.outputs) == 1 else None for u in m.root.inputs]
+    if len(gathers) < 2 or any(g is None or g.op != "Gather" or g.attrs.get("axis", 0) != 0 for g in gathers):
+        return False
+    index, rank = gathers[0].inputs[1], rank_of(gathers[0].inputs[0])   # a 1-D index keeps the rank
+    return rank_of(index) == 1 and all(g.inputs[1] is index for g in gathers) and bool(rank) \
+        and m.root.attrs.get("axis", 0) % rank != 0
+
+
+def _gathered_once(m):
+    """One Gather of the parts' Concat: the rows picked once (dedup-user-side's distinct users' ids, joined for one
+    fused lookup, are then its key's rows)."""
+    gathers = [u.inputs[0] for u in m.root.inputs]
+    (cat,) = m.op("Concat", [g.inputs[0] for g in gathers], {"axis": m.root.attrs.get("axis", 0)})
+    out = m.root.outputs[0]
+    return m.op("Gather", [cat, gathers[0].inputs[1]], {"axis": 0}, dtype=out.dtype, shape=out.shape)
+
+
 def _no_zero_dims(m) -> bool:
     return bool(np.all(m.const("shape") != 0)) or m.root.attrs.get("allowzero", 0) == 1
 
@@ -369,6 +389,7 @@ def _part_gathered_first(m):
 CHAIN_RULES = (
     Rewrite("stacked-part", P.Gather(P.Concat(Var(), ..., _name="cat", _shared=True), Const("index")),
             _stacked_part),
+    Rewrite("gathered-once", P.Concat(P.Gather(Var(), Var()), ...), _gathered_once, _parts_gathered_alike),
     Rewrite("reshape-reshape", P.Reshape(P.Reshape(x, Var()), Const("shape")), _reshape_chain,
             _no_zero_dims),
     Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
