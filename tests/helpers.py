@@ -62,3 +62,18 @@ def check_pass(model, name, expected_ops, feeds=None):
     assert sorted(ops(twice)) == sorted(ops(once))
     assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
     return once, ctx
+
+
+def kernel_session(nodes, inputs, inits=(), out_type=F):
+    """An onnxruntime session (2 threads) over nodes that may be ctropt's kernels, the library registered; one
+    output, y."""
+    import onnxruntime as ort
+
+    from ctropt import kernels
+
+    graph = helper.make_graph(nodes, "k", inputs, [vi("y", out_type, None)], list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    kernels.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -55,3 +55,28 @@ def test_weights_broadcast_over_the_history_or_a_product_read_twice_stay():
     assert ctx.rewrites == 0 and ops(once) == ops(model)
     misses = ctropt.REGISTRY["weighted-sum-as-matmul"].misses(ctropt.graph.to_graph(model), "ort")
     assert any("used by a graph output" in m for m in misses), misses
+
+
+def dcn_dot(keepdims: int = 1, w_shape=(D,)):
+    """PaddleRec's DCN cross layer scalar: x · w as ReduceSum(Mul(x, w), axis=-1), w a constant vector."""
+    nodes = [node("Mul", ["x", "w"], ["p"]), node("ReduceSum", ["p", "axl"], ["s"], keepdims=keepdims),
+             node("Mul", ["x", "s" if keepdims else "x"], ["y"])]
+    return make_model(nodes, [vi("x", F, ["batch", D])], [vi("y", F, ["batch", D]), vi("s", F, None)],
+                      [init("w", np.linspace(-1, 1, D, dtype=np.float32).reshape(w_shape)),
+                       init("axl", np.array([-1], np.int64))])
+
+
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_dot_with_a_constant_vector_is_a_matmul(keepdims):
+    model = dcn_dot(keepdims)
+    once, ctx = run_pass(model, "weighted-sum-as-matmul")
+    assert sorted(ops(once)) == sorted(["MatMul", "Mul"] + ["Squeeze"] * (not keepdims)), ops(once)
+    assert_same_outputs(model, once, {"x": np.random.default_rng(1).normal(size=(6, D)).astype(np.float32)})
+    assert run_pass(once, "weighted-sum-as-matmul")[1].rewrites == 0
+
+
+def test_a_product_with_a_matrix_or_over_another_axis_is_not_a_dot():
+    assert run_pass(dcn_dot(w_shape=(1, D)), "weighted-sum-as-matmul")[1].rewrites == 1   # leading 1s: a vector
+    model = dcn_dot()
+    model.graph.initializer[1].CopyFrom(init("axl", np.array([0], np.int64)))
+    assert run_pass(model, "weighted-sum-as-matmul")[1].rewrites == 0

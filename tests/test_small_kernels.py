@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import F, I64, check_pass, init, make_model, node, ops, run_pass, vi
+from helpers import F, I64, check_pass, init, kernel_session, make_model, node, ops, run_pass, vi
 
 from ctropt import REGISTRY, kernels
 from ctropt.graph import to_graph
@@ -121,23 +121,13 @@ def test_lookups_of_float_rows(ids_type):
                ["GatherRows", "GatherRows", "Gather", "Cast", "ReduceSum", "Concat"], feeds=f)
 
 
-def _session(nodes, inputs, inits=(), out_type=F):
-    graph = onnx.helper.make_graph(nodes, "k", inputs, [vi("y", out_type, None)], list(inits))
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
-                                                         onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    kernels.register(so)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
 @pytest.mark.parametrize("shape,axis,count,keepdims", [
     ((7, 13, 1), 1, 1, 0), ((7, 13, 4), 1, 1, 1), ((5, 9, 8), 1, 1, 0), ((3, 11, 19), 1, 1, 0),   # narrow, wide, tails
     ((2, 3, 5, 6), 1, 2, 1), ((6, 5), 0, 1, 0), ((4, 0, 3), 1, 1, 0), ((2, 37, 3), 1, 1, 1),
 ])
 def test_sum_axes_matches_numpy(shape, axis, count, keepdims):
     x = RNG.normal(size=shape).astype(np.float32)
-    s = _session([onnx.helper.make_node("SumAxes", ["x"], ["y"], domain=kernels.DOMAIN, axis=axis, count=count,
+    s = kernel_session([onnx.helper.make_node("SumAxes", ["x"], ["y"], domain=kernels.DOMAIN, axis=axis, count=count,
                                         keepdims=keepdims)], [vi("x", F, None)])
     want = x.astype(np.float64).sum(axis=tuple(range(axis, axis + count)), keepdims=bool(keepdims))
     got = s.run(None, {"x": x})[0]
@@ -152,7 +142,7 @@ def test_sum_axes_matches_numpy(shape, axis, count, keepdims):
 ])
 def test_small_matmul_matches_numpy(a, b):
     fa, fb = RNG.normal(size=a).astype(np.float32), RNG.normal(size=b).astype(np.float32)
-    s = _session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
                  [vi("a", F, None), vi("b", F, None)])
     got, want = s.run(None, {"a": fa, "b": fb})[0], np.matmul(fa.astype(np.float64), fb)
     assert got.shape == want.shape
@@ -164,7 +154,7 @@ def test_small_matmul_matches_numpy(a, b):
 def test_gather_rows_matches_numpy(rows, ids_type):
     table = RNG.normal(size=rows).astype(np.float32)
     ids = RNG.integers(-rows[0], rows[0], (4, 7)).astype(ids_type)
-    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64 if ids_type == np.int64 else I32, None)], [init("t", table)])
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids])
 
@@ -173,7 +163,7 @@ def test_gather_rows_matches_numpy(rows, ids_type):
 def test_gather_rows_adds_per_column_offsets(ids_type):
     table, offsets = RNG.normal(size=(60, 8)).astype(np.float32), np.array([0, 20, 45], ids_type)
     ids = RNG.integers(-15, 15, (5, 3)).astype(ids_type)
-    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids", "off"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("GatherRows", ["t", "ids", "off"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64 if ids_type == np.int64 else I32, None)], [init("t", table), init("off", offsets)])
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids + offsets])
     with pytest.raises(Exception, match="offsets must be"):
@@ -199,15 +189,15 @@ def test_lookups_at_offset_ids_take_the_offsets(expanded):
 
 
 def test_the_kernels_refuse_what_does_not_fit():
-    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64, None)], [init("t", np.ones((10, 4), np.float32))])
     with pytest.raises(Exception, match="out of data bounds"):
         s.run(None, {"ids": np.array([[1, 10]], np.int64)})
-    s = _session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("GatherRows", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64, None)], [init("t", np.ones((3, 0), np.float32))])
     with pytest.raises(Exception, match="out of data bounds"):   # rows of no floats: the index is checked still
         s.run(None, {"ids": np.array([5], np.int64)})
-    s = _session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("SmallMatMul", ["a", "b"], ["y"], domain=kernels.DOMAIN)],
                  [vi("a", F, None), vi("b", F, None)])
     with pytest.raises(Exception, match="do not broadcast"):
         s.run(None, {"a": np.ones((2, 3, 4), np.float32), "b": np.ones((3, 4, 5), np.float32)})
@@ -301,6 +291,6 @@ def test_int64_positions_of_dynamic_length_but_not_shape_arithmetic():
 def test_gather_rows_int64_matches_numpy(table):
     values = RNG.integers(-2**62, 2**62, table)
     ids = RNG.integers(-50, 50, (4, 7))
-    s = _session([onnx.helper.make_node("GatherRowsInt64", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
+    s = kernel_session([onnx.helper.make_node("GatherRowsInt64", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64, None)], [init("t", values)], out_type=I64)
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], values[ids])

@@ -123,6 +123,10 @@ def size_source(t: gs.Tensor, axis: int) -> tuple | None:
     return _kept_axis(t.inputs[0], axis, rank)
 
 
+def _graph_input(t: gs.Tensor) -> bool:
+    return not t.inputs and not isinstance(t, gs.Constant)
+
+
 def same_size(a: tuple, b: tuple) -> bool:
     """Whether (value, axis) pairs a and b have the same size by construction: equal known ints, or one chain of
     size-keeping ops leads back from both to one (value, axis)."""
@@ -133,6 +137,8 @@ def same_size(a: tuple, b: tuple) -> bool:
     da, db = shape_of(ta)[xa], shape_of(tb)[xb]
     if isinstance(da, (int, np.integer)) and isinstance(db, (int, np.integer)):
         return int(da) == int(db)
+    if isinstance(da, str) and da and da == db and _graph_input(ta) and _graph_input(tb):
+        return True   # graph inputs with one named dim: one size, in ONNX's meaning (TensorRT checks it so)
     seen, step = set(), (ta, xa)
     for _ in range(DEPTH):
         seen.add((id(step[0]), step[1]))

@@ -5,7 +5,8 @@ lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` 
 (attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. ``SumAxes``,
 ``SmallMatMul`` (small_products.c), ``GatherRows`` (gather_rows.c) and ``UniqueRows`` (unique_rows.c) stand in for
 onnxruntime ops whose CPU kernels make a call per matrix or per index, or sort; small-products-kernel,
-gather-rows-kernel and unique-rows-kernel emit them. A model that holds
+gather-rows-kernel and unique-rows-kernel emit them; ``LayerNorm`` (layer_norm.c) and ``MulAdd`` (mul_add.c: a * b
++ c (+ d) in one pass) stand in for chains of elementwise ops (layer-norm-kernel, mul-add-kernel). A model that holds
 such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
@@ -27,7 +28,7 @@ from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
-           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c"]  # and kernels.h, which they share
+           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)

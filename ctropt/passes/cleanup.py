@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
-from ..graph.dims import is_own_shape
+from ..graph.dims import is_own_shape, same_size
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
                           unique_name)
@@ -210,8 +210,12 @@ def _parts_gathered_alike(m) -> bool:
     if len(gathers) < 2 or any(g is None or g.op != "Gather" or g.attrs.get("axis", 0) != 0 for g in gathers):
         return False
     index, rank = gathers[0].inputs[1], rank_of(gathers[0].inputs[0])   # a 1-D index keeps the rank
-    return rank_of(index) == 1 and all(g.inputs[1] is index for g in gathers) and bool(rank) \
-        and m.root.attrs.get("axis", 0) % rank != 0
+    if rank_of(index) != 1 or any(g.inputs[1] is not index for g in gathers) or not rank \
+            or m.root.attrs.get("axis", 0) % rank == 0:
+        return False
+    sources = [g.inputs[0] for g in gathers]   # they must have the same rows to be joined before the Gather
+    return not all(const_value(s) is not None for s in sources) and \
+        all(same_size((s, 0), (sources[0], 0)) for s in sources[1:])
 
 
 def _gathered_once(m):

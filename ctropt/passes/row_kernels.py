@@ -5,7 +5,9 @@ onnxruntime's CPU Gather costs about 8 ns per index whatever the row's width, it
 call: a [1000, 8] table read at [256, 26] ids takes about 50 µs, a quarter of an optimized PaddleRec DeepFM
 (1 thread). The kernel copies each row inline, 3–5× faster (`benchmarks/RESULTS.md`). Any float table (``GatherRows``), or int64 one
 (``GatherRowsInt64``: the positions other passes gather), of rank 1 to 8, constant or computed, with int32 or int64
-indices; an index out of range is an error there as here.
+indices; an index out of range is an error there as here. A lookup at ``ids + offsets`` (fuse-parallel-embeddings'
+per-field offsets into its concatenated table, Expanded to the ids' shape or not) gives the offsets to the kernel,
+which adds them as it reads: the Shape, Expand and Add go (three nodes of a dozen in a small model's lookup).
 
 `unique-rows-kernel`: dedup-user-side finds a batch's distinct users with ``Unique(key, axis=0, sorted=0)`` over
 [B, K] int64 rows (ids and histories); onnxruntime sorts them, 14–80 µs at B = 256, on every request. The kernel
