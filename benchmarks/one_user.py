@@ -1,20 +1,20 @@
 """One user × many candidates: dense rankers optimized with and without `--user-inputs`, against the raw export.
 
-    python benchmarks/one_user.py [--only fuxictr,...] [--seconds 3]
+    python benchmarks/one_user.py [--only fuxictr,...] [--seconds 3] [--write]
 
 A ranking request scores B candidate items for one user. For each export, about half of its sparse features are
 declared user side (the user's id and profile; a history is the user's without being named): `ctropt optimize`
 without and with `--user-inputs`, each with the speed guard on. All three models then run on one-user requests
 (`generate_inputs(one_user=True)`: row 0's user features in every row, items differing), paired against the raw
-export: the median of time(raw) / time(optimized), onnxruntime CPU, 1 thread, batch 256. Prints a markdown table
-(benchmarks/RESULTS.md, "One user × 256 candidates").
+export: the median of time(raw) / time(optimized), onnxruntime CPU, 1 thread, batch 256. Prints a markdown table;
+--write (all exports) puts it in benchmarks/RESULTS.md ("One user × 256 candidates", between its markers).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from common import THIRD  # noqa: E402  (puts the checkout on sys.path)
+from common import THIRD, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.runtime import Runner, generate_inputs  # noqa: E402
@@ -22,7 +22,8 @@ from ctropt.runtime.bench import bench  # noqa: E402
 
 PROFILE = "user_id,gender,age"  # FuxiCTR's and deepctr's example features: 3 of 5 sparse, histories besides
 HALF_C = ",".join(f"C{i}" for i in range(1, 14))  # 13 of the 26 Criteo-style sparse features
-CASES = [(f"fuxictr_{m}_dynamo", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", "MMoE")] + \
+MARKS = ("<!-- one-user table: benchmarks/one_user.py writes it -->", "<!-- end of one-user table -->")
+CASES = [(f"fuxictr_{m}_{e}", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", "MMoE") for e in ("dynamo", "legacy")] + \
         [(f"deepctr_{m}_tf2onnx", PROFILE) for m in ("WDL", "DeepFM", "DCN", "MMOE")] + \
         [(f"paddlerec_{m}_paddle2onnx", HALF_C) for m in ("WideDeep", "DeepFM", "DCN")] + \
         [(f"deeprec_{m}_tf2onnx", "C1:0,C2:0,C3:0") for m in ("WDL", "DeepFM", "DCNv2")] + \
@@ -38,10 +39,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list: stems containing one of these")
     ap.add_argument("--seconds", type=float, default=3.0, help="time per comparison")
+    ap.add_argument("--write", action="store_true", help="put the table in benchmarks/RESULTS.md (all exports)")
     args = ap.parse_args()
     only = [o for o in args.only.split(",") if o]
-    print("| export | user inputs | `optimize` | `optimize --user-inputs` | dedup-user-side |")
-    print("|---|---|---|---|---|")
+    lines = ["| export | user inputs | `optimize` | `optimize --user-inputs` | dedup-user-side |", "|---|---|---|---|---|"]
+    print("\n".join(lines))
     for stem, users in CASES:
         if only and not any(o in stem for o in only):
             continue
@@ -52,8 +54,11 @@ def main() -> None:
         feeds = generate_inputs(raw, batch=256, seed=4, one_user=True, user_inputs=users)
         names = users.split(",")
         shown = users if len(names) <= 4 else f"{names[0]}..{names[-1]}"
-        print(f"| {stem} | {shown} | {_cell(raw, plain, feeds, args.seconds)} | "
-              f"{_cell(raw, declared.model, feeds, args.seconds)} | {record.status} |", flush=True)
+        lines.append(f"| {stem} | {shown} | {_cell(raw, plain, feeds, args.seconds)} | "
+                     f"{_cell(raw, declared.model, feeds, args.seconds)} | {record.status} |")
+        print(lines[-1], flush=True)
+    if args.write and not only:
+        write_section(MARKS, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -301,8 +301,31 @@ def gathered_parts_model(index_b="i", axis=1, extra_reader=False, b_rows="B"):
 def test_rows_gathered_alike_are_gathered_once():
     f = {"a": np.arange(8).reshape(4, 2), "b": np.arange(12).reshape(4, 3), "i": np.array([2, 0, 2]),
          "j": np.array([1, 1, 3])}
-    check_pass(gathered_parts_model(), "eliminate-identity", ["Concat", "Gather"], feeds=f)
+    for axis in (1, -1):
+        check_pass(gathered_parts_model(axis=axis), "eliminate-identity", ["Concat", "Gather"], feeds=f)
     # another index, a part read elsewhere too, or values whose rows may differ (a Concat of them would fail)
     for kept in (gathered_parts_model(index_b="j"), gathered_parts_model(extra_reader=True),
                  gathered_parts_model(b_rows="C")):
         assert ops(run_pass(kept, "eliminate-identity")[0]).count("Gather") == 2
+
+
+def test_sizes_follow_back_through_ops_that_keep_them():
+    """graph/dims.same_size: a Gemm's rows are its input's; FusedMatMul with transBatchA moves them; a constant
+    Concat never joins rows of different values."""
+    from ctropt.graph import to_graph
+    from ctropt.graph.dims import same_size
+
+    nodes = [node("Gemm", ["x", "w"], ["g"]), node("Relu", ["g"], ["r"]),
+             node("FusedMatMul", ["x3", "w3"], ["f"], domain="com.microsoft", transBatchA=1),
+             node("LayerNormalization", ["r", "s", "s"], ["ln", "mean"], axis=-1)]
+    model = make_model(nodes, [vi("x", F, ["B", 4]), vi("x3", F, ["B", "T", 4]), vi("z", F, ["B", 4])],
+                       [vi("r", F, None), vi("f", F, None), vi("ln", F, None), vi("mean", F, None)],
+                       [init("w", np.ones((4, 4), np.float32)), init("w3", np.ones((4, 5), np.float32)),
+                        init("s", np.ones(4, np.float32))])
+    g = to_graph(model)
+    t = {v.name: v for v in g.tensors().values()}
+    t["g"].shape = t["r"].shape = t["ln"].shape = ["B", 4]   # as annotate_shapes leaves them
+    t["f"].shape, t["mean"].shape = ["T", "B", 5], ["B", 1]
+    assert same_size((t["r"], 0), (t["x"], 0)) and same_size((t["ln"], 0), (t["x"], 0))
+    assert same_size((t["x"], 0), (t["z"], 0))   # graph inputs naming the dim alike
+    assert not same_size((t["f"], 0), (t["x3"], 0)) and not same_size((t["mean"], 1), (t["x"], 1))

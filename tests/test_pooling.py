@@ -75,7 +75,7 @@ def test_dot_with_a_constant_vector_is_a_matmul(keepdims):
     assert run_pass(once, "weighted-sum-as-matmul")[1].rewrites == 0
 
 
-def test_a_product_with_a_matrix_or_over_another_axis_is_not_a_dot():
+def test_a_vector_with_leading_ones_is_a_dot_a_sum_over_the_rows_is_not():
     assert run_pass(dcn_dot(w_shape=(1, D)), "weighted-sum-as-matmul")[1].rewrites == 1   # leading 1s: a vector
     model = dcn_dot()
     model.graph.initializer[1].CopyFrom(init("axl", np.array([0], np.int64)))

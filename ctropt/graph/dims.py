@@ -5,6 +5,9 @@ tf2onnx writes a Keras Dense layer as MatMul, then a Reshape back to ``Concat(Sh
 input that Reshape is the identity, but its target is computed, and symbolic shape inference cannot see it (the
 exports' inputs each have their own batch symbol, and a custom kernel in between stops inference). Following the
 batch axis back through the ops that keep it proves it instead, with no inference and no run.
+
+One assumption beyond the ops' definitions: graph inputs that name a dim alike have one size there (ONNX's meaning
+of a named dim; TensorRT checks it so, onnxruntime does not).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ ROW_WISE = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Gelu", "Erf"
 BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal", "Greater",
                 "Less", "GreaterOrEqual", "LessOrEqual", "PRelu", "Mod", "BitwiseAnd", "BitwiseOr"}
 DEPTH = 64  # steps followed back from one value (a chain of layers is a few per layer)
+STANDARD = (None, "", "ai.onnx")
 
 
 def shape_entries(t: gs.Tensor, depth: int = 0) -> list | None:
@@ -31,6 +35,8 @@ def shape_entries(t: gs.Tensor, depth: int = 0) -> list | None:
     if len(t.inputs) != 1 or depth > DEPTH:
         return None
     node = t.inputs[0]
+    if node.domain not in STANDARD:
+        return None
     if node.op in ("Concat", "Squeeze", "Unsqueeze") and rank_of(t) not in (0, 1):
         return None  # entries of a vector only
     if node.op == "Shape":
@@ -59,7 +65,7 @@ def shape_entries(t: gs.Tensor, depth: int = 0) -> list | None:
         if any(b is None or b.size != 1 for b in bounds) or (len(bounds) > 2 and int(bounds[2].ravel()[0]) != 0):
             return None
         step = int(bounds[3].ravel()[0]) if len(bounds) > 3 else 1
-        return entries[slice(int(bounds[0].ravel()[0]), int(bounds[1].ravel()[0]), step)]
+        return entries[slice(int(bounds[0].ravel()[0]), int(bounds[1].ravel()[0]), step)] if step else None
     return None
 
 
@@ -83,9 +89,15 @@ def _broadcast_source(node: gs.Node, axis: int, rank: int) -> tuple | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
+DOMAIN_OF = {"FusedGemm": ("com.microsoft",), "FusedMatMul": ("com.microsoft",),
+             "GatherRows": ("ai.ctropt.kernels",), "GatherRowsInt64": ("ai.ctropt.kernels",)}
+
+
 def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
     """(input, axis) whose size the output of `node` has along `axis` by the op's definition, or None."""
     op, x = node.op, node.inputs[0] if node.inputs else None
+    if node.domain not in DOMAIN_OF.get(op, STANDARD) or x is None:
+        return None
     if op in ROW_WISE:
         return x, axis
     if op in BROADCASTING:
@@ -94,7 +106,7 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         if axis == 0:
             return x, 1 if node.attrs.get("transA", 0) else 0
         return node.inputs[1], 0 if node.attrs.get("transB", 0) else 1
-    if op == "MatMul" or op == "FusedMatMul" and not node.attrs.get("transA", 0):
+    if op == "MatMul" or op == "FusedMatMul" and not any(node.attrs.get(a, 0) for a in ("transA", "transBatchA")):
         a, b = rank_of(x), rank_of(node.inputs[1])
         if a == rank and b == 2 and axis < rank - 1:
             return x, axis
@@ -108,7 +120,7 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         return (x, axis) if axis < g else (node.inputs[1], axis - g) if axis < g + indices else (x, axis - indices + 1)
     if op == "Transpose" and "perm" in node.attrs:
         return x, int(node.attrs["perm"][axis])
-    if op == "Reshape":
+    if op == "Reshape" and len(node.inputs) > 1:
         target = const_value(node.inputs[1])
         if target is not None and not node.attrs.get("allowzero", 0) and axis < target.size and target[axis] == 0:
             return x, axis

@@ -15,6 +15,10 @@
 
 #include "kernels.h"
 
+#ifdef __clang__
+#pragma clang fp contract(off)   /* clang: no FMA contraction in this file (gcc: the attribute below) */
+#endif
+
 #define MAX_RANK 8
 #define MAX_BLOCKS 64
 #define MAX_INPUTS 4

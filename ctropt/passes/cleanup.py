@@ -213,9 +213,9 @@ def _parts_gathered_alike(m) -> bool:
     if rank_of(index) != 1 or any(g.inputs[1] is not index for g in gathers) or not rank \
             or m.root.attrs.get("axis", 0) % rank == 0:
         return False
-    sources = [g.inputs[0] for g in gathers]   # they must have the same rows to be joined before the Gather
-    return not all(const_value(s) is not None for s in sources) and \
-        all(same_size((s, 0), (sources[0], 0)) for s in sources[1:])
+    sources = [g.inputs[0] for g in gathers]   # computed values with the same rows: joined before the Gather
+    return all(const_value(s) is None for s in sources) and \
+        all(same_size((s, 0), (sources[0], 0)) for s in sources[1:])   # a table would be copied whole
 
 
 def _gathered_once(m):

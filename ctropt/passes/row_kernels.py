@@ -55,7 +55,7 @@ def _offset_ids(ids) -> tuple | None:
                 and not made.inputs[1].inputs[0].attrs:
             off = made.inputs[0]
         value, shape = const_value(off), shape_of(x)
-        if value is not None and value.ndim == 1 and shape and value.dtype == dtype_of(x) \
+        if value is not None and value.ndim == 1 and value.size and shape and value.dtype == dtype_of(x) \
                 and isinstance(shape[-1], (int, np.integer)) and shape[-1] == value.size:
             return x, off
     return None
