@@ -47,21 +47,23 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
     }
 }
 
-/* Index i: indices[i], plus its offset where there are offsets, added in the indices' own type (as Add would). */
-static inline int64_t index_at(const Job *j, int64_t i) {
+/* Index i (column c of the offsets' K): indices[i], plus offsets[c] where there are offsets, added in the indices'
+ * own type (as Add would). */
+static inline int64_t index_at(const Job *j, int64_t i, int64_t c) {
     if (j->wide) {
         const uint64_t at = (uint64_t)((const int64_t *)j->indices)[i];
-        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[i % j->K] : at);
+        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[c] : at);
     }
     const uint32_t at = (uint32_t)((const int32_t *)j->indices)[i];
-    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[i % j->K] : at);
+    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[c] : at);
 }
 
 static void gather_block(void *data, size_t b) {
     Job *j = data;
     const int64_t first = j->count * (int64_t)b / j->blocks, end = j->count * ((int64_t)b + 1) / j->blocks;
-    for (int64_t i = first; i < end; ++i) {
-        int64_t at = index_at(j, i);
+    int64_t c = j->K ? first % j->K : 0;   /* the offsets' column, counted along (no division per index) */
+    for (int64_t i = first; i < end; ++i, c = c + 1 == j->K ? 0 : c + 1) {
+        int64_t at = index_at(j, i, c);
         at += at < 0 ? j->V : 0;   /* a conditional move, not a branch */
         if ((uint64_t)at >= (uint64_t)j->V) {
             __atomic_store_n(&j->bad, i + 1, __ATOMIC_RELAXED);   /* reported after the loop */
@@ -111,7 +113,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int64_t i = j.bad - 1;
         char msg[160];
         snprintf(msg, sizeof msg, "GatherRows: indices element out of data bounds, idx=%lld must be within the inclusive "
-                 "range [%lld,%lld]", (long long)index_at(&j, i),
+                 "range [%lld,%lld]", (long long)index_at(&j, i, j.K ? i % j.K : 0),
                  (long long)-j.V, (long long)(j.V - 1));
         return error(msg);
     }
