@@ -57,7 +57,9 @@ def main() -> None:
         lines.append(f"| {stem} | {shown} | {_cell(raw, plain, feeds, args.seconds)} | "
                      f"{_cell(raw, declared.model, feeds, args.seconds)} | {record.status} |")
         print(lines[-1], flush=True)
-    if args.write and not only:
+    if args.write and only:
+        print("--write takes the whole table: nothing written with --only")
+    elif args.write:
         write_section(MARKS, "\n".join(lines))
 
 

@@ -290,12 +290,15 @@ def test_reshape_to_another_values_rows_or_another_rank_is_kept():
     assert_same_outputs(keras_dense_model(rows_of="a", rank3=True), kept, feeds)
 
 
-def gathered_parts_model(index_b="i", axis=1, extra_reader=False, b_rows="B"):
+def gathered_parts_model(index_b="i", axis=1, extra_reader=False, b_rows="B", b_table=False):
     """Concat of the rows that one index picks from several values (the distinct users' ids, joined for a lookup)."""
     nodes = [node("Gather", ["a", "i"], ["ga"], axis=0), node("Gather", ["b", index_b], ["gb"], axis=0),
              node("Concat", ["ga", "gb"], ["y"], axis=axis)] + ([node("Neg", ["gb"], ["z"])] if extra_reader else [])
-    inputs = [vi("a", I64, ["B", 2]), vi("b", I64, [b_rows, 3]), vi("i", I64, ["n"]), vi("j", I64, ["n"])]
-    return make_model(nodes, inputs, [vi("y", I64, None)] + ([vi("z", I64, None)] if extra_reader else []))
+    rows = 10 if b_table else "B"   # with a table of 10 rows: the same rows, so only the constant keeps it
+    inputs = [vi("a", I64, [rows, 2]), vi("b", I64, [b_rows, 3]), vi("i", I64, ["n"]), vi("j", I64, ["n"])]
+    table = [init("b", np.arange(30).reshape(10, 3))] if b_table else []
+    return make_model(nodes, [i for i in inputs if not (b_table and i.name == "b")],
+                      [vi("y", I64, None)] + ([vi("z", I64, None)] if extra_reader else []), table)
 
 
 def test_rows_gathered_alike_are_gathered_once():
@@ -303,15 +306,16 @@ def test_rows_gathered_alike_are_gathered_once():
          "j": np.array([1, 1, 3])}
     for axis in (1, -1):
         check_pass(gathered_parts_model(axis=axis), "eliminate-identity", ["Concat", "Gather"], feeds=f)
-    # another index, a part read elsewhere too, or values whose rows may differ (a Concat of them would fail)
+    # another index, a part read elsewhere too, values whose rows may differ (a Concat of them would fail), or a
+    # constant table (joined, it would be copied whole on every run)
     for kept in (gathered_parts_model(index_b="j"), gathered_parts_model(extra_reader=True),
-                 gathered_parts_model(b_rows="C")):
+                 gathered_parts_model(b_rows="C"), gathered_parts_model(b_table=True)):
         assert ops(run_pass(kept, "eliminate-identity")[0]).count("Gather") == 2
 
 
 def test_sizes_follow_back_through_ops_that_keep_them():
-    """graph/dims.same_size: a Gemm's rows are its input's; FusedMatMul with transBatchA moves them; a constant
-    Concat never joins rows of different values."""
+    """graph/dims.same_size: a Gemm's rows (and a layer norm's) are its input's; graph inputs naming a dim alike
+    have one size; FusedMatMul with transBatchA moves the rows; a layer norm's mean has its own last axis."""
     from ctropt.graph import to_graph
     from ctropt.graph.dims import same_size
 

@@ -162,12 +162,15 @@ def test_gather_rows_matches_numpy(rows, ids_type):
 @pytest.mark.parametrize("ids_type", [np.int64, np.int32])
 def test_gather_rows_adds_per_column_offsets(ids_type):
     table, offsets = RNG.normal(size=(60, 8)).astype(np.float32), np.array([0, 20, 45], ids_type)
-    ids = RNG.integers(-15, 15, (5, 3)).astype(ids_type)
+    ids = RNG.integers(-15, 15, (50, 3)).astype(ids_type)   # 150 indices in 64 blocks: rows cross blocks
     s = kernel_session([onnx.helper.make_node("GatherRows", ["t", "ids", "off"], ["y"], domain=kernels.DOMAIN)],
-                 [vi("ids", I64 if ids_type == np.int64 else I32, None)], [init("t", table), init("off", offsets)])
+                       [vi("ids", I64 if ids_type == np.int64 else I32, None)],
+                       [init("t", table), init("off", offsets)])
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], table[ids + offsets])
     with pytest.raises(Exception, match="offsets must be"):
         s.run(None, {"ids": ids[:, :2]})
+    with pytest.raises(Exception, match="idx=60 must be"):   # the index with its offset, as Add then Gather says
+        s.run(None, {"ids": np.array([[0, 0, 15]], ids_type)})
 
 
 def fused_lookup(expanded=True):

@@ -32,10 +32,11 @@ def _reads(shape: list, out: list) -> bool:
     return (lead_ones and last in (1, out[-1])) or (lead_same and last in (1, out[-1]))
 
 
-def _operands(m: Match) -> list | None:
-    """[a, b, c(, d)] of the matched chain in the kernel's order."""
-    names = ("a", "b", "c", "d") if "d" in m.values else ("a", "b", "c")
-    return [m[k] for k in names]
+def _operands(m: Match) -> list:
+    """The kernel's inputs: a, b, c of Add(Mul(a, b), c); a MulAdd's three and d of Add(MulAdd(a, b, c), d)."""
+    if "inner" in m.named_nodes:
+        return list(m.node("inner").inputs) + [m["d"]]
+    return [m["a"], m["b"], m["c"]]
 
 
 def _fits(m: Match) -> bool | str:
@@ -56,22 +57,13 @@ def _to_kernel(m: Match) -> list:
                 shape=out.shape)
 
 
-def _grown(m: Match) -> list:
-    inner, out = m.node("inner"), m.root.outputs[0]
-    return m.op("MulAdd", list(inner.inputs) + [m["d"]], name=f"{m.root.name}/MulAdd", domain=kernels.DOMAIN,
-                dtype=out.dtype, shape=out.shape)
-
-
 def _grown_fits(m: Match) -> bool | str:
     inner = m.node("inner")
     if len(inner.inputs) != 3:
         return "the kernel already takes four inputs"
-    operands, out = list(inner.inputs) + [m["d"]], shape_of(m.root.outputs[0])
-    if out is None or shape_of(inner.outputs[0]) != out or dtype_of(m["d"]) is None \
-            or np.dtype(dtype_of(m["d"])) != np.float32:
-        return "the sum after it changes the shape or type"
-    return True if all(shape_of(t) is not None and _reads(shape_of(t), out) for t in operands) else \
-        "an operand broadcasts along an inner axis"
+    if shape_of(inner.outputs[0]) != shape_of(m.root.outputs[0]):
+        return "the sum after it broadcasts the result"
+    return _fits(m)
 
 
 a, b, c, d = Var("a"), Var("b"), Var("c"), Var("d")
@@ -79,7 +71,7 @@ MUL_ADD_RULES = (
     Rewrite("mul-add", P.Add(P.Mul(a, b), c), _to_kernel, _fits, subgraphs=False),
 )
 GROW_RULES = (
-    Rewrite("mul-add-add", P.Add(P.MulAdd(..., _name="inner", _domain=kernels.DOMAIN), d), _grown, _grown_fits,
+    Rewrite("mul-add-add", P.Add(P.MulAdd(..., _name="inner", _domain=kernels.DOMAIN), d), _to_kernel, _grown_fits,
             subgraphs=False),
 )
 
