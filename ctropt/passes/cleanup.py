@@ -213,9 +213,10 @@ def _parts_gathered_alike(m) -> bool:
     if rank_of(index) != 1 or any(g.inputs[1] is not index for g in gathers) or not rank \
             or m.root.attrs.get("axis", 0) % rank == 0:
         return False
-    sources = [g.inputs[0] for g in gathers]   # computed values with the same rows: joined before the Gather
+    # computed values (a constant table would be copied whole) with the same rows (else their Concat would fail)
+    sources = [g.inputs[0] for g in gathers]
     return all(const_value(s) is None for s in sources) and \
-        all(same_size((s, 0), (sources[0], 0)) for s in sources[1:])   # a table would be copied whole
+        all(same_size((s, 0), (sources[0], 0)) for s in sources[1:])
 
 
 def _gathered_once(m):
