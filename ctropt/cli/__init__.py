@@ -70,6 +70,11 @@ def _feeds(inputs: Optional[Path], model, batch: int):
     return load_inputs(inputs, model) if inputs else generate_inputs(model, batch=batch)
 
 
+def _beside(path: Path, suffix: str) -> Path:
+    """The file that goes with `path`: its name without .onnx, then `suffix` (dien.onnx, ".opt.onnx" → dien.opt.onnx)."""
+    return path.with_name(path.name.removesuffix(".onnx") + suffix)
+
+
 def _input_names(model) -> list[str]:
     return [name for kind, name, *_ in interface(model) if kind == "input"]
 
@@ -178,7 +183,7 @@ def optimize(
         _plugins(plugin)
         options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
         passes = _extra_passes(passes, int8, device, precision)
-        out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".opt.onnx"), model)
+        out = check_output_path(output or _beside(model, ".opt.onnx"), model)
         for extra in (report, json_out):
             if extra is not None:
                 check_output_path(extra, model, out)
@@ -465,9 +470,8 @@ def pack_inputs_cmd(
     from ..packing import pack_inputs, verify_packing
 
     with _user_errors():
-        out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".packed.onnx"), model)
-        adapter = check_output_path(packing_out or out.with_name(out.name.removesuffix(".onnx") + ".pack.json"),
-                                    model, out)
+        out = check_output_path(output or _beside(model, ".packed.onnx"), model)
+        adapter = check_output_path(packing_out or _beside(out, ".pack.json"), model, out)
         m = load(model)
         packed, packing = pack_inputs(m)
         if not packing.groups:
@@ -501,15 +505,14 @@ def split_strings_cmd(
     from ..string_front import split_strings, verify_split
 
     with _user_errors():
-        out = check_output_path(output or model.with_name(model.name.removesuffix(".onnx") + ".ids.onnx"), model)
-        front_path = check_output_path(front_out or out.with_name(out.name.removesuffix(".onnx") + ".front.onnx"),
-                                       model, out)
+        out = check_output_path(output or _beside(model, ".ids.onnx"), model)
+        front_path = check_output_path(front_out or _beside(out, ".front.onnx"), model, out)
         m = load(model)
         ids, front = split_strings(m)
         err = verify_split(m, ids, front)
         if err > 1e-5:
             raise CtroptError(f"the id model fed by the front does not give the model's outputs (max err {err:.2e})")
-        sample = check_output_path(out.with_name(out.name.removesuffix(".onnx") + ".inputs.npz"), model, out)
+        sample = check_output_path(_beside(out, ".inputs.npz"), model, out)
         save(ids, out, protect=(model,))
         front.save(front_path)
         np.savez(sample, **front.ids(generate_inputs(m, batch=batch, seed=256)))

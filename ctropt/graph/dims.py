@@ -20,8 +20,9 @@ from .edit import const_value, rank_of, shape_of
 ROW_WISE = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Gelu", "Erf", "Exp", "Log", "Neg", "Abs", "Sqrt",
             "Reciprocal", "Softplus", "HardSigmoid", "Clip", "Cast", "Identity", "Not", "IsNaN", "Sign", "Floor",
             "Ceil", "Round", "Softmax", "LogSoftmax", "LayerNormalization", "Dropout", "Sin", "Cos", "Swish"}
-BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "And", "Or", "Xor", "Equal", "Greater",
-                "Less", "GreaterOrEqual", "LessOrEqual", "PRelu", "Mod", "BitwiseAnd", "BitwiseOr"}
+# ops whose inputs broadcast numpy-style to the output (eliminate-identity's broadcast rules read this set too)
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Where", "And", "Or", "Xor", "Equal",
+                "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "BitShift"}
 DEPTH = 64  # steps followed back from one value (a chain of layers is a few per layer)
 STANDARD = (None, "", "ai.onnx")
 
@@ -100,7 +101,7 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         return None
     if op in ROW_WISE:
         return x, axis
-    if op in BROADCASTING:
+    if op in BROADCASTING or op == "PRelu":   # PRelu: its slope broadcasts to x
         return _broadcast_source(node, axis, rank)
     if op in ("Gemm", "FusedGemm"):
         if axis == 0:

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
-from ..graph.dims import is_own_shape, same_size
+from ..graph.dims import BROADCASTING, is_own_shape, same_size
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
                           unique_name)
@@ -251,10 +251,6 @@ def _stacked_part(m):
         return None
     x = stacked_part(m.root)
     return None if x is None else [x]
-
-
-BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Where", "And", "Or", "Xor", "Equal",
-                "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "BitShift"}
 
 
 def _covered_by_broadcast(m):
