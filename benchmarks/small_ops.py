@@ -1,6 +1,7 @@
-"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows, Unique of
-rows and a residual Sum + LayerNormalization against ctropt's SumAxes, SmallMatMul, GatherRows, UniqueRows and
-LayerNorm kernels, at the shapes the corpus's exports hold.
+"""onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows (at offset ids
+too), Unique of rows, a residual Sum + LayerNormalization and a cross layer's Mul and Adds against ctropt's SumAxes,
+SmallMatMul, GatherRows, UniqueRows, LayerNorm and MulAdd kernels, and a dot product with a constant vector against
+the MatMul weighted-sum-as-matmul makes of it, at the shapes the corpus's exports hold.
 
     python benchmarks/small_ops.py            # batch 256, 1 thread
 
@@ -43,6 +44,9 @@ UNIQUES = [("[256, 103], one user", "dedup key: 3 ids and two histories of 50", 
            ("[256, 103], 20 users", "the same, 20 users in the batch", (256, 103), 20),
            ("[256, 103], all distinct", "the same, every row its own user", (256, 103), 256),
            ("[256, 50], all distinct", "DIEN's history rows", (256, 50), 256)]
+CROSS = [("[256, 221]: x0 · s + b + x", "PaddleRec DCN cross layer", 221, (256, 1)),
+         ("[256, 72]: x0 ⊙ h + x", "FuxiCTR DCNv2 cross layer", 72, None)]
+DOTS = [("[256, 16] · [16]", "a narrow dot", 16), ("[256, 221] · [221]", "PaddleRec DCN's x·w", 221)]
 NORMS = [("[256, 21, 32]", "FuxiCTR BST block", (256, 21, 32)),
          ("[256, 20, 64]", "RecBole SASRec block", (256, 20, 64)),
          ("[256, 20, 40]", "a width of no 8·N up to 64 (row buffer)", (256, 20, 40))]
@@ -98,6 +102,27 @@ def cases():
         f = {"x": RNG.integers(0, 1000, shape)[RNG.integers(0, users, shape[0])]}
         yield ("Unique " + what, where, _session(n("Unique", ["x"], outs, axis=0, sorted=0), f, {}),
                _session(n("UniqueRows", ["x"], outs, domain=kernels.DOMAIN), f, {}), f)
+    for what, where, table, ids in LOOKUPS[:1]:   # fuse-parallel-embeddings' per-field offsets, Expanded and added
+        t = {"t": RNG.standard_normal(table).astype(np.float32), "off": np.arange(ids[1]) * (table[0] // ids[1])}
+        f = {"i": RNG.integers(0, table[0] // ids[1], ids)}
+        yield ("Gather " + what + " + offsets", where,
+               _session([n("Shape", ["i"], ["s"]), n("Expand", ["off", "s"], ["o"]), n("Add", ["i", "o"], ["at"]),
+                         n("Gather", ["t", "at"], ["y"])], f, t),
+               _session(n("GatherRows", ["t", "i", "off"], ["y"], domain=kernels.DOMAIN), f, t), f)
+    for what, where, width, per_row in CROSS:
+        f = {k: RNG.standard_normal((256, width)).astype(np.float32) for k in ("x0", "x")}
+        f["h"] = RNG.standard_normal(per_row or (256, width)).astype(np.float32)
+        b = {"b": RNG.standard_normal(width).astype(np.float32)} if per_row else {}
+        std = [n("Mul", ["x0", "h"], ["p"])] + ([n("Add", ["p", "b"], ["q"])] if b else []) + \
+            [n("Add", ["q" if b else "p", "x"], ["y"])]
+        yield ("Mul + Add" + (" + Add " if b else " ") + what, where, _session(std, f, b),
+               _session(n("MulAdd", ["x0", "h"] + (["b"] if b else []) + ["x"], ["y"], domain=kernels.DOMAIN), f, b), f)
+    for what, where, width in DOTS:
+        f, w = {"x": RNG.standard_normal((256, width)).astype(np.float32)}, RNG.standard_normal(width).astype(np.float32)
+        yield ("Mul + ReduceSum " + what + " (kernel: MatMul)", where,
+               _session([n("Mul", ["x", "w"], ["p"]), n("ReduceSum", ["p", "ax"], ["y"])], f,
+                        {"w": w, "ax": np.array([-1])}),
+               _session(n("MatMul", ["x", "w"], ["y"]), f, {"w": w.reshape(-1, 1)}), f)
     for what, where, shape in NORMS:
         f = {k: RNG.standard_normal(shape).astype(np.float32) for k in "ab"}
         w = {"g": RNG.standard_normal(shape[-1]).astype(np.float32), "c": RNG.standard_normal(shape[-1]).astype(np.float32)}

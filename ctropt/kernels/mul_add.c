@@ -2,8 +2,8 @@
  * DCNv2: x0 ⊙ (W xₗ + b) + xₗ), in one pass where onnxruntime makes two or three.
  *
  * onnxruntime runs each elementwise op as its own pass over [N, D], and a vector that broadcasts along the rows
- * (a bias [D]) a row at a time: PaddleRec DCN's cross layers over [256, 221] spend about 25 µs a layer in three
- * ops. Rounded as the ops it replaces: the product, then each sum in turn (no fused multiply-add).
+ * (a bias [D]) a row at a time: a PaddleRec DCN cross layer's three ops over [256, 221] take 1.68× the kernel's time
+ * (benchmarks/small_ops.py). Rounded as the ops it replaces: the product, then each sum in turn (no fused multiply-add).
  *
  * Node (domain "ai.ctropt.kernels", made by mul-add-kernel):
  *   inputs   0 a, 1 b, 2 c, 3 d (optional): float, each broadcastable to the output [..., D] in one of four ways,
@@ -15,9 +15,6 @@
 
 #include "kernels.h"
 
-#ifdef __clang__
-#pragma clang fp contract(off)   /* clang: no FMA contraction in this file (gcc: the attribute below) */
-#endif
 
 #define MAX_RANK 8
 #define MAX_BLOCKS 64
@@ -31,34 +28,41 @@ typedef struct {
     int64_t rows, D, blocks;
 } Job;
 
-static inline vec operand(const Job *j, size_t k, int64_t r, int64_t c) {
-    const float *p = j->p[k] + r * j->row_step[k];
-    if (j->col_step[k]) return load(p + c);
-    vec v;
-    for (int l = 0; l < LANES; ++l) v[l] = p[0];
+/* The product as a value of its own: an empty asm the compiler cannot see through keeps it from being contracted
+ * with the sum into an FMA (gcc and clang alike), so it is rounded as the Mul this replaces rounds it. */
+static inline vec rounded(vec v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+static inline float rounded1(float v) {
+    __asm__("" : "+x"(v));
     return v;
 }
 
-static inline float scalar(const Job *j, size_t k, int64_t r, int64_t c) {
-    return j->p[k][r * j->row_step[k] + c * j->col_step[k]];
+/* Operand k at columns c.. of a row: its own values (col_step 1) or the row's one value, splat. */
+static inline vec at(const Job *j, size_t k, const float *const *p, const vec *splat, int64_t c) {
+    return j->col_step[k] ? load(p[k] + c) : splat[k];
 }
 
-/* The product and each sum rounded on their own, as the Mul and Adds this replaces (no contraction into an FMA). */
-__attribute__((optimize("fp-contract=off")))
 static void mul_add_block(void *data, size_t b) {
     Job *j = data;
     const int64_t first = j->rows * (int64_t)b / j->blocks, end = j->rows * ((int64_t)b + 1) / j->blocks;
+    const float *p[MAX_INPUTS];
+    vec splat[MAX_INPUTS];
     for (int64_t r = first; r < end; ++r) {
+        for (size_t k = 0; k < j->n; ++k) {
+            p[k] = j->p[k] + r * j->row_step[k];
+            splat[k] = (vec){0} + p[k][0];
+        }
         float *y = j->y + r * j->D;
         int64_t c = 0;
         for (; c + LANES <= j->D; c += LANES) {
-            vec v = operand(j, 0, r, c) * operand(j, 1, r, c) + operand(j, 2, r, c);
-            if (j->n > 3) v = v + operand(j, 3, r, c);
-            store(y + c, v);
+            vec v = rounded(at(j, 0, p, splat, c) * at(j, 1, p, splat, c)) + at(j, 2, p, splat, c);
+            store(y + c, j->n > 3 ? v + at(j, 3, p, splat, c) : v);
         }
         for (; c < j->D; ++c) {
-            float v = scalar(j, 0, r, c) * scalar(j, 1, r, c) + scalar(j, 2, r, c);
-            y[c] = j->n > 3 ? v + scalar(j, 3, r, c) : v;
+            float v = rounded1(p[0][c * j->col_step[0]] * p[1][c * j->col_step[1]]) + p[2][c * j->col_step[2]];
+            y[c] = j->n > 3 ? v + p[3][c * j->col_step[3]] : v;
         }
     }
 }
