@@ -101,7 +101,9 @@ def test_the_first_layer_splits_into_user_and_item_parts(build, parts):
     done, once = _split(model)
     assert done == 1
     layers = [n for n in once.graph.node if n.op_type in ("MatMul", "Gemm")]
-    assert len(layers) == 2 and "Add" in ops(once)
+    item, user = layers[1], layers[0]   # the item GEMM adds the user half (and the bias, if any) as its C
+    assert len(layers) == 2 and item.op_type == "Gemm" and item.input[2] == user.output[0] and "Add" not in ops(once)
+    assert len(user.input) == (3 if build in (paddle_form, fuxictr_form) else 2)
     for feeds in (generate_inputs(model, batch=7), _one_user_feeds(model)):
         assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
     again, twice = _split(once)

@@ -12,9 +12,10 @@ only) or not, and W's rows split alike. Dialects of that input:
   shape the value has (tf2onnx's Tensordot).
 Not read: one lookup over the ids of every feature concatenated (PaddleRec's DeepFM and DCN): no value above the ids
 is the user's alone there.
-MatMul by a constant W, or Gemm (its bias and beta on the item part, alpha on both; the user part a MatMul by
-alpha·W_u, valid in every opset). The sum's order changes (two partial products): the result agrees to float
-rounding.
+MatMul by a constant W, or Gemm: the user part is a Gemm with the layer's bias (a Gemm's C and beta, or the Add of
+a per-column constant that follows a MatMul), or a MatMul by alpha·W_u when there is none; the item part is
+Gemm(x_i, W_i, C = the user part), so the user's rows and the bias are added inside the item GEMM (and onnxruntime
+fuses a Relu after it). The sum's order changes (two partial products): the result agrees to float rounding.
 """
 
 from __future__ import annotations
@@ -138,30 +139,55 @@ def split_user_layers(graph: gs.Graph, named: set[str]) -> list[gs.Node]:
     return halves
 
 
-def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_user: list[bool]) -> gs.Node:
-    """The layer as two halves and their sum; returns the user half's node. The user half is a MatMul by
-    alpha·W_u (valid in every opset); the item half keeps the Gemm's bias, beta and alpha (or is a MatMul too)."""
-    w, transposed = layer
+def _bias_after(graph: gs.Graph, node: gs.Node) -> tuple[gs.Tensor, gs.Node] | None:
+    """(bias, its Add) when a MatMul's output is read only by an Add of a per-column constant ([N] or [1, N])."""
     out = node.outputs[0]
-    b = Builder(graph, f"{node.name}/by_user", out.dtype)
+    readers = out.outputs
+    if node.op != "MatMul" or len(readers) != 1 or readers[0].op != "Add" or out in graph.outputs:
+        return None
+    add = readers[0]
+    other = add.inputs[1 - add.inputs.index(out)] if len(add.inputs) == 2 else None
+    value = const_value(other) if other is not None else None
+    width = const_value(node.inputs[1]).shape[1]
+    if value is None or value.dtype != np.float32 or value.shape not in ((width,), (1, width)):
+        return None
+    return other, add
+
+
+def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_user: list[bool]) -> gs.Node:
+    """The layer as two halves; returns the user half's node. The user half, x_u·W_u (+ the layer's bias: a
+    Gemm's C, or the Add of a per-column constant that follows a MatMul), is the item half's C:
+    Gemm(x_i, W_i, C = user half), so the user's rows and the bias are added in the item GEMM (and a Relu after it
+    fuses with it in onnxruntime)."""
+    w, transposed = layer
+    b = Builder(graph, f"{node.name}/by_user", node.outputs[0].dtype)
     starts = np.cumsum([0] + [q.width for q in parts])
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
-    bias = node.inputs[2] if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name else None
-    halves = []
+    bias, beta, after = None, float(node.attrs.get("beta", 1.0)), None
+    if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
+        bias = node.inputs[2]
+    elif (found := _bias_after(graph, node)) is not None and int(getattr(graph, "opset", None) or 13) >= 7:
+        (bias, after), beta = found, 1.0
+    xs, ws = {}, {}
     for user in (False, True):
         mine = [i for i, u in enumerate(is_user) if u == user]
         rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in mine])
         flat = [b.op("Reshape", [q.value, b.const("flat", np.array([0, q.width], np.int64))]) if q.flat else q.value
                 for q in (parts[i] for i in mine)]
-        x = flat[0] if len(flat) == 1 else b.op("Concat", flat, {"axis": 1}, name="user_part" if user else "item_part")
-        mine_w = w[:, rows] if transposed else w[rows]
-        if bias is not None and not user:   # a Gemm with C: valid in every opset
-            attrs = {k: v for k, v in node.attrs.items() if k in ("alpha", "beta", "transB")}
-            halves.append(b.op("Gemm", [x, b.const("W_item", mine_w), bias], attrs))
-            continue
-        scaled = (mine_w.T if transposed else mine_w) * np.float32(alpha)
-        halves.append(b.op("MatMul", [x, b.const("W_user" if user else "W_item", scaled.astype(np.float32))]))
-    total = b.op("Add", halves, dtype=out.dtype, shape=out.shape)
-    replace_outputs(graph, node, [total])
+        xs[user] = flat[0] if len(flat) == 1 else b.op("Concat", flat, {"axis": 1},
+                                                        name="user_part" if user else "item_part")
+        ws[user] = w[:, rows] if transposed else w[rows]
+    trans = {"transB": 1} if transposed else {}
+    if bias is None:   # a MatMul by alpha·W_u
+        scaled = ((ws[True].T if transposed else ws[True]) * np.float32(alpha)).astype(np.float32)
+        user = b.op("MatMul", [xs[True], b.const("W_user", scaled)])
+    else:
+        user = b.op("Gemm", [xs[True], b.const("W_user", ws[True]), bias], {"alpha": alpha, "beta": beta, **trans})
+    end = after if after is not None else node
+    out = end.outputs[0]
+    total = b.op("Gemm", [xs[False], b.const("W_item", ws[False]), user], {"alpha": alpha, **trans}, dtype=out.dtype, shape=out.shape)
+    replace_outputs(graph, end, [total])
     graph.nodes.remove(node)
-    return halves[1].inputs[0]
+    if after is not None:
+        graph.nodes.remove(after)
+    return user.inputs[0]
