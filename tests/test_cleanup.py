@@ -333,3 +333,25 @@ def test_sizes_follow_back_through_ops_that_keep_them():
     assert same_size((t["r"], 0), (t["x"], 0)) and same_size((t["ln"], 0), (t["x"], 0))
     assert same_size((t["x"], 0), (t["z"], 0))   # graph inputs naming the dim alike
     assert not same_size((t["f"], 0), (t["x3"], 0)) and not same_size((t["mean"], 1), (t["x"], 1))
+
+
+def test_sizes_follow_reshapes_and_reductions_and_are_joined_by_a_concat():
+    """A Reshape keeps the first axis when the other sizes multiply alike; a ReduceSum keeps the axes it does not
+    reduce (shifted without keepdims); inputs with their own batch symbols are one size where a Concat on another
+    axis joins values made from them (given the graph), and not otherwise."""
+    from ctropt.graph import annotate_shapes, to_graph
+    from ctropt.graph.dims import same_size
+
+    nodes = [node("Reshape", ["a", "flat"], ["af"]), node("ReduceSum", ["a", "ax"], ["s"], keepdims=0),
+             node("Reshape", ["a", "odd"], ["ao"]), node("Concat", ["af", "b"], ["j"], axis=1),
+             node("Relu", ["s"], ["s2"]), node("Relu", ["ao"], ["ao2"])]
+    model = make_model(nodes, [vi("a", F, ["A", 3, 4]), vi("b", F, ["Bb", 2]), vi("c", F, ["Cc", 2])],
+                       [vi("j", F, None), vi("s2", F, None), vi("ao2", F, None)],
+                       [init("flat", np.array([-1, 12])), init("ax", np.array([2])), init("odd", np.array([-1, 6]))])
+    g = to_graph(model)
+    annotate_shapes(g)
+    t = {v.name: v for v in g.tensors().values()}
+    assert same_size((t["af"], 0), (t["a"], 0)) and same_size((t["s"], 0), (t["a"], 0))
+    assert same_size((t["s"], 1), (t["a"], 1)) and not same_size((t["ao"], 0), (t["a"], 0))
+    assert not same_size((t["s"], 0), (t["b"], 0)) and same_size((t["s"], 0), (t["b"], 0), g)
+    assert not same_size((t["s"], 0), (t["c"], 0), g)

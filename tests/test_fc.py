@@ -154,3 +154,58 @@ def test_scale_that_is_not_per_column_stays():
     s.CopyFrom(init("s", np.ones((4, 5), np.float32)))
     once, ctx = run_pass(model, "fold-fc-affine")
     assert ctx.rewrites == 0 and ops(once) == ops(model)
+
+
+def _wdl_tf2onnx():
+    """deepctr WDL through tf2onnx: deep logit MatMul(h, Wd); wide part a ReduceSum over [B, 1, F] lookups (no
+    keepdims) + MatMul(dense, w); summed, then the bias Add → Sigmoid. The inputs have their own batch symbols:
+    the Concat that makes the deep input (embeddings, dense values, the wide rows) proves their rows one size."""
+    return make_model(
+        [node("Reshape", ["e", "flat"], ["ef"]), node("Reshape", ["wide", "five"], ["wide_rows"]),
+         node("Concat", ["ef", "dense", "wide_rows"], ["x"], axis=1),
+         node("Gemm", ["x", "w1", "b1"], ["g1"]), node("Relu", ["g1"], ["h"]),
+         node("MatMul", ["h", "wd"], ["deep"]),
+         node("ReduceSum", ["wide", "ax"], ["wsum"], keepdims=0), node("MatMul", ["dense", "wl"], ["lin"]),
+         node("Add", ["wsum", "lin"], ["linear"]), node("Add", ["deep", "linear"], ["logit"]),
+         node("Add", ["logit", "bias"], ["z"]), node("Sigmoid", ["z"], ["y"])],
+        [vi("e", F, ["unk_1", 3, 4]), vi("dense", F, ["unk_2", 2]), vi("wide", F, ["unk_3", 1, 5])],
+        [vi("y", F, ["unk_4", 1])],
+        [init("flat", np.array([-1, 12])), init("five", np.array([-1, 5])), init("w1", _w(19, 8)), init("b1", _b(8)),
+         init("wd", _w(8, 1)), init("ax", np.array([2])), init("wl", _w(2, 1)), init("bias", _b(1))])
+
+
+def _feeds_wdl(batch=6):
+    return {"e": RNG.normal(size=(batch, 3, 4)).astype(np.float32), "dense": _b(batch, 2), "wide": _b(batch, 1, 5)}
+
+
+def test_wide_and_deep_logits_and_bias_become_one_chain_of_gemms():
+    model = _wdl_tf2onnx()
+    once, ctx = check_pass(model, "sum-into-gemm", ["Reshape", "Reshape", "Concat", "Gemm", "Relu", "Gemm", "Gemm",
+                                                    "Gemm", "Sigmoid"], feeds=_feeds_wdl())
+    assert ctx.rewrites == 1 and "Add" not in ops(once) and "ReduceSum" not in ops(once)
+    first = next(n for n in once.graph.node if n.op_type == "Gemm" and n.input[0] == "h")
+    assert first.input[2].endswith("bias")   # the constants are the first Gemm's bias, as fuse-fc makes it
+    assert_same_outputs(model, once, _feeds_wdl(1), atol=1e-6, rtol=1e-6)
+
+
+def test_paddle_wide_plus_deep_gemms_chain_and_a_value_is_added_after_the_biased_gemm():
+    """PaddleRec WideDeep: Gemm(dense, w, b) + Gemm(h, w3, b3) → Sigmoid; with a third, non-linear term."""
+    model = make_model(
+        [node("Gemm", ["x", "w1", "b1"], ["h"]), node("Relu", ["h"], ["r"]), node("Gemm", ["r", "w3", "b3"], ["deep"]),
+         node("Gemm", ["x", "w0", "b0"], ["wide"]), node("Add", ["wide", "deep"], ["s"]),
+         node("Tanh", ["x0"], ["t"]), node("Add", ["s", "t"], ["z"]), node("Sigmoid", ["z"], ["y"])],
+        [vi("x", F, ["B", 6]), vi("x0", F, ["B", 1])], [vi("y", F, ["B", 1])],
+        [init("w1", _w(6, 4)), init("b1", _b(4)), init("w3", _w(4, 1)), init("b3", _b(1)), init("w0", _w(6, 1)),
+         init("b0", _b(1))])
+    once, ctx = check_pass(model, "sum-into-gemm", ["Gemm", "Relu", "Gemm", "Add", "Gemm", "Tanh", "Sigmoid"],
+                           feeds={"x": _b(5, 6), "x0": _b(5, 1)})
+    assert ctx.rewrites == 1
+
+
+def test_a_sum_whose_rows_are_not_proven_one_size_stays():
+    """Two inputs with their own batch symbols and nothing joining them: C might not broadcast to the Gemm's rows."""
+    model = make_model(
+        [node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "v"], ["y"])],
+        [vi("x", F, ["B1", 4]), vi("v", F, ["B2", 3])], [vi("y", F, ["B2", 3])], [init("w", _w(4, 3))])
+    once, ctx = run_pass(model, "sum-into-gemm")
+    assert ctx.rewrites == 0 and ops(once) == ["MatMul", "Add"]

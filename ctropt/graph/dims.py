@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .edit import const_value, rank_of, shape_of
+from .edit import axes_of, const_value, rank_of, shape_of
 
 ROW_WISE = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Gelu", "Erf", "Exp", "Log", "Neg", "Abs", "Sqrt",
             "Reciprocal", "Softplus", "HardSigmoid", "Clip", "Cast", "Identity", "Not", "IsNaN", "Sign", "Floor",
@@ -23,6 +23,8 @@ ROW_WISE = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "Gelu", "Erf"
 # ops whose inputs broadcast numpy-style to the output (eliminate-identity's broadcast rules read this set too)
 BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Where", "And", "Or", "Xor", "Equal",
                 "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "BitShift"}
+REDUCING = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+            "ReduceLogSumExp", "ReduceSumSquare"}
 DEPTH = 64  # steps followed back from one value (a chain of layers is a few per layer)
 STANDARD = (None, "", "ai.onnx")
 
@@ -122,9 +124,26 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
     if op == "Transpose" and "perm" in node.attrs:
         return x, int(node.attrs["perm"][axis])
     if op == "Reshape" and len(node.inputs) > 1:
-        target = const_value(node.inputs[1])
-        if target is not None and not node.attrs.get("allowzero", 0) and axis < target.size and target[axis] == 0:
-            return x, axis
+        return _reshape_kept(node, x, axis)
+    if op in REDUCING and (axes := axes_of(node)) is not None and rank_of(x) is not None:
+        reduced = {a % rank_of(x) for a in axes}
+        kept = [a for a in range(rank_of(x)) if node.attrs.get("keepdims", 1) or a not in reduced]
+        return (x, kept[axis]) if axis < len(kept) and kept[axis] not in reduced else None
+    return None
+
+
+def _reshape_kept(node: gs.Node, x: gs.Tensor, axis: int) -> tuple | None:
+    """A Reshape keeps an axis it copies (0 in its target), and the first axis when every other size, before and
+    after, is a known int and their products are equal."""
+    target = const_value(node.inputs[1])
+    if target is None or node.attrs.get("allowzero", 0) or axis >= target.size:
+        return None
+    if target[axis] == 0:
+        return x, axis
+    rest, shape = [int(v) for v in target.ravel()[1:]], shape_of(x)
+    if axis == 0 and shape and all(v > 0 for v in rest) and all(isinstance(d, (int, np.integer)) and d > 0
+                                                                 for d in shape[1:]):
+        return (x, 0) if int(np.prod(rest)) == int(np.prod([int(d) for d in shape[1:]])) else None
     return None
 
 
@@ -140,9 +159,42 @@ def _graph_input(t: gs.Tensor) -> bool:
     return not t.inputs and not isinstance(t, gs.Constant)
 
 
-def same_size(a: tuple, b: tuple) -> bool:
+def _chain(t: gs.Tensor, axis: int) -> list[tuple]:
+    """(value, axis) pairs from (t, axis) back through the ops that keep the axis's size, t's first."""
+    steps, step = [], (t, _axis(t, axis))
+    for _ in range(DEPTH):
+        if step[1] is None:
+            break
+        steps.append(step)
+        back = size_source(*step)
+        if back is None:
+            break
+        step = (back[0], _axis(back[0], back[1]))
+    return steps
+
+
+def _joined(graph: gs.Graph, roots: tuple[tuple, tuple]) -> bool:
+    """Whether a Concat of `graph` joins values on another axis whose chains end at the two roots (it runs only
+    when they have one size there)."""
+    want = {(id(t), axis) for t, axis in roots}
+    for node in graph.nodes:
+        if node.op != "Concat" or node.domain not in STANDARD or len(node.inputs) < 2:
+            continue
+        rank = rank_of(node.outputs[0]) or rank_of(node.inputs[0])
+        if not rank:
+            continue
+        cat = node.attrs.get("axis", 0) % rank
+        for axis in set(range(rank)) - {cat}:
+            ends = {(id(c[-1][0]), c[-1][1]) for c in (_chain(x, axis) for x in node.inputs) if c}
+            if want <= ends:
+                return True
+    return False
+
+
+def same_size(a: tuple, b: tuple, graph: gs.Graph | None = None) -> bool:
     """Whether (value, axis) pairs a and b have the same size by construction: equal known ints, or one chain of
-    size-keeping ops leads back from both to one (value, axis)."""
+    size-keeping ops leads back from both to one (value, axis); given the graph, also when a Concat on another
+    axis joins values whose chains end where theirs do."""
     (ta, xa), (tb, xb) = a, b
     xa, xb = _axis(ta, xa), _axis(tb, xb)
     if xa is None or xb is None:
@@ -152,22 +204,17 @@ def same_size(a: tuple, b: tuple) -> bool:
         return int(da) == int(db)
     if isinstance(da, str) and da and da == db and _graph_input(ta) and _graph_input(tb):
         return True   # graph inputs with one named dim: one size, in ONNX's meaning (TensorRT checks it so)
-    seen, step = set(), (ta, xa)
-    for _ in range(DEPTH):
-        seen.add((id(step[0]), step[1]))
-        step = size_source(*step)
-        if step is None or _axis(step[0], step[1]) is None:
-            break
-        step = (step[0], _axis(step[0], step[1]))
-    step = (tb, xb)
-    for _ in range(DEPTH):
-        if (id(step[0]), step[1]) in seen:
-            return True
-        step = size_source(*step)
-        if step is None or _axis(step[0], step[1]) is None:
-            return False
-        step = (step[0], _axis(step[0], step[1]))
-    return False
+    chain_a, chain_b = _chain(ta, xa), _chain(tb, xb)
+    seen = {(id(t), axis) for t, axis in chain_a}
+    if any((id(t), axis) in seen for t, axis in chain_b):
+        return True
+    if not (chain_a and chain_b):
+        return False
+    (ra, ia), (rb, ib) = chain_a[-1], chain_b[-1]
+    named = shape_of(ra)[ia]
+    if isinstance(named, str) and named and named == shape_of(rb)[ib] and _graph_input(ra) and _graph_input(rb):
+        return True
+    return graph is not None and _joined(graph, (chain_a[-1], chain_b[-1]))
 
 
 def is_own_shape(x: gs.Tensor, shape: gs.Tensor, allowzero: int = 0) -> bool:

@@ -17,12 +17,15 @@ the Gemm chain it would be lowered back to.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes, iter_graphs
+from ..graph import annotate_shapes, annotate_shapes_if_bare, iter_graphs
+from ..graph.dims import same_size
 from ..patterns import Const, Match, P, Rewrite, Var
-from ..graph.edit import const_value, dtype_of, rank_of, shape_of
+from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from .layout import cancel_layout_pairs
 from .cleanup import tidy
 from .registry import PassContext, register_pass
@@ -247,3 +250,145 @@ def fold_fc_affine(ctx: PassContext) -> None:
     if ctx.apply(*AFFINE_RULES):
         tidy(ctx)
         ctx.note(f"{ctx.rewrites} per-column scale/shift after an FC (a folded BatchNormalization) → a Gemm")
+
+
+@dataclasses.dataclass
+class _Terms:
+    """What an Add tree sums: FC layers (x, W [K, N], alpha), other values, a per-column constant (summed)."""
+
+    layers: list
+    values: list
+    bias: np.ndarray | None
+    adds: list
+
+
+def _layer_term(t: gs.Tensor, graph: gs.Graph) -> tuple | None:
+    """(x, W, alpha, bias or None) when t is a MatMul/Gemm by a constant 2-D W of a 2-D x (bias: a Gemm's
+    constant C times beta, per column), read only where it is summed."""
+    n = t.inputs[0] if len(t.inputs) == 1 else None
+    if n is None or n.op not in ("MatMul", "Gemm") or n.domain or len(t.outputs) != 1 or t in graph.outputs:
+        return None
+    w = const_value(n.inputs[1])
+    if w is None or w.ndim != 2 or w.dtype != np.float32 or rank_of(n.inputs[0]) != 2 or n.attrs.get("transA", 0):
+        return None
+    w = w.T if n.attrs.get("transB", 0) else w
+    bias = None
+    if n.op == "Gemm" and len(n.inputs) > 2 and n.inputs[2].name:
+        c = per_column(n.inputs[2], w.shape[1])
+        if c is None:
+            return None
+        bias = c * float(n.attrs.get("beta", 1.0))
+    return n.inputs[0], w, float(n.attrs.get("alpha", 1.0)) if n.op == "Gemm" else 1.0, bias
+
+
+def _row_sum_term(t: gs.Tensor, graph: gs.Graph) -> tuple | None:
+    """(x, ones [K, 1], 1, None) when t [M, 1] sums x's K columns (ReduceSum over the last axis of [M, K], or of
+    [M, 1, K] without keepdims: WDL's wide part), read only where it is summed: a product by ones, one more Gemm in
+    the chain (x as [M, K] after `_flat`)."""
+    n = t.inputs[0] if len(t.inputs) == 1 else None
+    if n is None or n.op != "ReduceSum" or n.domain or len(t.outputs) != 1 or t in graph.outputs:
+        return None
+    shape, axes, out = shape_of(n.inputs[0]), axes_of(n), shape_of(t)
+    if not shape or axes is None or out is None or len(out) != 2 or out[1] != 1 or dtype_of(t) != np.dtype(np.float32):
+        return None
+    k, keep = shape[-1], n.attrs.get("keepdims", 1)
+    if not isinstance(k, (int, np.integer)) or [a % len(shape) for a in axes] != [len(shape) - 1] or \
+            not (len(shape) == 2 and keep or len(shape) == 3 and shape[1] == 1 and not keep):
+        return None
+    return n.inputs[0], np.ones((int(k), 1), np.float32), 1.0, None
+
+
+def _flat(b: Builder, x: gs.Tensor, k: int) -> gs.Tensor:
+    """x as [M, K] (a Reshape when it is not 2-D)."""
+    return x if rank_of(x) == 2 else b.op("Reshape", [x, b.const("rows", np.array([-1, k], np.int64))])
+
+
+def _sum_terms(root: gs.Node, graph: gs.Graph) -> _Terms:
+    """The terms of the sum made by the Add `root` and the Adds it reads that nothing else reads."""
+    terms, stack = _Terms([], [], None, []), [root]
+    while stack:
+        node = stack.pop()
+        terms.adds.append(node)
+        for u in node.inputs:
+            p = u.inputs[0] if len(u.inputs) == 1 else None
+            if p is not None and p.op == "Add" and not p.domain and len(u.outputs) == 1 and u not in graph.outputs:
+                stack.append(p)
+            elif (layer := _layer_term(u, graph) or _row_sum_term(u, graph)) is not None:
+                terms.layers.append(layer)
+            elif const_value(u) is not None:
+                terms.values.append(("const", u))
+            else:
+                terms.values.append(("value", u))
+    return terms
+
+
+def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
+    """Whether every term fits a Gemm's C for the layers' [M, N]: per-column constants; values of rank ≤ 2 with N
+    or 1 columns and the layers' rows or one row; the layers' rows one size, and the sum's."""
+    if not terms.layers or rank_of(out) != 2 or dtype_of(out) != np.dtype(np.float32):
+        return False
+    n = terms.layers[0][1].shape[1]
+    x0 = terms.layers[0][0]
+    if any(w.shape[1] != n or not same_size((x, 0), (x0, 0), graph) for x, w, _, _ in terms.layers):
+        return False
+    bias = np.zeros(n)
+    for kind, u in terms.values:
+        if kind == "const":
+            c = per_column(u, n)
+            if c is None:
+                return False
+            bias = bias + c
+            continue
+        shape = shape_of(u)
+        if shape is None or len(shape) > 2 or dtype_of(u) != np.dtype(np.float32) or shape[-1] not in (1, n):
+            return False
+        if len(shape) == 2 and shape[0] != 1 and not same_size((u, 0), (x0, 0), graph):
+            return False
+    for *_, b in terms.layers:
+        bias = bias if b is None else bias + b
+    has_const = any(k == "const" for k, _ in terms.values) or any(b is not None for *_, b in terms.layers)
+    terms.bias = bias.astype(np.float32) if has_const else None
+    values = sum(k == "value" for k, _ in terms.values)
+    return len(terms.adds) > (values if has_const else max(0, values - 1))   # fewer Adds than the tree has
+
+
+def _sum_into_gemms(graph: gs.Graph, root: gs.Node, terms: _Terms) -> None:
+    """The sum as a chain of Gemms, each adding what the one before made as its C. The first takes the constants
+    as its bias (as fuse-fc makes it; measured faster than a bias Add of the other values) and the other values
+    are added after it, or, with no constants, summed into its C."""
+    b = Builder(graph, f"{root.name}/as_gemm", np.float32)
+    rest = [u for kind, u in terms.values if kind == "value"]
+    c = b.const("bias", terms.bias) if terms.bias is not None else rest.pop(0) if rest else None
+    for i, (x, w, alpha, _) in enumerate(terms.layers):
+        if i == 0 and terms.bias is None:
+            while rest:
+                c = b.op("Add", [c, rest.pop(0)])
+        inputs = [_flat(b, x, w.shape[0]), b.const("W", w)] + ([c] if c is not None else [])
+        c = b.op("Gemm", inputs, {"alpha": alpha} if alpha != 1.0 else {})
+        while rest:
+            c = b.op("Add", [c, rest.pop(0)])
+    out = root.outputs[0]
+    c.dtype, c.shape = out.dtype, out.shape
+    replace_outputs(graph, root, [c])
+    for node in terms.adds:
+        node.outputs.clear()
+
+
+@register_pass("sum-into-gemm", group="fusion", targets=("ort",), order=64)
+def sum_into_gemm(ctx: PassContext) -> None:
+    """A sum of FC layers, other values and constants (WDL's wide + deep logits and its bias) → a chain of Gemms,
+    each adding the sum so far as its C: one node per layer, no Add per term."""
+    annotate_shapes_if_bare(ctx.graph)
+    for node in [n for n in ctx.graph.nodes if n.op == "Add" and not n.domain]:
+        if not node.outputs or node.outputs[0].outputs and all(c.op == "Add" and not c.domain
+                                                                for c in node.outputs[0].outputs):
+            continue   # an inner Add: the tree is read from its root
+        terms = _sum_terms(node, ctx.graph)
+        if not _foldable(terms, node.outputs[0], ctx.graph):
+            continue
+        ctx.matches += 1
+        _sum_into_gemms(ctx.graph, node, terms)
+        ctx.rewrites += 1
+    if ctx.rewrites:
+        tidy(ctx)
+    ctx.note(f"{ctx.rewrites} sum(s) of FC layers → chained Gemms" if ctx.rewrites else "no sum of FC layers")
