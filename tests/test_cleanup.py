@@ -355,3 +355,9 @@ def test_sizes_follow_reshapes_and_reductions_and_are_joined_by_a_concat():
     assert same_size((t["s"], 1), (t["a"], 1)) and not same_size((t["ao"], 0), (t["a"], 0))
     assert not same_size((t["s"], 0), (t["b"], 0)) and same_size((t["s"], 0), (t["b"], 0), g)
     assert not same_size((t["s"], 0), (t["c"], 0), g)
+    whole = make_model([node("ReduceSum", ["a", "none"], ["r"], keepdims=1), node("Relu", ["r"], ["r2"])],
+                       [vi("a", F, ["A", 3, 4])], [vi("r2", F, None)], [init("none", np.array([], np.int64))])
+    g = to_graph(whole)
+    annotate_shapes(g)
+    r = next(v for v in g.tensors().values() if v.name == "r")
+    assert not same_size((r, 0), (g.inputs[0], 0))   # empty axes: every axis reduced

@@ -209,3 +209,17 @@ def test_a_sum_whose_rows_are_not_proven_one_size_stays():
         [vi("x", F, ["B1", 4]), vi("v", F, ["B2", 3])], [vi("y", F, ["B2", 3])], [init("w", _w(4, 3))])
     once, ctx = run_pass(model, "sum-into-gemm")
     assert ctx.rewrites == 0 and ops(once) == ["MatMul", "Add"]
+
+
+def test_sum_into_gemm_before_opset_11_gives_each_gemm_a_c_and_a_scalar_value_is_a_term():
+    """Gemm's C is required before opset 11 (a zero bias then); a rank-0 value broadcasts like a constant."""
+    model = make_model(
+        [node("MatMul", ["x", "w1"], ["a"]), node("MatMul", ["x", "w2"], ["b"]), node("Add", ["a", "b"], ["y"])],
+        [vi("x", F, ["B", 4])], [vi("y", F, ["B", 3])], [init("w1", _w(4, 3)), init("w2", _w(4, 3))])
+    model.opset_import[0].version = 10
+    once, ctx = check_pass(model, "sum-into-gemm", ["Gemm", "Gemm"], feeds=_feeds((5, 4)))
+    assert all(len(n.input) == 3 for n in once.graph.node)
+    scalar = make_model(
+        [node("MatMul", ["x", "w1"], ["a"]), node("ReduceSum", ["x"], ["s"], keepdims=0), node("Add", ["a", "s"], ["y"])],
+        [vi("x", F, ["B", 4])], [vi("y", F, ["B", 3])], [init("w1", _w(4, 3))])
+    check_pass(scalar, "sum-into-gemm", ["ReduceSum", "Gemm"], feeds=_feeds((5, 4)))

@@ -112,7 +112,8 @@ def test_the_first_layer_splits_into_user_and_item_parts(build, parts):
 
 @pytest.mark.parametrize("opset,bias,alpha", [(9, True, 1.5), (11, False, 0.5), (17, False, 2.0)])
 def test_a_gemm_splits_valid_in_its_opset(opset, bias, alpha):
-    """Before opset 11 Gemm's C is required: the user half is a MatMul by alpha·W_u, the item half keeps C."""
+    """Before opset 11 Gemm's C is required: the item half's C is the user half (a Gemm with the layer's bias and
+    beta, or a MatMul by alpha·W_u without one)."""
     model = fuxictr_form()
     gemm = model.graph.node[-1]
     gemm.attribute.append(onnx.helper.make_attribute("alpha", alpha))

@@ -126,6 +126,8 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
     if op == "Reshape" and len(node.inputs) > 1:
         return _reshape_kept(node, x, axis)
     if op in REDUCING and (axes := axes_of(node)) is not None and rank_of(x) is not None:
+        if not axes:   # no axes: every axis reduced, unless noop_with_empty_axes
+            return (x, axis) if node.attrs.get("noop_with_empty_axes", 0) else None
         reduced = {a % rank_of(x) for a in axes}
         kept = [a for a in range(rank_of(x)) if node.attrs.get("keepdims", 1) or a not in reduced]
         return (x, kept[axis]) if axis < len(kept) and kept[axis] not in reduced else None

@@ -340,7 +340,7 @@ def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
             bias = bias + c
             continue
         shape = shape_of(u)
-        if shape is None or len(shape) > 2 or dtype_of(u) != np.dtype(np.float32) or shape[-1] not in (1, n):
+        if shape is None or len(shape) > 2 or dtype_of(u) != np.dtype(np.float32) or shape and shape[-1] not in (1, n):
             return False
         if len(shape) == 2 and shape[0] != 1 and not same_size((u, 0), (x0, 0), graph):
             return False
@@ -359,6 +359,8 @@ def _sum_into_gemms(graph: gs.Graph, root: gs.Node, terms: _Terms) -> None:
     b = Builder(graph, f"{root.name}/as_gemm", np.float32)
     rest = [u for kind, u in terms.values if kind == "value"]
     c = b.const("bias", terms.bias) if terms.bias is not None else rest.pop(0) if rest else None
+    if c is None and int(getattr(graph, "opset", None) or 13) < 11:   # Gemm's C is required before opset 11
+        c = b.const("bias", np.zeros(terms.layers[0][1].shape[1], np.float32))
     for i, (x, w, alpha, _) in enumerate(terms.layers):
         if i == 0 and terms.bias is None:
             while rest:

@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 
 from ..graph.edit import Builder, axes_of, const_value, replace_outputs, shape_of
 from ..runtime.inputs import analyze_inputs
+from .fc import per_column
 
 
 @dataclasses.dataclass
@@ -125,12 +126,21 @@ def _layer(node: gs.Node) -> tuple[np.ndarray, bool] | None:
     return None
 
 
+def _bias_fits(graph: gs.Graph, node: gs.Node, layer: tuple) -> bool:
+    """A Gemm's C, which the user half takes, is a per-column constant (so it stays the user's alone and broadcasts
+    to the distinct users' rows), in an opset whose Gemm broadcasts it without the `broadcast` attribute (7+)."""
+    if node.op != "Gemm" or len(node.inputs) < 3 or not node.inputs[2].name:
+        return True
+    width = layer[0].shape[0] if layer[1] else layer[0].shape[1]
+    return per_column(node.inputs[2], width) is not None and int(getattr(graph, "opset", None) or 13) >= 7
+
+
 def split_user_layers(graph: gs.Graph, named: set[str]) -> list[gs.Node]:
     """Split every first layer whose input has both user and item parts; returns the user halves' nodes."""
     side, halves = user_side(graph, named), []
     for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm") and not n.domain]:
         layer, parts = _layer(node), layer_parts(node.inputs[0])
-        if layer is None or not parts or len(parts) < 2:
+        if layer is None or not parts or len(parts) < 2 or not _bias_fits(graph, node, layer):
             continue
         is_user = [id(q.value) in side for q in parts]
         if all(is_user) or not any(is_user):
@@ -165,7 +175,7 @@ def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_u
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
     bias, beta, after = None, float(node.attrs.get("beta", 1.0)), None
     if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
-        bias = node.inputs[2]
+        bias = node.inputs[2]   # a per-column constant (split_user_layers checks it)
     elif (found := _bias_after(graph, node)) is not None and int(getattr(graph, "opset", None) or 13) >= 7:
         (bias, after), beta = found, 1.0
     xs, ws = {}, {}
@@ -187,7 +197,7 @@ def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_u
     out = end.outputs[0]
     total = b.op("Gemm", [xs[False], b.const("W_item", ws[False]), user], {"alpha": alpha, **trans}, dtype=out.dtype, shape=out.shape)
     replace_outputs(graph, end, [total])
-    graph.nodes.remove(node)
-    if after is not None:
-        graph.nodes.remove(after)
+    for done in [node] + ([after] if after is not None else []):
+        done.inputs.clear()
+        graph.nodes.remove(done)
     return user.inputs[0]
