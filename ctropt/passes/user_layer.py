@@ -195,7 +195,8 @@ def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_u
         user = b.op("Gemm", [xs[True], b.const("W_user", ws[True]), bias], {"alpha": alpha, "beta": beta, **trans})
     end = after if after is not None else node
     out = end.outputs[0]
-    total = b.op("Gemm", [xs[False], b.const("W_item", ws[False]), user], {"alpha": alpha, **trans}, dtype=out.dtype, shape=out.shape)
+    total = b.op("Gemm", [xs[False], b.const("W_item", ws[False]), user], {"alpha": alpha, **trans},
+                 dtype=out.dtype, shape=out.shape)
     replace_outputs(graph, end, [total])
     for done in [node] + ([after] if after is not None else []):
         done.inputs.clear()
