@@ -170,7 +170,7 @@ def test_inputs_generated_for_the_fused_model_are_the_raw_models():
     """The fused graph hides each id's table; the optimized model keeps the raw model's facts in its metadata."""
     model = load(DATA / "deepctr_torch_DeepFM_dynamo.onnx")
     fused = ctropt.optimize(model, speed=False).model
-    assert any(n.op_type in ("Gather", "GatherRows") and "fuse" in n.name for n in fused.graph.node)
+    assert any(n.op_type in ("Gather", "GatherRows", "GatherFields") and "fuse" in n.name for n in fused.graph.node)
     for batch in (1, 256):
         raw, opt = generate_inputs(model, batch=batch), generate_inputs(fused, batch=batch)
         assert all(np.array_equal(raw[k], opt[k]) for k in raw)
@@ -191,7 +191,7 @@ def test_third_party_exports_keep_one_lookup_per_table_width(name):
     rec = next(r for r in result.records if r.name == "fuse-parallel-embeddings")
     assert rec.status == "applied", (rec.status, rec.message)
     tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
-    lookups = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and n.input[0] in tables]
+    lookups = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows", "GatherFields") and n.input[0] in tables]
     assert len(lookups) == len(widths), [n.name for n in lookups]
     with np.load(DATA / f"{name}.npz") as data:
         assert_same_outputs(model, result.model, {k: data[k] for k in data.files})
@@ -276,7 +276,7 @@ def test_torchrec_dlrm_loops_vectorize_and_openvino_loads_it():
     assert rec.status == "applied" and rec.rewrites == 6
     assert ops(result.model).count("Loop") == 0
     tables = {t.name for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] > 1}
-    assert len([n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and n.input[0] in tables]) == 1
+    assert len([n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows", "GatherFields") and n.input[0] in tables]) == 1
     assert ops(result.model).count("ScatterND") == 1  # one scatter over the bags of all 6 tables
     with np.load(TORCHREC.with_suffix(".npz")) as data, np.load(TORCHREC.with_suffix(".ref.npz")) as ref:
         feeds = {k: data[k] for k in data.files}
@@ -436,7 +436,7 @@ def test_zoo_dlrm_tf2onnx_bags_vectorize_and_fuse():
     result = ctropt.optimize(model, speed=False)
     rec = {r.name: r for r in result.records}
     assert rec["vectorize-embedding-bags"].rewrites == 8 and rec["fuse-parallel-embeddings"].status == "applied"
-    tables = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows") and "fused_lookup" in n.name]
+    tables = [n for n in result.model.graph.node if n.op_type in ("Gather", "GatherRows", "GatherFields") and "fused_lookup" in n.name]
     assert len(tables) == 1 and not {"NonZero", "Unique", "GatherND", "ScatterND"} & set(ops(result.model))
     assert ops(result.model).count("Div") == 2  # the two mean bags
     with np.load(path.with_suffix(".npz")) as data, np.load(path.with_suffix(".ref.npz")) as ref:

@@ -28,7 +28,8 @@ from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
-           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c"]  # and kernels.h, which they share
+           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c",
+           HERE / "gather_fields.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)

@@ -29,24 +29,6 @@ typedef struct {
     int wide;                          /* indices are int64 */
 } Job;
 
-/* A row of D 4-byte words (float or half an int64: copied as bits). */
-static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
-    switch (D) {
-        case 1: memcpy(to, from, sizeof(float)); break;
-        case 2: memcpy(to, from, 2 * sizeof(float)); break;
-        case 4: memcpy(to, from, 4 * sizeof(float)); break;
-        case 8: store(to, load(from)); break;
-        case 16: store(to, load(from)); store(to + 8, load(from + 8)); break;
-        default:
-            if (D < LANES) {
-                memcpy(to, from, (size_t)D * sizeof(float));
-                break;
-            }
-            for (int64_t k = 0; k + LANES <= D; k += LANES) store(to + k, load(from + k));
-            store(to + D - LANES, load(from + D - LANES));   /* the tail: the last LANES again, overlapping */
-    }
-}
-
 /* Index i (column c of the offsets' K): indices[i], plus offsets[c] where there are offsets, added in the indices'
  * own type (as Add would). */
 static inline int64_t index_at(const Job *j, int64_t i, int64_t c) {

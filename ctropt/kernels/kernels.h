@@ -14,7 +14,7 @@
 
 extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
-    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_layer_norm, ctropt_mul_add;
+    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_layer_norm, ctropt_mul_add, ctropt_gather_fields;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
@@ -26,6 +26,24 @@ static inline vec load(const float *p) {
 }
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* A row of D 4-byte words (float or half an int64: copied as bits). */
+static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
+    switch (D) {
+        case 1: memcpy(to, from, sizeof(float)); break;
+        case 2: memcpy(to, from, 2 * sizeof(float)); break;
+        case 4: memcpy(to, from, 4 * sizeof(float)); break;
+        case 8: store(to, load(from)); break;
+        case 16: store(to, load(from)); store(to + 8, load(from + 8)); break;
+        default:
+            if (D < LANES) {
+                memcpy(to, from, (size_t)D * sizeof(float));
+                break;
+            }
+            for (int64_t k = 0; k + LANES <= D; k += LANES) store(to + k, load(from + k));
+            store(to + D - LANES, load(from + D - LANES));   /* the tail: the last LANES again, overlapping */
+    }
+}
 
 #define TRY(call)                          \
     do {                                   \

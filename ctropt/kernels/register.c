@@ -14,6 +14,7 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_small_matmul));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows_int64));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_fields));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_unique_rows));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_layer_norm));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_mul_add));

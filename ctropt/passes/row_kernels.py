@@ -17,9 +17,11 @@ hashes the rows (the same four outputs, in the same order: first occurrences).
 from __future__ import annotations
 
 import numpy as np
+import onnx_graphsurgeon as gs
 
 from .. import kernels
-from ..graph.edit import const_value, dtype_of, rank_of, shape_of
+from ..graph.dims import same_size
+from ..graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -70,12 +72,79 @@ def _to_kernel(m: Match) -> list:
 GATHER_RULES = (Rewrite("gather-rows", P.Gather(Var("table"), Var("ids"), _domain=""), _to_kernel, _is_row_lookup, subgraphs=False),)
 
 
+def _id_parts(ids: gs.Tensor) -> list[gs.Tensor] | None:
+    """The fields' ids a lookup reads: the parts of a Concat on the last axis of [B, k] ids, or the [B, K] ids."""
+    cat = ids.inputs[0] if len(ids.inputs) == 1 else None
+    parts = list(cat.inputs) if cat is not None and cat.op == "Concat" and not cat.domain and \
+        cat.attrs.get("axis") in (1, -1) else [ids]
+    ok = all(rank_of(p) == 2 and dtype_of(p) == dtype_of(ids) for p in parts)
+    return parts if ok and np.dtype(dtype_of(ids)) in (np.int32, np.int64) else None
+
+
+def _flattened_lookup(reshape: gs.Node) -> tuple | None:
+    """(GatherRows node, id parts) when `reshape` flattens a float GatherRows over [B, K] ids to [B, K·D], rows kept
+    (proven by graph/dims), the lookup read only there."""
+    x = reshape.inputs[0]
+    g = x.inputs[0] if len(x.inputs) == 1 else None
+    if g is None or g.op != "GatherRows" or g.domain != kernels.DOMAIN or len(x.outputs) != 1 or rank_of(g.inputs[1]) != 2:
+        return None
+    out, shape = reshape.outputs[0], shape_of(x)
+    if rank_of(out) != 2 or not shape or not all(isinstance(d, (int, np.integer)) for d in shape[1:]) or \
+            shape_of(out)[1] != int(np.prod(shape[1:])) or not same_size((out, 0), (x, 0)):
+        return None
+    parts = _id_parts(g.inputs[1])
+    return (g, parts) if parts else None
+
+
+def _dense_after(out: gs.Tensor, graph: gs.Graph) -> tuple[gs.Node, list] | None:
+    """(Concat, its other parts) when `out` is read only as the first part of a Concat on the last axis whose other
+    parts are float [B, w] values: the kernel writes them beside the lookups."""
+    if len(out.outputs) != 1 or out in graph.outputs:
+        return None
+    cat = out.outputs[0]
+    if cat.op != "Concat" or cat.domain or cat.attrs.get("axis") not in (1, -1) or cat.inputs[0] is not out:
+        return None
+    rest = list(cat.inputs[1:])
+    if any(rank_of(p) not in (1, 2) or dtype_of(p) != np.dtype(np.float32) or p is out for p in rest):
+        return None
+    return cat, rest
+
+
+def fuse_gather_fields(ctx: PassContext) -> int:
+    """GatherRows over the Concat of several fields' ids, flattened to [B, K·D] (and the first part of a Concat with
+    dense values) → one GatherFields that reads the ids inputs where they are and writes each row once."""
+    done = 0
+    for reshape in [n for n in ctx.graph.nodes if n.op == "Reshape" and not n.domain]:
+        found = _flattened_lookup(reshape)
+        if found is None:
+            continue
+        (g, parts), out = found, reshape.outputs[0]
+        dense = _dense_after(out, ctx.graph)
+        end, rest = (dense[0], dense[1]) if dense else (reshape, [])
+        offsets = g.inputs[2] if len(g.inputs) > 2 and g.inputs[2].name else gs.Variable.empty()
+        ctx.matches += 1
+        b = Builder(ctx.graph, f"{g.name}/fields")
+        y = end.outputs[0]
+        made = b.op("GatherFields", [g.inputs[0], offsets, *parts, *rest], domain=kernels.DOMAIN, dtype=y.dtype,
+                    shape=y.shape)
+        replace_outputs(ctx.graph, end, [made])
+        end.outputs.clear()
+        done += 1
+    if done:
+        ctx.rewrites += done
+        ctx.graph.cleanup()
+        ctx.note(f"{done} lookup(s) of several fields' ids, flattened (beside dense values) → GatherFields")
+    return done
+
+
 @register_pass("gather-rows-kernel", group="lower", targets=("ort",), rules=GATHER_RULES)
 def gather_rows_kernel(ctx: PassContext) -> None:
     """Gather of float or int64 rows (embedding lookups, positions) → ctropt's GatherRows kernels, where its library
-    loads."""
+    loads; a lookup of several fields' ids, flattened, → GatherFields."""
     if any(n.op == "Gather" for n in ctx.graph.nodes):
         kernels.apply_rules(ctx, GATHER_RULES, "lookups")
+    if any(n.op == "GatherRows" for n in ctx.graph.nodes) and kernels.wanted(ctx.options) and not kernels.ensure():
+        fuse_gather_fields(ctx)
 
 
 def _is_row_dedup(m: Match) -> bool | str:

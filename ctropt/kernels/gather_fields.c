@@ -1,0 +1,148 @@
+/* GatherFields: several fields' ids looked up in one table, and dense columns, written side by side into one row per
+ * example: Concat(Reshape(Gather(table, Concat(ids_1, …, ids_F) + offsets), [B, K·D]), x_1, …, x_m) on axis 1.
+ *
+ * A dense ranker's DNN input is its sparse fields' embeddings, flattened, beside its dense values. onnxruntime runs
+ * that as the ids' Concat, the lookup, the flattening Reshape and the Concat with the dense values: four ops, each a
+ * pass over the batch with its own per-node cost (about 2 µs each at batch 256 in a 15-node model). This kernel reads
+ * each field's ids where they are and writes each output row once.
+ *
+ * Node (domain "ai.ctropt.kernels", made by gather-rows-kernel):
+ *   inputs   0 table [V, ...] (float)
+ *            1 offsets (optional), [K] of the ids' type, K the fields' columns in all: column c of the ids reads row
+ *              ids + offsets[c], the sum in the ids' type (fuse-parallel-embeddings' per-field offsets)
+ *            2… the ids of F ≥ 1 fields (int32 or int64, one type; each [B] or [B, k]), then m ≥ 0 dense values
+ *              (float; each [B] or [B, w]); the inputs' type tells which is which
+ *   outputs  0 Y [B, K·D + Σ w] (D: a table row's size): as the ops above compute it; an index out of [-V, V) is an
+ *            error (onnxruntime's message's meaning)
+ */
+#include <stdio.h>
+
+#include "kernels.h"
+
+#define MAX_PARTS 512
+#define MAX_BLOCKS 64
+
+typedef struct {
+    const float *table;
+    const void *offsets;
+    const void *part[MAX_PARTS];       /* ids, then dense values */
+    int64_t width[MAX_PARTS];          /* columns of each part */
+    int64_t fields, parts, rows, V, D, W, blocks, bad;   /* W: the output's columns; bad: row·K + column + 1 */
+    float *y;
+    int wide;                          /* ids are int64 */
+} Job;
+
+static inline int64_t id_at(const Job *j, int64_t f, int64_t i, int64_t c) {
+    if (j->wide) {
+        const uint64_t at = (uint64_t)((const int64_t *)j->part[f])[i];
+        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[c] : at);
+    }
+    const uint32_t at = (uint32_t)((const int32_t *)j->part[f])[i];
+    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[c] : at);
+}
+
+static void fields_block(void *data, size_t blk) {
+    Job *j = data;
+    const int64_t first = j->rows * (int64_t)blk / j->blocks, end = j->rows * ((int64_t)blk + 1) / j->blocks;
+    for (int64_t b = first; b < end; ++b) {
+        float *to = j->y + b * j->W;
+        int64_t c = 0;   /* the ids' column, over all fields */
+        for (int64_t f = 0; f < j->fields; ++f) {
+            for (int64_t k = 0; k < j->width[f]; ++k, ++c, to += j->D) {
+                int64_t at = id_at(j, f, b * j->width[f] + k, c);
+                at += at < 0 ? j->V : 0;
+                if ((uint64_t)at >= (uint64_t)j->V) {
+                    __atomic_store_n(&j->bad, b * (j->W + 1) + c + 1, __ATOMIC_RELAXED);
+                    memset(to, 0, (size_t)j->D * sizeof(float));
+                    continue;
+                }
+                copy_row(to, j->table + at * j->D, j->D);
+            }
+        }
+        for (int64_t p = j->fields; p < j->parts; ++p) {
+            memcpy(to, (const float *)j->part[p] + b * j->width[p], (size_t)j->width[p] * sizeof(float));
+            to += j->width[p];
+        }
+    }
+}
+
+/* Part p's rows and columns ([B] or [B, w]) into the job; its type into *type. */
+static OrtStatus *read_part(OrtKernelContext *ctx, Job *j, int64_t p, ONNXTensorElementDataType *type) {
+    int64_t d[2];
+    size_t r;
+    TRY(read_typed_input(ctx, (size_t)p + 2, &j->part[p], d, &r, 2, "GatherFields: a part has rank > 2", type));
+    if (!j->part[p] || r < 1) return error("GatherFields: a part is missing or a scalar");
+    if (p > 0 && d[0] != j->rows) return error("GatherFields: the parts' rows differ");
+    j->rows = d[0];
+    j->width[p] = r == 2 ? d[1] : 1;
+    return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    size_t n_in, rt;
+    int64_t dt[8], K = 0, dense = 0;
+    ONNXTensorElementDataType tt, ids_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, t;
+    Job j = {0};
+    TRY(read_typed_input(ctx, 0, (const void **)&j.table, dt, &rt, 8, "GatherFields: the table has rank > 8", &tt));
+    if (rt < 1) return error("GatherFields: the table needs one axis at least");
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    if (n_in < 3 || n_in - 2 > MAX_PARTS) return error("GatherFields: 1 to 512 parts");
+    j.parts = (int64_t)n_in - 2;
+    for (int64_t p = 0; p < j.parts; ++p) {
+        TRY(read_part(ctx, &j, p, &t));
+        const int ids = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+        if (ids && (j.fields != p || (p && t != ids_type))) return error("GatherFields: ids of one type, before the dense values");
+        if (!ids && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return error("GatherFields: a part is neither ids nor float");
+        if (ids) ids_type = t, j.fields++, K += j.width[p];
+        else dense += j.width[p];
+    }
+    if (!j.fields) return error("GatherFields: no ids");
+    j.wide = ids_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    int64_t dk[1];
+    size_t rk;
+    TRY(read_typed_input(ctx, 1, &j.offsets, dk, &rk, 1, "GatherFields: the offsets have rank > 1", &t));
+    if (j.offsets && (t != ids_type || rk != 1 || dk[0] != K)) return error("GatherFields: offsets must be [K] of the ids' type");
+    j.V = dt[0], j.D = 1;
+    for (size_t x = 1; x < rt; ++x) j.D *= dt[x];
+    j.W = K * j.D + dense;
+    const int64_t out[2] = {j.rows, j.W};
+    OrtValue *y;
+    TRY(ort->KernelContext_GetOutput(ctx, 0, out, 2, &y));
+    TRY(ort->GetTensorMutableData(y, (void **)&j.y));
+    if (j.rows == 0) return NULL;
+    j.blocks = j.rows < MAX_BLOCKS ? j.rows : MAX_BLOCKS;
+    TRY(ort->KernelContext_ParallelFor(ctx, fields_block, (size_t)j.blocks, 0, &j));
+    if (j.bad) {
+        const int64_t b = (j.bad - 1) / (j.W + 1), c = (j.bad - 1) % (j.W + 1);
+        int64_t f = 0, k = c;
+        while (k >= j.width[f]) k -= j.width[f++];
+        char msg[160];
+        snprintf(msg, sizeof msg, "GatherFields: indices element out of data bounds, idx=%lld must be within the "
+                 "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b * j.width[f] + k, c), (long long)-j.V,
+                 (long long)(j.V - 1));
+        return error(msg);
+    }
+    return NULL;
+}
+
+static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatherFields"; }
+static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 3; }
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_VARIADIC;
+}
+static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;   /* the ids' and the parts' types are read at run time */
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+static int ORT_API_CALL mixed(const OrtCustomOp *op) { (void)op; return 0; }
+
+OrtCustomOp ctropt_gather_fields = {
+    .version = ORT_API_VERSION, .GetName = name, .GetInputType = input_type, .GetInputTypeCount = n_inputs,
+    .GetOutputType = float_type, .GetOutputTypeCount = n_outputs, .GetInputCharacteristic = input_kind,
+    .GetOutputCharacteristic = required, .CreateKernelV2 = no_attributes, .KernelComputeV2 = compute,
+    .KernelDestroy = destroy, COMMON_CALLBACKS,
+    .GetVariadicInputHomogeneity = mixed,   /* ids and floats in the one variadic list (overrides COMMON_CALLBACKS) */
+};
