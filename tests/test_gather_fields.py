@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import F, I64, assert_same_outputs, check_pass, init, kernel_session, make_model, node, ops, run_pass, vi
+from helpers import F, I64, assert_same_outputs, init, kernel_session, make_model, node, ops, run_pass, vi
 
 from ctropt import kernels
 
