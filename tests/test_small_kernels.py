@@ -232,9 +232,11 @@ def test_unique_rows_of_the_dedup_key():
     assert ctx.rewrites == 0
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.float32])   # float32: UniqueRowsFloat (integral values: no -0, NaN)
 @pytest.mark.parametrize("rows", ["distinct", "repeated", "one user", "empty"])   # no columns: onnxruntime aborts
-def test_unique_rows_matches_onnxruntime(rows):
-    x = RNG.integers(0, 4, (40, 7))
+def test_unique_rows_matches_onnxruntime(rows, dtype):
+    x = RNG.integers(0, 4, (40, 7)).astype(dtype)
+    t, op = (I64, "UniqueRows") if dtype == np.int64 else (F, "UniqueRowsFloat")
     if rows == "repeated":
         x = x[RNG.integers(0, 6, 40)]
     elif rows == "one user":
@@ -243,11 +245,11 @@ def test_unique_rows_matches_onnxruntime(rows):
         x = x[:0]
     outs = ["y", "first", "inverse", "counts"]
     graph = onnx.helper.make_graph([onnx.helper.make_node("Unique", ["x"], outs, axis=0, sorted=0)], "u",
-                                   [vi("x", I64, None)], [vi(n, I64, None) for n in outs])
+                                   [vi("x", t, None)], [vi("y", t, None)] + [vi(n, I64, None) for n in outs[1:]])
     want = ort.InferenceSession(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
                                 .SerializeToString()).run(None, {"x": x})
-    graph = onnx.helper.make_graph([onnx.helper.make_node("UniqueRows", ["x"], outs, domain=kernels.DOMAIN)], "k",
-                                   [vi("x", I64, None)], [vi(n, I64, None) for n in outs])
+    graph = onnx.helper.make_graph([onnx.helper.make_node(op, ["x"], outs, domain=kernels.DOMAIN)], "k",
+                                   [vi("x", t, None)], [vi("y", t, None)] + [vi(n, I64, None) for n in outs[1:]])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
                                                          onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
@@ -297,3 +299,19 @@ def test_gather_rows_int64_matches_numpy(table):
     s = kernel_session([onnx.helper.make_node("GatherRowsInt64", ["t", "ids"], ["y"], domain=kernels.DOMAIN)],
                  [vi("ids", I64, None)], [init("t", values)], out_type=I64)
     np.testing.assert_array_equal(s.run(None, {"ids": ids})[0], values[ids])
+
+
+def test_unique_rows_float_compares_bits():
+    """-0 and 0 are two rows (deduplication needs only that rows found equal are equal values); a NaN row is one."""
+    outs = ["y", "first", "inverse", "counts"]
+    graph = onnx.helper.make_graph([onnx.helper.make_node("UniqueRowsFloat", ["x"], outs, domain=kernels.DOMAIN)], "k",
+                                   [vi("x", F, None)], [vi("y", F, None)] + [vi(n, I64, None) for n in outs[1:]])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17),
+                                                         onnx.helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    kernels.register(so)
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = np.array([[0.0, 1.0], [-0.0, 1.0], [np.nan, 2.0], [np.nan, 2.0], [0.0, 1.0]], np.float32)
+    y, first, inverse, counts = s.run(None, {"x": x})
+    assert first.tolist() == [0, 1, 2] and inverse.tolist() == [0, 1, 2, 2, 0] and counts.tolist() == [2, 1, 2]
+    np.testing.assert_array_equal(y, x[[0, 1, 2]])

@@ -171,3 +171,51 @@ def test_cli_stores_the_user_inputs_and_bench_one_user_reads_them(tmp_path):
     assert r.exit_code == 0 and ("B is" in r.output or "A is" in r.output), r.output
     r = CliRunner().invoke(app, ["optimize", str(src), "-o", str(tmp_path / "x.onnx"), "--user-inputs", "zz"])
     assert r.exit_code == 2 and "zz, which the model has not as inputs" in " ".join(r.output.split())
+
+
+def torch_packed_form():
+    """deepctr-torch: one float matrix X [B, 5] (user id, item id, user age, item id again, a dense value); each
+    sparse column sliced, Cast to int64, looked up; the embeddings and the dense column concatenated → Gemm → Relu."""
+    nodes, parts = [], []
+    for col, table in ((0, "t_u0"), (1, "t_i0"), (2, "t_u1"), (3, "t_i1")):
+        nodes += [node("Slice", ["X", f"c{col}", f"c{col + 1}", "ax1"], [f"s{col}"]),
+                  node("Cast", [f"s{col}"], [f"ids{col}"], to=onnx.TensorProto.INT64),
+                  node("Gather", [table, f"ids{col}"], [f"e{col}"]), node("Reshape", [f"e{col}", "flat"], [f"r{col}"])]
+        parts.append(f"r{col}")
+    nodes += [node("Slice", ["X", "c4", "c5", "ax1"], ["dense"]), node("Concat", parts + ["dense"], ["x"], axis=1),
+              node("Gemm", ["x", "w", "b"], ["h"]), node("Relu", ["h"], ["y"])]
+    inits = _tables() + [init(f"c{i}", np.array([i])) for i in range(6)] + [
+        init("ax1", np.array([1])), init("flat", np.array([-1, E])),
+        init("w", RNG.normal(size=(4 * E + 1, H)).astype(np.float32)), init("b", RNG.normal(size=H).astype(np.float32))]
+    return make_model(nodes, [vi("X", F, ["batch", 5])], [vi("y", F, ["batch", H])], inits)
+
+
+def _packed_feeds(batch, one_user):
+    x = np.concatenate([RNG.integers(0, ROWS, (batch, 4)), RNG.normal(size=(batch, 1))], 1).astype(np.float32)
+    if one_user:
+        x[:, [0, 2]] = x[0, [0, 2]]
+    return {"X": x}
+
+
+def test_columns_of_a_packed_input_are_declared_user_side():
+    """`X[0],X[2]` (or `X[0:1]`): the slices that read only those columns are the user's; the first layer splits and
+    its user part runs once per distinct user (keyed by the float columns' bits: UniqueRowsFloat)."""
+    model = torch_packed_form()
+    once, ctx = run_pass(model, "dedup-user-side", user_inputs="X[0],X[2:3]")
+    assert ctx.rewrites == 1 and "Unique" in ops(once), ctx.notes
+    assert any("split into a user part" in n for n in ctx.notes), ctx.notes
+    for feeds in (_packed_feeds(9, False), _packed_feeds(9, True)):
+        assert_same_outputs(model, once, feeds, atol=1e-5, rtol=1e-5)
+    lowered, _ = run_pass(once, "unique-rows-kernel")
+    assert "UniqueRowsFloat" in ops(lowered)
+    for feeds in (_packed_feeds(9, False), _packed_feeds(9, True)):
+        assert_same_outputs(model, lowered, feeds, atol=1e-5, rtol=1e-5)
+    feeds = generate_inputs(model, batch=8, one_user=True, user_inputs="X[0],X[2:3]")["X"]
+    assert (feeds[:, [0, 2]] == feeds[0, [0, 2]]).all() and len(np.unique(feeds[:, 1])) > 1
+
+
+@pytest.mark.parametrize("spec,why", [("X[a]", "write a column as NAME"), ("X[3:2]", "write a column as NAME"),
+                                      ("Y[0]", "Y, which the model has not as inputs"), ("X[9]", "within its width")])
+def test_malformed_or_unknown_columns_are_an_error(spec, why):
+    with pytest.raises(ctropt.CtroptError, match=why):
+        generate_inputs(torch_packed_form(), batch=4, one_user=True, user_inputs=spec)

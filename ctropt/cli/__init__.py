@@ -154,7 +154,8 @@ def optimize(
     user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help="Comma list of the inputs that describe "
                                               "the user (the same for every candidate of a request): their work "
                                               "runs once per distinct user, and the speed check times one-user "
-                                              "requests. Stored in the saved model."),
+                                              "requests. Columns of a packed [batch, width] input: NAME[i] or "
+                                              "NAME[i:j] (deepctr-torch's X). Stored in the saved model."),
     int8: bool = typer.Option(False, "--int8", help="Also run quantize-int8: FC layers to INT8 where measured "
                               "faster, within the accuracy gate."),
     device: str = typer.Option("cpu", "--device", help="Where the ort-target model runs: cpu, or cuda (standard "

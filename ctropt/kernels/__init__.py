@@ -3,7 +3,8 @@
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
 lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). ``AttentionCore``
 (attention.c) computes softmax(s · Q·Kᵀ + bias) · V for every head; attention-core-kernel emits it. ``SumAxes``,
-``SmallMatMul`` (small_products.c), ``GatherRows`` (gather_rows.c) and ``UniqueRows`` (unique_rows.c) stand in for
+``SmallMatMul`` (small_products.c), ``GatherRows`` (gather_rows.c), ``GatherFields`` (gather_fields.c: several
+fields' lookups and dense columns written side by side) and ``UniqueRows`` / ``UniqueRowsFloat`` (unique_rows.c) stand in for
 onnxruntime ops whose CPU kernels make a call per matrix or per index, or sort; small-products-kernel,
 gather-rows-kernel and unique-rows-kernel emit them; ``LayerNorm`` (layer_norm.c) and ``MulAdd`` (mul_add.c: a * b
 + c (+ d) in one pass) stand in for chains of elementwise ops (layer-norm-kernel, mul-add-kernel). A model that holds

@@ -16,6 +16,7 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_rows_int64));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gather_fields));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_unique_rows));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_unique_rows_float));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_layer_norm));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_mul_add));
     return ort->AddCustomOpDomain(options, domain);

@@ -7,7 +7,7 @@
  * candidates, one user) is not hashed.
  *
  * Node (domain "ai.ctropt.kernels", made by unique-rows-kernel):
- *   input    0 X [B, K] (int64)
+ *   input    0 X [B, K] (int64; UniqueRowsFloat: float32, rows compared as their bits)
  *   outputs  0 Y [U, K]: the distinct rows in the order of their first occurrence   1 indices [U]: where each first
  *            occurs   2 inverse_indices [B]: the row of Y each row of X is   3 counts [U] (all int64, as ONNX Unique
  *            with axis=0, sorted=0)
@@ -75,27 +75,24 @@ static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *fi
     return U;
 }
 
-static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
-    size_t rank;
-    int64_t dims[2];
-    const int64_t *x;
-    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRows: X must have rank 2", NULL));
-    if (rank != 2) return error("UniqueRows: X must have rank 2");
-    const int64_t B = dims[0], K = dims[1];
+/* The four outputs for the [B, K] rows `x` (int64; `bits`: the same rows as float32, compared as their bits) and
+ * their distinct rows' numbers; Y is written from the rows as given (float32 where `bits`). */
+static OrtStatus *unique(OrtKernelContext *ctx, const int64_t *x, const float *bits, int64_t B, int64_t K) {
     int64_t *first = malloc((size_t)(B ? B : 1) * sizeof(int64_t)), *inverse;
     if (!first) return ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
+    int64_t dims[2] = {B, K};
     OrtStatus *s = output(ctx, 2, &dims[0], 1, &inverse);
     const int64_t U = s ? 0 : distinct_rows(x, B, K, first, inverse);
     if (!s && U < 0) s = ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
     int64_t *y, *indices, *counts;
     const int64_t y_dims[2] = {U, K};
-    if (!s) s = output(ctx, 0, y_dims, 2, &y);
+    if (!s) s = output(ctx, 0, y_dims, 2, &y);   /* float32 rows where `bits`: the same bytes per element, halved */
     if (!s) s = output(ctx, 1, &U, 1, &indices);
     if (!s) s = output(ctx, 3, &U, 1, &counts);
     if (!s) {
         for (int64_t u = 0; u < U; ++u) {
-            memcpy(y + u * K, x + first[u] * K, (size_t)K * sizeof(int64_t));
+            if (bits) memcpy((float *)y + u * K, bits + first[u] * K, (size_t)K * sizeof(float));
+            else memcpy(y + u * K, x + first[u] * K, (size_t)K * sizeof(int64_t));
             indices[u] = first[u];
             counts[u] = 0;
         }
@@ -105,9 +102,48 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     return s;
 }
 
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    size_t rank;
+    int64_t dims[2];
+    const int64_t *x;
+    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRows: X must have rank 2", NULL));
+    if (rank != 2) return error("UniqueRows: X must have rank 2");
+    return unique(ctx, x, NULL, dims[0], dims[1]);
+}
+
+/* float32 rows: distinct by their bits (-0 and 0 apart, a NaN equal to itself): rows found equal are equal values,
+ * which is what deduplication needs; each float's bits widened to an int64 word for the hashing above. */
+static OrtStatus *ORT_API_CALL compute_float(void *kernel, OrtKernelContext *ctx) {
+    (void)kernel;
+    size_t rank;
+    int64_t dims[2];
+    const float *x;
+    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRowsFloat: X must have rank 2", NULL));
+    if (rank != 2) return error("UniqueRowsFloat: X must have rank 2");
+    const int64_t n = dims[0] * dims[1];
+    int64_t *words = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!words) return ort->CreateStatus(ORT_FAIL, "UniqueRowsFloat: out of memory");
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t w;
+        memcpy(&w, x + i, sizeof w);
+        words[i] = (int64_t)w;
+    }
+    OrtStatus *s = unique(ctx, words, x, dims[0], dims[1]);
+    free(words);
+    return s;
+}
+
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "UniqueRows"; }
+static const char *ORT_API_CALL name_float(const OrtCustomOp *op) { (void)op; return "UniqueRowsFloat"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 4; }
+static ONNXTensorElementDataType ORT_API_CALL float_then_int64(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
 
 OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, n_inputs, int64_type, n_outputs, required, required,
                                            no_attributes, compute);
+OrtCustomOp ctropt_unique_rows_float = CUSTOM_OP(name_float, float_type, n_inputs, float_then_int64, n_outputs, required,
+                                                 required, no_attributes, compute_float);

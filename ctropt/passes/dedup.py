@@ -21,12 +21,12 @@ import onnx_graphsurgeon as gs
 from ..ops.rnn import is_sequence_node
 from ..graph import annotate_shapes_if_bare
 from ..graph.edit import Builder, const_value, unique_name
-from ..runtime.inputs import analyze_inputs, user_input_names
+from ..runtime.inputs import analyze_inputs, user_input_columns, user_input_names
 from ..runtime.probe import Probe, try_probe
 from ..runtime.subgraph import Subgraph
 from .cleanup import tidy
 from .registry import PassContext, register_pass
-from .user_layer import is_user_input, split_user_layers
+from .user_layer import column_seeds, is_user_input, split_user_layers
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
 OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track
@@ -42,23 +42,9 @@ def _per_row(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
     return shapes is not None and all(len(s) >= 1 and s[0] == b for s, b in zip(shapes, batches))
 
 
-def _column_seeds(inp: gs.Tensor, columns: set[int]) -> list[gs.Tensor]:
-    """Slices of `inp` along axis 1 that read only user columns (deepctr-torch packs features in one matrix)."""
-    seeds = []
-    for n in inp.outputs:
-        if n.op != "Slice" or len(n.inputs) < 4:
-            continue
-        starts, ends, axes = (const_value(t) for t in n.inputs[1:4])
-        if starts is None or ends is None or axes is None or list(axes.reshape(-1)) != [1]:
-            continue
-        s, e = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
-        if e > s and set(range(s, e)) <= columns:
-            seeds.append(n.outputs[0])
-    return seeds
-
-
-def user_seeds(graph: gs.Graph, probe: Probe, named: set[str]) -> list[gs.Tensor]:
-    """The values that describe the user: history ids, lengths, masks (inputs or packed columns), named inputs."""
+def user_seeds(graph: gs.Graph, probe: Probe, named: set[str], columns: dict[str, set[int]] | None = None) -> list[gs.Tensor]:
+    """The values that describe the user: history ids, lengths, masks (inputs or packed columns), named inputs and
+    declared columns of packed inputs."""
     facts = analyze_inputs(graph)
     batches = _batches(probe)
     seeds = []
@@ -69,9 +55,10 @@ def user_seeds(graph: gs.Graph, probe: Probe, named: set[str]) -> list[gs.Tensor
         if is_user_input(inp, f, probe.shapes(inp), named):
             seeds.append(inp)
             continue
-        columns = f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)}
-        if columns:
-            seeds += _column_seeds(inp, columns)
+        read = f.length_columns | (columns or {}).get(inp.name, set()) | \
+            {c for s, e in f.regions if e - s > 1 for c in range(s, e)}
+        if read:
+            seeds += column_seeds(inp, read)
     return seeds
 
 
@@ -156,18 +143,22 @@ def dedup_user_side(ctx: PassContext) -> None:
     computed once per distinct user in the batch (Unique/Gather)."""
     named = user_input_names(ctx.options.get("user_inputs", "") or "")
     named |= {k for k, f in (ctx.input_facts or {}).items() if f.is_user}
-    if not any(i.shape and len(i.shape) >= 2 for i in ctx.graph.inputs) and not named:
+    columns = {k: set(f.user_columns) for k, f in (ctx.input_facts or {}).items() if f.user_columns}
+    for k, cols in user_input_columns(ctx.options.get("user_inputs", "") or "").items():
+        columns[k] = columns.get(k, set()) | cols
+    declared = bool(named or columns)
+    if not any(i.shape and len(i.shape) >= 2 for i in ctx.graph.inputs) and not declared:
         return
-    whole, halves = (ctx.graph.copy(), []) if named else (None, [])
-    if named:
+    whole, halves = (ctx.graph.copy(), []) if declared else (None, [])
+    if declared:
         annotate_shapes_if_bare(ctx.graph)   # the widths of the first layers' parts
-        halves = split_user_layers(ctx.graph, named)
+        halves = split_user_layers(ctx.graph, named, columns)
     before = (len(ctx.notes), ctx.matches, ctx.rewrites)
-    rewritten = _dedup(ctx, named)
+    rewritten = _dedup(ctx, named, columns)
     if halves and not all(id(h) in rewritten for h in halves):   # the split pays only with its user half deduplicated
         del ctx.notes[before[0]:]
         ctx.graph, ctx.matches, ctx.rewrites = whole, before[1], before[2]
-        rewritten = _dedup(ctx, named)
+        rewritten = _dedup(ctx, named, columns)
         ctx.note(f"{len(halves)} first layer(s) left whole: their user part would not run once per user")
     elif halves:
         ctx.note(f"{len(halves)} first layer(s) split into a user part and an item part (x·W = x_u·W_u + x_i·W_i)")
@@ -175,14 +166,14 @@ def dedup_user_side(ctx: PassContext) -> None:
         ctx.graph = whole   # as it came (without the shapes annotated for the split)
 
 
-def _dedup(ctx: PassContext, named: set[str]) -> set[int]:
+def _dedup(ctx: PassContext, named: set[str], columns: dict[str, set[int]]) -> set[int]:
     """The rewrite; the ids of the nodes that now run on the distinct rows (none: no rewrite)."""
     graph = ctx.graph
     probe, why = try_probe(graph)
     if probe is None:
         ctx.note(why)
         return set()
-    seeds = user_seeds(graph, probe, named)
+    seeds = user_seeds(graph, probe, named, columns)
     if not seeds:
         ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
                  "--user-inputs a,b)")

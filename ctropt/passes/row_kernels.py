@@ -8,10 +8,13 @@ call: a [1000, 8] table read at [256, 26] ids takes about 50 µs, a quarter of a
 indices; an index out of range is an error there as here. A lookup at ``ids + offsets`` (fuse-parallel-embeddings'
 per-field offsets into its concatenated table, Expanded to the ids' shape or not) gives the offsets to the kernel,
 which adds them as it reads: the Shape, Expand and Add go (three nodes of a dozen in a small model's lookup).
+A lookup of several fields' ids (a Concat of [B, k] ids) flattened to [B, K·E] and, where it is the first part of a
+Concat with dense [B, w] values, those values → ``GatherFields``: the ids' Concat, the Reshape and the Concat go.
 
 `unique-rows-kernel`: dedup-user-side finds a batch's distinct users with ``Unique(key, axis=0, sorted=0)`` over
 [B, K] int64 rows (ids and histories); onnxruntime sorts them, 14–80 µs at B = 256, on every request. The kernel
-hashes the rows (the same four outputs, in the same order: first occurrences).
+hashes the rows (the same four outputs, in the same order: first occurrences); float32 rows (deepctr-torch's
+columns) by their bits, ``UniqueRowsFloat`` (rows found equal are equal values, all deduplication needs).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .registry import PassContext, register_pass
 
 
 KERNEL_OF = {np.dtype(np.float32): "GatherRows", np.dtype(np.int64): "GatherRowsInt64"}
+UNIQUE_OF = {np.dtype(np.int64): "UniqueRows", np.dtype(np.float32): "UniqueRowsFloat"}   # float32: by their bits
 
 
 def _is_row_lookup(m: Match) -> bool | str:
@@ -149,16 +153,17 @@ def gather_rows_kernel(ctx: PassContext) -> None:
 
 def _is_row_dedup(m: Match) -> bool | str:
     x, rank = m["x"], rank_of(m["x"])
-    if dtype_of(x) is None or np.dtype(dtype_of(x)) != np.int64 or rank != 2:
-        return "not int64 rows (rank 2)"
+    if dtype_of(x) is None or np.dtype(dtype_of(x)) not in UNIQUE_OF or rank != 2:
+        return "not int64 or float32 rows (rank 2)"
     if m.root.attrs.get("axis") not in (0, -2) or m.root.attrs.get("sorted", 1):
         return "not Unique(axis=0, sorted=0)"
     return True
 
 
 def _to_unique_rows(m: Match) -> list:
-    made = m.op("UniqueRows", [m["x"]], outputs=4, name=f"{m.root.name}/UniqueRows", domain=kernels.DOMAIN,
-                dtype=np.int64)
+    op = UNIQUE_OF[np.dtype(dtype_of(m["x"]))]
+    made = m.op(op, [m["x"]], outputs=4, name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=np.int64)
+    made[0].dtype = dtype_of(m["x"])
     return [made[i] if i < len(m.root.outputs) and m.root.outputs[i].name else None for i in range(len(m.root.outputs))]
 
 

@@ -48,15 +48,32 @@ def is_user_input(t: gs.Tensor, f, shapes: list, named: set[str]) -> bool:
     return t.name in named or f.is_length or f.is_mask or history
 
 
-def _user_inputs(graph: gs.Graph, named: set[str]) -> list[gs.Tensor]:
-    """The inputs dedup-user-side takes as the user's, read off their static shapes."""
+def column_seeds(inp: gs.Tensor, columns: set[int]) -> list[gs.Tensor]:
+    """Slices of `inp` along axis 1 that read only user columns (deepctr-torch packs features in one matrix)."""
+    seeds = []
+    for n in inp.outputs:
+        if n.op != "Slice" or len(n.inputs) < 4:
+            continue
+        starts, ends, axes = (const_value(t) for t in n.inputs[1:4])
+        if starts is None or ends is None or axes is None or list(axes.reshape(-1)) != [1]:
+            continue
+        s, e = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+        if e > s and set(range(s, e)) <= columns:
+            seeds.append(n.outputs[0])
+    return seeds
+
+
+def _user_inputs(graph: gs.Graph, named: set[str], columns: dict[str, set[int]]) -> list[gs.Tensor]:
+    """The inputs dedup-user-side takes as the user's, read off their static shapes, and the slices of packed
+    inputs that read only columns declared the user's."""
     facts = analyze_inputs(graph)
-    return [t for t in graph.inputs if is_user_input(t, facts[t.name], [shape_of(t) or []], named)]
+    seeds = [t for t in graph.inputs if is_user_input(t, facts[t.name], [shape_of(t) or []], named)]
+    return seeds + [s for t in graph.inputs if columns.get(t.name) for s in column_seeds(t, columns[t.name])]
 
 
-def user_side(graph: gs.Graph, named: set[str]) -> set[int]:
-    """Ids of the values computed from the user's inputs and constants only (graph order)."""
-    side = {id(t) for t in _user_inputs(graph, named)}
+def user_side(graph: gs.Graph, named: set[str], columns: dict[str, set[int]] | None = None) -> set[int]:
+    """Ids of the values computed from the user's inputs (and declared columns) and constants only (graph order)."""
+    side = {id(t) for t in _user_inputs(graph, named, columns or {})}
     for n in graph.nodes:
         values = [u for u in n.inputs if u.name and const_value(u) is None]
         if values and all(id(u) in side for u in values):
@@ -135,9 +152,9 @@ def _bias_fits(graph: gs.Graph, node: gs.Node, layer: tuple) -> bool:
     return per_column(node.inputs[2], width) is not None and int(getattr(graph, "opset", None) or 13) >= 7
 
 
-def split_user_layers(graph: gs.Graph, named: set[str]) -> list[gs.Node]:
+def split_user_layers(graph: gs.Graph, named: set[str], columns: dict[str, set[int]] | None = None) -> list[gs.Node]:
     """Split every first layer whose input has both user and item parts; returns the user halves' nodes."""
-    side, halves = user_side(graph, named), []
+    side, halves = user_side(graph, named, columns), []
     for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm") and not n.domain]:
         layer, parts = _layer(node), layer_parts(node.inputs[0])
         if layer is None or not parts or len(parts) < 2 or not _bias_fits(graph, node, layer):

@@ -50,6 +50,7 @@ class InputFacts:
     additive: bool = False  # a mask added to the scores: 0 where valid, -1e9 where padded (PaddleRec's readers)
     zero_row: bool = False  # looked up in a table whose row 0 is zeros (torch's padding_idx=0)
     is_user: bool = False  # declared user side (`--user-inputs`): one value per user, the same for a request's rows
+    user_columns: set[int] = dataclasses.field(default_factory=set)  # columns declared user side (`--user-inputs X[0:3]`)
     vocab: list[str] = dataclasses.field(default_factory=list)  # strings a vocabulary (CategoryMapper) knows (some)
     separator: str | None = None  # strings split on this (StringSplit): each value joins several tokens
 
@@ -76,6 +77,7 @@ class InputFacts:
         d = dataclasses.asdict(self)
         d["columns"] = {str(c): b for c, b in self.columns.items()}
         d["regions"], d["length_columns"] = sorted(self.regions), sorted(self.length_columns)
+        d["user_columns"] = sorted(self.user_columns)
         return d
 
     @classmethod
@@ -83,7 +85,8 @@ class InputFacts:
         return cls(d.get("upper"), {int(c): int(b) for c, b in d.get("columns", {}).items()},
                    {tuple(r) for r in d.get("regions", [])}, bool(d.get("is_length")),
                    set(d.get("length_columns", [])), bool(d.get("is_mask")), bool(d.get("padded")),
-                   bool(d.get("additive")), is_user=bool(d.get("is_user")), vocab=list(d.get("vocab", [])),
+                   bool(d.get("additive")), is_user=bool(d.get("is_user")),
+                   user_columns={int(c) for c in d.get("user_columns", [])}, vocab=list(d.get("vocab", [])),
                    separator=d.get("separator"))
 
 
@@ -114,20 +117,46 @@ def model_input_facts(model: onnx.ModelProto, graph: gs.Graph | None = None,
     facts = analyze_inputs(graph if graph is not None else to_graph(model))
     stored = stored_input_facts(model)
     facts = {k: stored.get(k, f) for k, f in facts.items()}
-    named = user_input_names(user_inputs)
-    unknown = sorted(named - set(facts))
+    named, columns = user_input_names(user_inputs), user_input_columns(user_inputs)
+    unknown = sorted((named | set(columns)) - set(facts))
     if unknown:
         raise CtroptError(f"--user-inputs names {', '.join(unknown)}, which the model has not as inputs "
                           f"(its inputs: {', '.join(facts)})")
     for name in named:
         facts[name].is_user = True
+    shapes = {i.name: list(i.shape or []) for i in (graph if graph is not None else to_graph(model)).inputs}
+    for name, cols in columns.items():
+        width = shapes[name][1] if len(shapes[name]) == 2 else None
+        if len(shapes[name]) != 2 or isinstance(width, int) and max(cols) >= width:
+            raise CtroptError(f"--user-inputs {name}[...]: columns of a [batch, width] input, within its width "
+                              f"(its shape: {shapes[name]})")
+        facts[name].user_columns |= cols
     return facts
 
 
-def user_input_names(user_inputs: str | list[str] | tuple = ()) -> set[str]:
-    """The names in a comma list (or a list of names)."""
+def _items(user_inputs: str | list[str] | tuple) -> list[str]:
     names = user_inputs.split(",") if isinstance(user_inputs, str) else list(user_inputs)
-    return {n.strip() for n in names if n and n.strip()}
+    return [n.strip() for n in names if n and n.strip()]
+
+
+def user_input_names(user_inputs: str | list[str] | tuple = ()) -> set[str]:
+    """The names in a comma list (or a list of names); columns (``X[0]``, ``X[3:5]``) are not names."""
+    return {n for n in _items(user_inputs) if not n.endswith("]")}
+
+
+def user_input_columns(user_inputs: str | list[str] | tuple = ()) -> dict[str, set[int]]:
+    """{input: columns} for the items that name columns of a packed [batch, width] input: ``X[0]`` (column 0) or
+    ``X[3:5]`` (columns 3 and 4, as Python slices them); a malformed item is an error."""
+    columns: dict[str, set[int]] = {}
+    for item in _items(user_inputs):
+        if not item.endswith("]"):
+            continue
+        match = re.fullmatch(r"(.+)\[(\d+)(?::(\d+))?\]", item)
+        if match is None or (match[3] is not None and int(match[3]) <= int(match[2])):
+            raise CtroptError(f"--user-inputs {item}: write a column as NAME[i] or columns as NAME[i:j] (j > i)")
+        end = int(match[3]) if match[3] is not None else int(match[2]) + 1
+        columns.setdefault(match[1], set()).update(range(int(match[2]), end))
+    return columns
 
 
 def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
@@ -412,7 +441,7 @@ def _same_user(values: np.ndarray, name: str, f: InputFacts, batch: int, time_le
     if f.is_length or f.is_mask or history or f.is_user or "user" in name.lower() or "uid" in name.lower():
         values[rows] = values[0]
         return
-    columns = sorted(f.length_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)})
+    columns = sorted(f.length_columns | f.user_columns | {c for s, e in f.regions if e - s > 1 for c in range(s, e)})
     if columns and values.ndim == 2:
         values[rows, columns] = values[0, columns]
 
