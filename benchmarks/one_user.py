@@ -22,9 +22,11 @@ from ctropt.runtime.bench import bench  # noqa: E402
 
 PROFILE = "user_id,gender,age"  # FuxiCTR's and deepctr's example features: 3 of 5 sparse, histories besides
 HALF_C = ",".join(f"C{i}" for i in range(1, 14))  # 13 of the 26 Criteo-style sparse features
+TORCH_COLUMNS = "X[0],X[3:5]"  # deepctr-torch packs the same features in one matrix: user_id, gender, age by column
 MARKS = ("<!-- one-user table: benchmarks/one_user.py writes it -->", "<!-- end of one-user table -->")
 CASES = [(f"fuxictr_{m}_{e}", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", "MMoE") for e in ("dynamo", "legacy")] + \
         [(f"deepctr_{m}_tf2onnx", PROFILE) for m in ("WDL", "DeepFM", "DCN", "MMOE")] + \
+        [(f"deepctr_torch_{m}_{e}", TORCH_COLUMNS) for m in ("WDL", "DeepFM", "DCN", "MMOE") for e in ("dynamo", "legacy")] + \
         [(f"paddlerec_{m}_paddle2onnx", HALF_C) for m in ("WideDeep", "DeepFM", "DCN")] + \
         [(f"deeprec_{m}_tf2onnx", "C1:0,C2:0,C3:0") for m in ("WDL", "DeepFM", "DCNv2")] + \
         [("deeprec_MMoE_tf2onnx", "user_id:0,age_level:0,tag_category_list:0")]   # 3 of 6 in each

@@ -361,3 +361,49 @@ def test_sizes_follow_reshapes_and_reductions_and_are_joined_by_a_concat():
     annotate_shapes(g)
     r = next(v for v in g.tensors().values() if v.name == "r")
     assert not same_size((r, 0), (g.inputs[0], 0))   # empty axes: every axis reduced
+
+
+def packed_columns_model():
+    """deepctr-torch: X [B, 6] floats; columns 0..2 sliced one by one, each Cast to int64, joined for one lookup;
+    columns 3..5 sliced one by one and joined as the dense values, then Flatten (of a 2-D value) before the DNN."""
+    nodes = []
+    for c in range(6):
+        nodes.append(node("Slice", ["X", f"c{c}", f"c{c + 1}", "ax1", "one"], [f"s{c}"]))
+    nodes += [node("Cast", [f"s{c}"], [f"i{c}"], to=TensorProto.INT64) for c in range(3)]
+    nodes += [node("Concat", ["i0", "i1", "i2"], ["ids"], axis=1), node("Gather", ["t", "ids"], ["e"]),
+              node("Concat", ["s3", "s4", "s5"], ["dense"], axis=1), node("Flatten", ["dense"], ["d"], axis=1)]
+    return make_model(nodes, [vi("X", F, ["batch", 6])], [vi("e", F, ["batch", 3, 4]), vi("d", F, ["batch", 3])],
+                      [init(f"c{c}", np.array([c])) for c in range(7)] +
+                      [init("ax1", np.array([1])), init("one", np.array([1])),
+                       init("t", np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32))])
+
+
+def test_per_column_slices_and_casts_become_one_slice_and_one_cast():
+    model = packed_columns_model()
+    x = np.concatenate([np.random.default_rng(1).integers(0, 10, (5, 3)), np.random.default_rng(2).normal(size=(5, 3))],
+                       1).astype(np.float32)
+    once, ctx = check_pass(model, "eliminate-identity", ["Slice", "Cast", "Gather", "Slice"], feeds={"X": x})
+    assert_same_outputs(model, once, {"X": x[:1]}, atol=0, rtol=0)
+    gaps = packed_columns_model()   # columns 3 and 5 only: not one range
+    gaps.graph.node[10].input[:] = ["s3", "s5"]
+    gaps.graph.output[1].type.tensor_type.shape.dim[1].dim_value = 2
+    out, _ = run_pass(gaps, "eliminate-identity")
+    assert ops(out).count("Slice") == 3 and "Concat" in ops(out)
+
+
+def test_sizes_follow_slices_expands_and_adds_of_one_size():
+    """A Slice keeps the axes it does not slice; Expand(x, Shape(y)) has y's size where x has 1; an Add of two
+    values of one size (ids + offsets Expanded to the ids' shape) has that size."""
+    from ctropt.graph import annotate_shapes, to_graph
+    from ctropt.graph.dims import same_size
+
+    nodes = [node("Slice", ["X", "c0", "c3", "ax1"], ["ids"]), node("Shape", ["ids"], ["s"]),
+             node("Expand", ["off", "s"], ["offx"]), node("Add", ["ids", "offx"], ["at"]), node("Relu", ["at"], ["y"])]
+    model = make_model(nodes, [vi("X", F, ["batch", 6])], [vi("y", F, None)],
+                       [init("c0", np.array([0])), init("c3", np.array([3])), init("ax1", np.array([1])),
+                        init("off", np.zeros(3, np.float32))])
+    g = to_graph(model)
+    annotate_shapes(g)
+    t = {v.name: v for v in g.tensors().values()}
+    assert same_size((t["ids"], 0), (t["X"], 0)) and not same_size((t["ids"], 1), (t["X"], 1))
+    assert same_size((t["offx"], 0), (t["X"], 0)) and same_size((t["at"], 0), (t["X"], 0))

@@ -223,3 +223,25 @@ def test_sum_into_gemm_before_opset_11_gives_each_gemm_a_c_and_a_scalar_value_is
         [node("MatMul", ["x", "w1"], ["a"]), node("ReduceSum", ["x"], ["s"], keepdims=0), node("Add", ["a", "s"], ["y"])],
         [vi("x", F, ["B", 4])], [vi("y", F, ["B", 3])], [init("w1", _w(4, 3))])
     check_pass(scalar, "sum-into-gemm", ["ReduceSum", "Gemm"], feeds=_feeds((5, 4)))
+
+
+def test_deepctr_torch_linear_logit_starts_from_zeros_of_the_batch():
+    """deepctr-torch: the linear logit is ConstantOfShape(0) of [B, 1] (B read from X's Shape) plus the wide parts;
+    the zeros add nothing where their rows are X's (proven) and go with the Adds."""
+    model = make_model(
+        [node("Shape", ["X"], ["s"], end=1), node("Concat", ["s", "one"], ["zs"], axis=0),
+         node("ConstantOfShape", ["zs"], ["zeros"]), node("Slice", ["X", "c0", "c2", "ax1"], ["d"]),
+         node("MatMul", ["d", "wl"], ["lin"]), node("Add", ["zeros", "lin"], ["a"]),
+         node("Slice", ["X", "c2", "c6", "ax1"], ["h"]), node("MatMul", ["h", "wd"], ["deep"]),
+         node("Add", ["a", "deep"], ["z"]), node("Add", ["z", "bias"], ["y"])],
+        [vi("X", F, ["batch", 6])], [vi("y", F, ["batch", 1])],
+        [init("one", np.array([1])), init("c0", np.array([0])), init("c2", np.array([2])), init("c6", np.array([6])),
+         init("ax1", np.array([1])), init("wl", _w(2, 1)), init("wd", _w(4, 1)), init("bias", _b(1))])
+    model.opset_import[0].version = 17
+    once, ctx = check_pass(model, "sum-into-gemm", ["Slice", "Slice", "Gemm", "Gemm"], feeds={"X": _b(5, 6)})
+    assert ctx.rewrites == 1
+    wider = make_model(   # zeros of [B, 3] would widen a [B, 1] sum: kept
+        [node("ConstantOfShape", ["zs"], ["zeros"]), node("MatMul", ["X", "w"], ["m"]), node("Add", ["zeros", "m"], ["y"])],
+        [vi("X", F, ["batch", 6])], [vi("y", F, ["batch", 3])], [init("zs", np.array([5, 3])), init("w", _w(6, 1))])
+    out, ctx = run_pass(wider, "sum-into-gemm")
+    assert ctx.rewrites == 0

@@ -106,3 +106,16 @@ def test_gather_fields_matches_numpy(ids_type):
         s.run(None, {"a": a[:2], "b": b[:3], "d1": d1[:2], "d2": d2[:2]})
     with pytest.raises(Exception, match="offsets must be"):
         s.run(None, {"a": a, "b": b[:, :1], "d1": d1, "d2": d2})
+
+
+def test_a_lookup_reshaped_then_flattened_and_a_computed_shape_with_allowzero():
+    """deepctr-torch legacy: Reshape to [0, 1, K·E] then Flatten; dynamo: Reshape(allowzero=1) to [-1, K·E]."""
+    legacy = lookup_model(target=(0, 1, FIELDS * E), wide=False)
+    legacy.graph.node[5].output[0] = "flat3"
+    legacy.graph.node.insert(6, node("Flatten", ["flat3"], ["flat"], axis=1))
+    dynamo = lookup_model(target=(-1, FIELDS * E), wide=False)
+    dynamo.graph.node[5].attribute.append(onnx.helper.make_attribute("allowzero", 1))
+    for model in (legacy, dynamo):
+        out, _ = _lowered(model)
+        assert sorted(ops(out)) == ["GatherFields", "Gemm"], ops(out)
+        assert_same_outputs(model, out, _feeds(model), atol=0, rtol=0)

@@ -89,11 +89,14 @@ def _broadcast_source(node: gs.Node, axis: int, rank: int) -> tuple | None:
         if at < 0 or shape[at] == 1:
             continue
         candidates.append((x, at))
+    if len(candidates) > 1 and all(same_size(candidates[0], c) for c in candidates[1:]):
+        return candidates[0]   # inputs of one size there by construction: any of them sets the output's
     return candidates[0] if len(candidates) == 1 else None
 
 
 DOMAIN_OF = {"FusedGemm": ("com.microsoft",), "FusedMatMul": ("com.microsoft",),
-             "GatherRows": ("ai.ctropt.kernels",), "GatherRowsInt64": ("ai.ctropt.kernels",)}
+             "GatherRows": ("ai.ctropt.kernels",), "GatherRowsInt64": ("ai.ctropt.kernels",),
+             "GatherFields": ("ai.ctropt.kernels",)}
 
 
 def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
@@ -125,6 +128,17 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         return x, int(node.attrs["perm"][axis])
     if op == "Reshape" and len(node.inputs) > 1:
         return _reshape_kept(node, x, axis)
+    if op == "Expand" and len(node.inputs) > 1:
+        return _expanded_from(node, x, axis, rank)
+    if op == "Flatten" and axis == 0 and node.attrs.get("axis", 1) == 1:
+        return x, 0
+    if op == "Slice" and len(node.inputs) >= 3:   # an axis it does not slice (opset 10+: bounds as inputs)
+        starts = const_value(node.inputs[1])
+        axes = const_value(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3].name else \
+            (np.arange(starts.size) if starts is not None else None)
+        return (x, axis) if axes is not None and axis not in [int(a) % rank for a in axes.ravel()] else None
+    if op == "GatherFields" and axis == 0 and len(node.inputs) > 2:
+        return node.inputs[2], 0   # its rows: the first ids part's
     if op in REDUCING and (axes := axes_of(node)) is not None and rank_of(x) is not None:
         if not axes:   # no axes: every axis reduced, unless noop_with_empty_axes
             return (x, axis) if node.attrs.get("noop_with_empty_axes", 0) else None
@@ -134,14 +148,34 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
     return None
 
 
+def _expanded_from(node: gs.Node, x: gs.Tensor, axis: int, rank: int) -> tuple | None:
+    """Expand(x, shape) along `axis`: the entry of a shape read from another value's Shape, where x has size 1 or
+    lacks the axis (fuse-parallel-embeddings' offsets Expanded to the ids' shape)."""
+    entries, shape = shape_entries(node.inputs[1]), shape_of(x)
+    if entries is None or shape is None or len(entries) != rank:
+        return None
+    at = axis - (rank - len(shape))
+    entry = entries[axis]
+    return entry if isinstance(entry, tuple) and (at < 0 or shape[at] == 1) else None
+
+
 def _reshape_kept(node: gs.Node, x: gs.Tensor, axis: int) -> tuple | None:
     """A Reshape keeps an axis it copies (0 in its target), and the first axis when every other size, before and
     after, is a known int and their products are equal."""
     target = const_value(node.inputs[1])
-    if target is None or node.attrs.get("allowzero", 0) or axis >= target.size:
+    if target is None:   # a computed shape: an entry read from another value's Shape is that value's size
+        entries = shape_entries(node.inputs[1])
+        if not entries or axis >= len(entries):
+            return None
+        if isinstance(entries[axis], tuple):
+            return entries[axis]
+        if not all(isinstance(e, int) for e in entries):
+            return None
+        target = np.array(entries)   # made of constants only
+    if axis >= target.size:
         return None
-    if target[axis] == 0:
-        return x, axis
+    if target[axis] == 0:   # a copy of x's size, unless allowzero (then a literal 0)
+        return None if node.attrs.get("allowzero", 0) else (x, axis)
     rest, shape = [int(v) for v in target.ravel()[1:]], shape_of(x)
     if axis == 0 and shape and all(v > 0 for v in rest) and all(isinstance(d, (int, np.integer)) and d > 0
                                                                  for d in shape[1:]):

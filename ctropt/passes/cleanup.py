@@ -187,6 +187,7 @@ NO_OP_RULES = (
     Rewrite("unsqueeze-squeeze", P.Unsqueeze(P.Squeeze(x, ..., _name="inner"), ...), _same, _same_axes),
     Rewrite("transpose-identity", P.Transpose(x), _same, _identity_perm),
     Rewrite("concat-single", P.Concat(x), _same),
+    Rewrite("flatten-of-2d", P.Flatten(x), _same, lambda m: rank_of(m["x"]) == 2 and m.root.attrs.get("axis", 1) == 1),
     Rewrite("slice-whole", P.Slice(x, Const("starts"), Const("ends"), ...), _same, _full_slice),
     Rewrite("expand-own-shape", P.Expand(x, Const("shape")), _same, _expand_to_own_shape),
     Rewrite("pad-zero", P.Pad(x, Const("pads"), ...), _same, _zero_pads),
@@ -226,6 +227,63 @@ def _gathered_once(m):
     (cat,) = m.op("Concat", [g.inputs[0] for g in gathers], {"axis": m.root.attrs.get("axis", 0)})
     out = m.root.outputs[0]
     return m.op("Gather", [cat, gathers[0].inputs[1]], {"axis": 0}, dtype=out.dtype, shape=out.shape)
+
+
+def _casts_alike(m) -> bool:
+    """Concat(Cast(x_1), ..., Cast(x_k)): every part a Cast to one type of one input type, read only here."""
+    casts = [u.inputs[0] if len(u.inputs) == 1 and len(u.outputs) == 1 else None for u in m.root.inputs]
+    if len(casts) < 2 or any(c is None or c.op != "Cast" or c.domain for c in casts):
+        return False
+    return len({c.attrs.get("to") for c in casts}) == 1 and len({dtype_of(c.inputs[0]) for c in casts}) == 1 and \
+        dtype_of(casts[0].inputs[0]) is not None
+
+
+def _cast_once(m):
+    """One Cast of the parts' Concat (deepctr-torch's per-column Casts of its id columns, joined for one lookup)."""
+    casts = [u.inputs[0] for u in m.root.inputs]
+    (cat,) = m.op("Concat", [c.inputs[0] for c in casts], {"axis": m.root.attrs.get("axis", 0)},
+                  dtype=dtype_of(casts[0].inputs[0]))
+    out = m.root.outputs[0]
+    return m.op("Cast", [cat], {"to": casts[0].attrs["to"]}, dtype=out.dtype, shape=out.shape)
+
+
+def _slice_bounds(u: gs.Tensor, axis: int) -> tuple | None:
+    """(data, start, end) when u is Slice(data) of steps 1 on `axis` only, constant bounds within the axis's known
+    size (no clamping)."""
+    n = u.inputs[0] if len(u.inputs) == 1 else None
+    if n is None or n.op != "Slice" or n.domain or len(n.inputs) < 4:
+        return None
+    data, rank = n.inputs[0], rank_of(n.inputs[0])
+    values = [const_value(t) for t in n.inputs[1:]]
+    if rank is None or any(v is None or v.size != 1 for v in values) or (len(values) > 3 and int(values[3].ravel()[0]) != 1):
+        return None
+    start, end, at = (int(v.ravel()[0]) for v in values[:3])
+    size = (shape_of(data) or [None] * rank)[at % rank]
+    if at % rank != axis or not isinstance(size, (int, np.integer)) or not 0 <= start < end <= size:
+        return None
+    return data, start, end
+
+
+def _adjacent_slices(m) -> bool:
+    """Concat(Slice(x, a, b), Slice(x, b, c), ...) on the sliced axis: the parts are one range of x."""
+    rank = rank_of(m.root.inputs[0])
+    if not rank or len(m.root.inputs) < 2:
+        return False
+    parts = [_slice_bounds(u, m.root.attrs.get("axis", 0) % rank) for u in m.root.inputs]
+    if any(p is None or p[0] is not parts[0][0] for p in parts):
+        return False
+    return all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+
+
+def _one_slice(m):
+    """The range as one Slice (deepctr-torch's dense columns, sliced one by one and joined)."""
+    axis = m.root.attrs.get("axis", 0) % rank_of(m.root.inputs[0])
+    first = _slice_bounds(m.root.inputs[0], axis)
+    last = _slice_bounds(m.root.inputs[-1], axis)
+    out = m.root.outputs[0]
+    bounds = [m.constant(f"{m.root.name}/{k}", np.array([v], np.int64)) for k, v in
+              (("start", first[1]), ("end", last[2]), ("axis", axis))]
+    return m.op("Slice", [first[0], *bounds], dtype=out.dtype, shape=out.shape)
 
 
 def _no_zero_dims(m) -> bool:
@@ -391,6 +449,8 @@ CHAIN_RULES = (
     Rewrite("stacked-part", P.Gather(P.Concat(Var(), ..., _name="cat", _shared=True), Const("index")),
             _stacked_part),
     Rewrite("gathered-once", P.Concat(P.Gather(Var(), Var()), ...), _gathered_once, _parts_gathered_alike),
+    Rewrite("cast-once", P.Concat(P.Cast(Var()), ...), _cast_once, _casts_alike),
+    Rewrite("adjacent-slices", P.Concat(P.Slice(Var(), ...), ...), _one_slice, _adjacent_slices),
     Rewrite("reshape-reshape", P.Reshape(P.Reshape(x, Var()), Const("shape")), _reshape_chain,
             _no_zero_dims),
     Rewrite("transpose-transpose", P.Transpose(P.Transpose(x, _name="inner")), _compose_transposes,
@@ -540,4 +600,7 @@ def tidy(ctx: PassContext) -> None:
     """What the cleanup passes would still find in the nodes a pass built (casts to the same type, equal
     constants, shapes known statically): done by that pass, so that it is idempotent under `all`."""
     for cleanup in (fold_constants, eliminate_identity, dedup_initializers, eliminate_common_subexpressions):
-        cleanup(PassContext(ctx.graph, ctx.target, dict(ctx.options)))
+        done = PassContext(ctx.graph, ctx.target, dict(ctx.options))
+        cleanup(done)
+    if done.rewrites:   # values made twice are one now: a rule that wants its parts read once may apply
+        eliminate_identity(PassContext(ctx.graph, ctx.target, dict(ctx.options)))

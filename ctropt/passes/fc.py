@@ -23,7 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes, annotate_shapes_if_bare, iter_graphs
-from ..graph.dims import same_size
+from ..graph.dims import same_size, shape_entries
 from ..patterns import Const, Match, P, Rewrite, Var
 from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from .layout import cancel_layout_pairs
@@ -303,6 +303,17 @@ def _flat(b: Builder, x: gs.Tensor, k: int) -> gs.Tensor:
     return x if rank_of(x) == 2 else b.op("Reshape", [x, b.const("rows", np.array([-1, k], np.int64))])
 
 
+def _zeros(t: gs.Tensor) -> list | None:
+    """The shape entries (graph/dims.shape_entries) of a ConstantOfShape of zeros (deepctr-torch's linear logit
+    starts as zeros of [B, 1]), else None."""
+    n = t.inputs[0] if len(t.inputs) == 1 else None
+    if n is None or n.op != "ConstantOfShape" or n.domain:
+        return None
+    value = n.attrs.get("value")
+    value = np.zeros(1) if value is None else np.asarray(value.values if isinstance(value, gs.Constant) else value)
+    return shape_entries(n.inputs[0]) if value.size == 1 and value.ravel()[0] == 0 else None
+
+
 def _sum_terms(root: gs.Node, graph: gs.Graph) -> _Terms:
     """The terms of the sum made by the Add `root` and the Adds it reads that nothing else reads."""
     terms, stack = _Terms([], [], None, []), [root]
@@ -317,6 +328,8 @@ def _sum_terms(root: gs.Node, graph: gs.Graph) -> _Terms:
                 terms.layers.append(layer)
             elif const_value(u) is not None:
                 terms.values.append(("const", u))
+            elif _zeros(u) is not None:
+                terms.values.append(("zeros", u))
             else:
                 terms.values.append(("value", u))
     return terms
@@ -333,6 +346,13 @@ def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
         return False
     bias = np.zeros(n)
     for kind, u in terms.values:
+        if kind == "zeros":   # adds nothing where its size is the layers' or 1 (it cannot widen the sum)
+            entries = _zeros(u)
+            if len(entries) > 2 or any(e != 1 and e != n and not (isinstance(e, tuple) and i == len(entries) - 2 and
+                                                               same_size(e, (x0, 0), graph))
+                                       for i, e in enumerate(entries)):
+                return False
+            continue
         if kind == "const":
             c = per_column(u, n)
             if c is None:
@@ -349,6 +369,7 @@ def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
     has_const = any(k == "const" for k, _ in terms.values) or any(b is not None for *_, b in terms.layers)
     terms.bias = bias.astype(np.float32) if has_const else None
     values = sum(k == "value" for k, _ in terms.values)
+    terms.values = [(k, u) for k, u in terms.values if k != "zeros"]
     return len(terms.adds) > (values if has_const else max(0, values - 1))   # fewer Adds than the tree has
 
 

@@ -86,10 +86,13 @@ def _id_parts(ids: gs.Tensor) -> list[gs.Tensor] | None:
 
 
 def _flattened_lookup(reshape: gs.Node) -> tuple | None:
-    """(GatherRows node, id parts) when `reshape` flattens a float GatherRows over [B, K] ids to [B, K·D], rows kept
-    (proven by graph/dims), the lookup read only there."""
+    """(GatherRows node, id parts) when `reshape` (a Reshape or Flatten, after others read only there) flattens a
+    float GatherRows over [B, K] ids to [B, K·D], rows kept (proven by graph/dims), the lookup read only there."""
     x = reshape.inputs[0]
     g = x.inputs[0] if len(x.inputs) == 1 else None
+    while g is not None and g.op in ("Reshape", "Flatten") and not g.domain and len(x.outputs) == 1:
+        x = g.inputs[0]
+        g = x.inputs[0] if len(x.inputs) == 1 else None
     if g is None or g.op != "GatherRows" or g.domain != kernels.DOMAIN or len(x.outputs) != 1 or rank_of(g.inputs[1]) != 2:
         return None
     out, shape = reshape.outputs[0], shape_of(x)
@@ -118,7 +121,7 @@ def fuse_gather_fields(ctx: PassContext) -> int:
     """GatherRows over the Concat of several fields' ids, flattened to [B, K·D] (and the first part of a Concat with
     dense values) → one GatherFields that reads the ids inputs where they are and writes each row once."""
     done = 0
-    for reshape in [n for n in ctx.graph.nodes if n.op == "Reshape" and not n.domain]:
+    for reshape in [n for n in ctx.graph.nodes if n.op in ("Reshape", "Flatten") and not n.domain]:
         found = _flattened_lookup(reshape)
         if found is None:
             continue
