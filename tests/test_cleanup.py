@@ -407,3 +407,20 @@ def test_sizes_follow_slices_expands_and_adds_of_one_size():
     t = {v.name: v for v in g.tensors().values()}
     assert same_size((t["ids"], 0), (t["X"], 0)) and not same_size((t["ids"], 1), (t["X"], 1))
     assert same_size((t["offx"], 0), (t["X"], 0)) and same_size((t["at"], 0), (t["X"], 0))
+
+
+def test_size_proofs_through_deep_residual_chains_are_fast():
+    """Each Add(x, f(x)) compares its inputs' chains: memoized, 60 levels take milliseconds (walked again per op,
+    3^60 walks: this test would not end)."""
+    from ctropt.graph import annotate_shapes, to_graph
+    from ctropt.graph.dims import same_size
+
+    nodes, cur = [], "x"
+    for i in range(60):
+        nodes += [node("Relu", [cur], [f"r{i}"]), node("Add", [cur, f"r{i}"], [f"a{i}"])]
+        cur = f"a{i}"
+    g = to_graph(make_model(nodes + [node("Relu", [cur], ["y"])], [vi("x", F, ["B", 4])], [vi("y", F, None)]))
+    annotate_shapes(g)
+    t = {v.name: v for v in g.tensors().values()}
+    assert same_size((t[cur], 0), (t["x"], 0))
+

@@ -245,3 +245,8 @@ def test_deepctr_torch_linear_logit_starts_from_zeros_of_the_batch():
         [vi("X", F, ["batch", 6])], [vi("y", F, ["batch", 3])], [init("zs", np.array([5, 3])), init("w", _w(6, 1))])
     out, ctx = run_pass(wider, "sum-into-gemm")
     assert ctx.rewrites == 0
+    rows = make_model(   # zeros of [3, 1] beside a [B, 3] layer: at B = 1 they set the rows (3): kept
+        [node("ConstantOfShape", ["zs"], ["zeros"]), node("MatMul", ["X", "w"], ["m"]), node("Add", ["zeros", "m"], ["y"])],
+        [vi("X", F, ["batch", 6])], [vi("y", F, [3, 3])], [init("zs", np.array([3, 1])), init("w", _w(6, 3))])
+    out, ctx = run_pass(rows, "sum-into-gemm")
+    assert ctx.rewrites == 0

@@ -195,8 +195,24 @@ def _graph_input(t: gs.Tensor) -> bool:
     return not t.inputs and not isinstance(t, gs.Constant)
 
 
+_MEMO: dict | None = None   # during one same_size call: chains by (value, axis), and how deep calls are nested
+NESTING = 48   # same_size calls inside same_size (an elementwise op's inputs compared): deeper, nothing is proven
+
+
 def _chain(t: gs.Tensor, axis: int) -> list[tuple]:
-    """(value, axis) pairs from (t, axis) back through the ops that keep the axis's size, t's first."""
+    """(value, axis) pairs from (t, axis) back through the ops that keep the axis's size, t's first (memoized for
+    the outermost same_size call: an elementwise op compares its inputs' chains, which would otherwise be walked
+    again for each op above it)."""
+    key = (id(t), axis)
+    if _MEMO is not None and key in _MEMO:
+        return _MEMO[key]
+    steps = _walk(t, axis)
+    if _MEMO is not None:
+        _MEMO[key] = steps
+    return steps
+
+
+def _walk(t: gs.Tensor, axis: int) -> list[tuple]:
     steps, step = [], (t, _axis(t, axis))
     for _ in range(DEPTH):
         if step[1] is None:
@@ -231,6 +247,22 @@ def same_size(a: tuple, b: tuple, graph: gs.Graph | None = None) -> bool:
     """Whether (value, axis) pairs a and b have the same size by construction: equal known ints, or one chain of
     size-keeping ops leads back from both to one (value, axis); given the graph, also when a Concat on another
     axis joins values whose chains end where theirs do."""
+    global _MEMO
+    outer = _MEMO is None
+    if outer:
+        _MEMO = {"nesting": 0}
+    elif _MEMO["nesting"] >= NESTING:
+        return False
+    _MEMO["nesting"] += 1
+    try:
+        return _same_size(a, b, graph)
+    finally:
+        _MEMO["nesting"] -= 1
+        if outer:
+            _MEMO = None
+
+
+def _same_size(a: tuple, b: tuple, graph: gs.Graph | None) -> bool:
     (ta, xa), (tb, xb) = a, b
     xa, xb = _axis(ta, xa), _axis(tb, xb)
     if xa is None or xb is None:

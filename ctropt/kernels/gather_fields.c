@@ -27,7 +27,7 @@ typedef struct {
     const void *offsets;
     const void *part[MAX_PARTS];       /* ids, then dense values */
     int64_t width[MAX_PARTS];          /* columns of each part */
-    int64_t fields, parts, rows, V, D, W, blocks, bad;   /* W: the output's columns; bad: row·K + column + 1 */
+    int64_t fields, parts, rows, K, V, D, W, blocks, bad;   /* K: ids' columns; W: the output's; bad: row·K + column + 1 */
     float *y;
     int wide;                          /* ids are int64 */
 } Job;
@@ -52,7 +52,7 @@ static void fields_block(void *data, size_t blk) {
                 int64_t at = id_at(j, f, b * j->width[f] + k, c);
                 at += at < 0 ? j->V : 0;
                 if ((uint64_t)at >= (uint64_t)j->V) {
-                    __atomic_store_n(&j->bad, b * (j->W + 1) + c + 1, __ATOMIC_RELAXED);
+                    __atomic_store_n(&j->bad, b * j->K + c + 1, __ATOMIC_RELAXED);
                     memset(to, 0, (size_t)j->D * sizeof(float));
                     continue;
                 }
@@ -81,7 +81,7 @@ static OrtStatus *read_part(OrtKernelContext *ctx, Job *j, int64_t p, ONNXTensor
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
     size_t n_in, rt;
-    int64_t dt[8], K = 0, dense = 0;
+    int64_t dt[8], dense = 0;
     ONNXTensorElementDataType tt, ids_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, t;
     Job j = {0};
     TRY(read_typed_input(ctx, 0, (const void **)&j.table, dt, &rt, 8, "GatherFields: the table has rank > 8", &tt));
@@ -94,7 +94,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int ids = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
         if (ids && (j.fields != p || (p && t != ids_type))) return error("GatherFields: ids of one type, before the dense values");
         if (!ids && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return error("GatherFields: a part is neither ids nor float");
-        if (ids) ids_type = t, j.fields++, K += j.width[p];
+        if (ids) ids_type = t, j.fields++, j.K += j.width[p];
         else dense += j.width[p];
     }
     if (!j.fields) return error("GatherFields: no ids");
@@ -102,10 +102,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     int64_t dk[1];
     size_t rk;
     TRY(read_typed_input(ctx, 1, &j.offsets, dk, &rk, 1, "GatherFields: the offsets have rank > 1", &t));
-    if (j.offsets && (t != ids_type || rk != 1 || dk[0] != K)) return error("GatherFields: offsets must be [K] of the ids' type");
+    if (j.offsets && (t != ids_type || rk != 1 || dk[0] != j.K)) return error("GatherFields: offsets must be [K] of the ids' type");
     j.V = dt[0], j.D = 1;
     for (size_t x = 1; x < rt; ++x) j.D *= dt[x];
-    j.W = K * j.D + dense;
+    j.W = j.K * j.D + dense;
     const int64_t out[2] = {j.rows, j.W};
     OrtValue *y;
     TRY(ort->KernelContext_GetOutput(ctx, 0, out, 2, &y));
@@ -114,7 +114,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.blocks = j.rows < MAX_BLOCKS ? j.rows : MAX_BLOCKS;
     TRY(ort->KernelContext_ParallelFor(ctx, fields_block, (size_t)j.blocks, 0, &j));
     if (j.bad) {
-        const int64_t b = (j.bad - 1) / (j.W + 1), c = (j.bad - 1) % (j.W + 1);
+        const int64_t b = (j.bad - 1) / j.K, c = (j.bad - 1) % j.K;
         int64_t f = 0, k = c;
         while (k >= j.width[f]) k -= j.width[f++];
         char msg[160];

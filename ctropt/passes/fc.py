@@ -348,8 +348,9 @@ def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
     for kind, u in terms.values:
         if kind == "zeros":   # adds nothing where its size is the layers' or 1 (it cannot widen the sum)
             entries = _zeros(u)
-            if len(entries) > 2 or any(e != 1 and e != n and not (isinstance(e, tuple) and i == len(entries) - 2 and
-                                                               same_size(e, (x0, 0), graph))
+            last = len(entries) - 1
+            if len(entries) > 2 or any(e != 1 and not (i == last and e == n) and
+                                       not (i == last - 1 and isinstance(e, tuple) and same_size(e, (x0, 0), graph))
                                        for i, e in enumerate(entries)):
                 return False
             continue

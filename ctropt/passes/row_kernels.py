@@ -30,6 +30,7 @@ from .registry import PassContext, register_pass
 
 
 KERNEL_OF = {np.dtype(np.float32): "GatherRows", np.dtype(np.int64): "GatherRowsInt64"}
+MAX_PARTS = 512   # GatherFields' ids and dense inputs (gather_fields.c)
 UNIQUE_OF = {np.dtype(np.int64): "UniqueRows", np.dtype(np.float32): "UniqueRowsFloat"}   # float32: by their bits
 
 
@@ -128,6 +129,8 @@ def fuse_gather_fields(ctx: PassContext) -> int:
         (g, parts), out = found, reshape.outputs[0]
         dense = _dense_after(out, ctx.graph)
         end, rest = (dense[0], dense[1]) if dense else (reshape, [])
+        if len(parts) + len(rest) > MAX_PARTS:
+            continue
         offsets = g.inputs[2] if len(g.inputs) > 2 and g.inputs[2].name else gs.Variable.empty()
         ctx.matches += 1
         b = Builder(ctx.graph, f"{g.name}/fields")

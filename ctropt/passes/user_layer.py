@@ -58,7 +58,9 @@ def column_seeds(inp: gs.Tensor, columns: set[int]) -> list[gs.Tensor]:
         if starts is None or ends is None or axes is None or list(axes.reshape(-1)) != [1]:
             continue
         s, e = int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
-        if e > s and set(range(s, e)) <= columns:
+        width = (shape_of(inp) or [None, None])[1]
+        e = min(e, int(width)) if isinstance(width, (int, np.integer)) else e   # torch's X[:, 8:] ends at 2^63 - 1
+        if 0 <= s < e and e - s <= len(columns) and all(c in columns for c in range(s, e)):
             seeds.append(n.outputs[0])
     return seeds
 

@@ -155,6 +155,8 @@ def user_input_columns(user_inputs: str | list[str] | tuple = ()) -> dict[str, s
         if match is None or (match[3] is not None and int(match[3]) <= int(match[2])):
             raise CtroptError(f"--user-inputs {item}: write a column as NAME[i] or columns as NAME[i:j] (j > i)")
         end = int(match[3]) if match[3] is not None else int(match[2]) + 1
+        if end - int(match[2]) > 1 << 20:
+            raise CtroptError(f"--user-inputs {item}: more than 2^20 columns")
         columns.setdefault(match[1], set()).update(range(int(match[2]), end))
     return columns
 
