@@ -599,8 +599,9 @@ def eliminate_common_subexpressions(ctx: PassContext) -> int:
 def tidy(ctx: PassContext) -> None:
     """What the cleanup passes would still find in the nodes a pass built (casts to the same type, equal
     constants, shapes known statically): done by that pass, so that it is idempotent under `all`."""
-    for cleanup in (fold_constants, eliminate_identity, dedup_initializers, eliminate_common_subexpressions):
-        done = PassContext(ctx.graph, ctx.target, dict(ctx.options))
-        cleanup(done)
-    if done.rewrites:   # values made twice are one now: a rule that wants its parts read once may apply
-        eliminate_identity(PassContext(ctx.graph, ctx.target, dict(ctx.options)))
+    for _ in range(2):   # again where CSE merged values: a rule that wants its parts read once may apply then
+        for cleanup in (fold_constants, eliminate_identity, dedup_initializers, eliminate_common_subexpressions):
+            done = PassContext(ctx.graph, ctx.target, dict(ctx.options))
+            cleanup(done)
+        if not done.rewrites:
+            break
