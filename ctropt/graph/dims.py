@@ -270,18 +270,14 @@ def _same_size(a: tuple, b: tuple, graph: gs.Graph | None) -> bool:
     da, db = shape_of(ta)[xa], shape_of(tb)[xb]
     if isinstance(da, (int, np.integer)) and isinstance(db, (int, np.integer)):
         return int(da) == int(db)
-    if isinstance(da, str) and da and da == db and _graph_input(ta) and _graph_input(tb):
-        return True   # graph inputs with one named dim: one size, in ONNX's meaning (TensorRT checks it so)
-    chain_a, chain_b = _chain(ta, xa), _chain(tb, xb)
+    chain_a, chain_b = _chain(ta, xa), _chain(tb, xb)   # each starts at the pair itself
     seen = {(id(t), axis) for t, axis in chain_a}
     if any((id(t), axis) in seen for t, axis in chain_b):
         return True
-    if not (chain_a and chain_b):
-        return False
     (ra, ia), (rb, ib) = chain_a[-1], chain_b[-1]
     named = shape_of(ra)[ia]
     if isinstance(named, str) and named and named == shape_of(rb)[ib] and _graph_input(ra) and _graph_input(rb):
-        return True
+        return True   # graph inputs with one named dim: one size, in ONNX's meaning (TensorRT checks it so)
     return graph is not None and _joined(graph, (chain_a[-1], chain_b[-1]))
 
 

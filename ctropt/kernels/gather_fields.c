@@ -32,13 +32,9 @@ typedef struct {
     int wide;                          /* ids are int64 */
 } Job;
 
+/* Row i of field f's ids (column c of all the ids'). */
 static inline int64_t id_at(const Job *j, int64_t f, int64_t i, int64_t c) {
-    if (j->wide) {
-        const uint64_t at = (uint64_t)((const int64_t *)j->part[f])[i];
-        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[c] : at);
-    }
-    const uint32_t at = (uint32_t)((const int32_t *)j->part[f])[i];
-    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[c] : at);
+    return offset_index(j->part[f], j->offsets, j->wide, i, c);
 }
 
 static void fields_block(void *data, size_t blk) {

@@ -29,15 +29,9 @@ typedef struct {
     int wide;                          /* indices are int64 */
 } Job;
 
-/* Index i (column c of the offsets' K): indices[i], plus offsets[c] where there are offsets, added in the indices'
- * own type (as Add would). */
+/* Index i (column c of the offsets' K). */
 static inline int64_t index_at(const Job *j, int64_t i, int64_t c) {
-    if (j->wide) {
-        const uint64_t at = (uint64_t)((const int64_t *)j->indices)[i];
-        return (int64_t)(j->offsets ? at + (uint64_t)((const int64_t *)j->offsets)[c] : at);
-    }
-    const uint32_t at = (uint32_t)((const int32_t *)j->indices)[i];
-    return (int32_t)(j->offsets ? at + (uint32_t)((const int32_t *)j->offsets)[c] : at);
+    return offset_index(j->indices, j->offsets, j->wide, i, c);
 }
 
 static void gather_block(void *data, size_t b) {

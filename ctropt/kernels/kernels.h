@@ -27,6 +27,17 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* Index i of int64 (`wide`) or int32 ids, plus offsets[c] where there are offsets, added in the ids' own type (as
+ * Add would): GatherRows' and GatherFields' lookups at fuse-parallel-embeddings' per-field offsets. */
+static inline int64_t offset_index(const void *ids, const void *offsets, int wide, int64_t i, int64_t c) {
+    if (wide) {
+        const uint64_t at = (uint64_t)((const int64_t *)ids)[i];
+        return (int64_t)(offsets ? at + (uint64_t)((const int64_t *)offsets)[c] : at);
+    }
+    const uint32_t at = (uint32_t)((const int32_t *)ids)[i];
+    return (int32_t)(offsets ? at + (uint32_t)((const int32_t *)offsets)[c] : at);
+}
+
 /* A row of D 4-byte words (float or half an int64: copied as bits). */
 static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
     switch (D) {

@@ -12,6 +12,8 @@
  *            occurs   2 inverse_indices [B]: the row of Y each row of X is   3 counts [U] (all int64, as ONNX Unique
  *            with axis=0, sorted=0)
  */
+#include <stdio.h>
+
 #include "kernels.h"
 
 /* A row's hash: four independent multiply-xor chains over its columns (so they run in parallel), then mixed. */
@@ -102,13 +104,20 @@ static OrtStatus *unique(OrtKernelContext *ctx, const int64_t *x, const float *b
     return s;
 }
 
+/* X's data and dims, rank 2 (`op`: the op's name, for the message). */
+static OrtStatus *read_rows(OrtKernelContext *ctx, const char *op, const void **x, int64_t *dims) {
+    size_t rank;
+    char msg[64];
+    snprintf(msg, sizeof msg, "%s: X must have rank 2", op);
+    TRY(read_typed_input(ctx, 0, x, dims, &rank, 2, msg, NULL));
+    return rank == 2 ? NULL : error(msg);
+}
+
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
-    size_t rank;
     int64_t dims[2];
     const int64_t *x;
-    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRows: X must have rank 2", NULL));
-    if (rank != 2) return error("UniqueRows: X must have rank 2");
+    TRY(read_rows(ctx, "UniqueRows", (const void **)&x, dims));
     return unique(ctx, x, NULL, dims[0], dims[1]);
 }
 
@@ -116,11 +125,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
  * which is what deduplication needs; each float's bits widened to an int64 word for the hashing above. */
 static OrtStatus *ORT_API_CALL compute_float(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
-    size_t rank;
     int64_t dims[2];
     const float *x;
-    TRY(read_typed_input(ctx, 0, (const void **)&x, dims, &rank, 2, "UniqueRowsFloat: X must have rank 2", NULL));
-    if (rank != 2) return error("UniqueRowsFloat: X must have rank 2");
+    TRY(read_rows(ctx, "UniqueRowsFloat", (const void **)&x, dims));
     const int64_t n = dims[0] * dims[1];
     int64_t *words = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (!words) return ort->CreateStatus(ORT_FAIL, "UniqueRowsFloat: out of memory");

@@ -254,7 +254,8 @@ def fold_fc_affine(ctx: PassContext) -> None:
 
 @dataclasses.dataclass
 class _Terms:
-    """What an Add tree sums: FC layers (x, W [K, N], alpha), other values, a per-column constant (summed)."""
+    """What an Add tree sums: FC layers (x, W [K, N], alpha, bias), other values as (kind, value): "value", "const",
+    or "zeros" with its shape's entries; and, once checked, the constants summed per column."""
 
     layers: list
     values: list
@@ -328,8 +329,8 @@ def _sum_terms(root: gs.Node, graph: gs.Graph) -> _Terms:
                 terms.layers.append(layer)
             elif const_value(u) is not None:
                 terms.values.append(("const", u))
-            elif _zeros(u) is not None:
-                terms.values.append(("zeros", u))
+            elif (entries := _zeros(u)) is not None:
+                terms.values.append(("zeros", entries))
             else:
                 terms.values.append(("value", u))
     return terms
@@ -347,8 +348,7 @@ def _foldable(terms: _Terms, out: gs.Tensor, graph: gs.Graph) -> bool:
     bias = np.zeros(n)
     for kind, u in terms.values:
         if kind == "zeros":   # adds nothing where its size is the layers' or 1 (it cannot widen the sum)
-            entries = _zeros(u)
-            last = len(entries) - 1
+            entries, last = u, len(u) - 1   # its shape's entries
             if len(entries) > 2 or any(e != 1 and not (i == last and e == n) and
                                        not (i == last - 1 and isinstance(e, tuple) and same_size(e, (x0, 0), graph))
                                        for i, e in enumerate(entries)):
@@ -381,7 +381,7 @@ def _sum_into_gemms(graph: gs.Graph, root: gs.Node, terms: _Terms) -> None:
     b = Builder(graph, f"{root.name}/as_gemm", np.float32)
     rest = [u for kind, u in terms.values if kind == "value"]
     c = b.const("bias", terms.bias) if terms.bias is not None else rest.pop(0) if rest else None
-    if c is None and int(getattr(graph, "opset", None) or 13) < 11:   # Gemm's C is required before opset 11
+    if c is None and b.opset < 11:   # Gemm's C is required before opset 11
         c = b.const("bias", np.zeros(terms.layers[0][1].shape[1], np.float32))
     for i, (x, w, alpha, _) in enumerate(terms.layers):
         if i == 0 and terms.bias is None:

@@ -195,7 +195,7 @@ def _split(graph: gs.Graph, node: gs.Node, layer: tuple, parts: list[Part], is_u
     bias, beta, after = None, float(node.attrs.get("beta", 1.0)), None
     if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
         bias = node.inputs[2]   # a per-column constant (split_user_layers checks it)
-    elif (found := _bias_after(graph, node)) is not None and int(getattr(graph, "opset", None) or 13) >= 7:
+    elif (found := _bias_after(graph, node)) is not None and b.opset >= 7:
         (bias, after), beta = found, 1.0
     xs, ws = {}, {}
     for user in (False, True):
