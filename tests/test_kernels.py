@@ -250,7 +250,7 @@ def test_optimize_says_which_form_the_recurrent_layers_took(tmp_path, monkeypatc
     args = ["optimize", str(ZOO / "dien_tf.onnx"), "-o", str(tmp_path / "k.onnx"), "--no-speed-check"]
     r = CliRunner().invoke(app, args, catch_exceptions=False)
     text = " ".join(r.output.split())
-    assert r.exit_code == 0 and "kernels: GRUScan," in text and "run as ctropt's kernels" in text, r.output
+    assert r.exit_code == 0 and "GRUScan," in text and "run as ctropt's kernels" in text, r.output
     _no_compiler(tmp_path, monkeypatch)
     r = CliRunner().invoke(app, args[:3] + [str(tmp_path / "s.onnx"), "--no-speed-check"], catch_exceptions=False)
     text = " ".join(r.output.split())

@@ -225,19 +225,25 @@ def _walk(t: gs.Tensor, axis: int) -> list[tuple]:
     return steps
 
 
+def _joins(node: gs.Node) -> tuple[list, list] | None:
+    """(values, axes) that `node` requires of one size: a Concat's inputs on each axis but its own; a GatherFields'
+    parts (its ids and dense values) on axis 0, which the kernel checks."""
+    if node.op == "Concat" and node.domain in STANDARD and len(node.inputs) >= 2:
+        rank = rank_of(node.outputs[0]) or rank_of(node.inputs[0])
+        return (list(node.inputs), sorted(set(range(rank)) - {node.attrs.get("axis", 0) % rank})) if rank else None
+    if node.op == "GatherFields" and node.domain in DOMAIN_OF["GatherFields"] and len(node.inputs) > 3:
+        return list(node.inputs[2:]), [0]
+    return None
+
+
 def _joined(graph: gs.Graph, roots: tuple[tuple, tuple]) -> bool:
-    """Whether a Concat of `graph` joins values on another axis whose chains end at the two roots (it runs only
-    when they have one size there)."""
+    """Whether a node of `graph` joins values whose chains end at the two roots (`_joins`: it runs only when they
+    have one size there)."""
     want = {(id(t), axis) for t, axis in roots}
     for node in graph.nodes:
-        if node.op != "Concat" or node.domain not in STANDARD or len(node.inputs) < 2:
-            continue
-        rank = rank_of(node.outputs[0]) or rank_of(node.inputs[0])
-        if not rank:
-            continue
-        cat = node.attrs.get("axis", 0) % rank
-        for axis in set(range(rank)) - {cat}:
-            ends = {(id(c[-1][0]), c[-1][1]) for c in (_chain(x, axis) for x in node.inputs) if c}
+        joins = _joins(node)
+        for axis in joins[1] if joins else ():
+            ends = {(id(c[-1][0]), c[-1][1]) for c in (_chain(x, axis) for x in joins[0]) if c}
             if want <= ends:
                 return True
     return False
@@ -246,7 +252,7 @@ def _joined(graph: gs.Graph, roots: tuple[tuple, tuple]) -> bool:
 def same_size(a: tuple, b: tuple, graph: gs.Graph | None = None) -> bool:
     """Whether (value, axis) pairs a and b have the same size by construction: equal known ints, or one chain of
     size-keeping ops leads back from both to one (value, axis); given the graph, also when a Concat on another
-    axis joins values whose chains end where theirs do."""
+    axis (or a GatherFields' parts) joins values whose chains end where theirs do."""
     global _MEMO
     outer = _MEMO is None
     if outer:

@@ -30,7 +30,7 @@ DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
            HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c",
-           HERE / "gather_fields.c"]  # and kernels.h, which they share
+           HERE / "gather_fields.c", HERE / "dot_sum.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
@@ -125,19 +125,31 @@ def wanted(options: dict) -> bool:
     return value == "auto"
 
 
-def apply_rules(ctx, rules, left: str) -> int:
-    """A kernel pass's body: its rewrite rules applied where the library loads and is wanted (shapes annotated
-    first), a note that the model then needs it; else a note that `left` stays as standard ops. Returns the
-    rewrites."""
+def ready(ctx, left: str) -> bool:
+    """Whether a kernel pass may emit this library's ops: the library loads and is wanted (shapes then annotated);
+    where it does not load, a note that `left` stays as standard ops."""
     if not wanted(ctx.options):
-        return 0
+        return False
     problem = ensure()
     if problem:
         ctx.note(f"{left} left as standard ops: ctropt's kernel library is not available ({problem})")
-        return 0
+        return False
     annotate_shapes_if_bare(ctx.graph)
+    return True
+
+
+def note_needed(ctx) -> None:
+    """The note that the model now needs the library, naming its ops."""
+    ops = sorted({n.op for n in ctx.graph.nodes if n.domain == DOMAIN})
+    ctx.note(f"{', '.join(ops)} kernels: the model needs ctropt's kernel library at run time ({library_path()})")
+
+
+def apply_rules(ctx, rules, left: str) -> int:
+    """A kernel pass's body: its rewrite rules applied where the library loads and is wanted (`ready`), a note that
+    the model then needs it. Returns the rewrites."""
+    if not ready(ctx, left):
+        return 0
     done = ctx.apply(*rules)
     if done:
-        ops = sorted({n.op for n in ctx.graph.nodes if n.domain == DOMAIN})
-        ctx.note(f"{', '.join(ops)} kernels: the model needs ctropt's kernel library at run time ({library_path()})")
+        note_needed(ctx)
     return done

@@ -34,27 +34,8 @@ typedef struct {
     int64_t hidden, lbr, zero_pad, mode;
 } Kernel;
 
-/* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of
- * Eigen and onnxruntime's MLAS; NaN stays NaN. */
-static inline vec tanh_vec(vec x) {
-    mask low = x < -9.0f, high = x > 9.0f;
-    vec lo = x * 0.0f - 9.0f, hi = x * 0.0f + 9.0f;
-    x = (vec)(((mask)x & ~(low | high)) | ((mask)lo & low) | ((mask)hi & high));
-    vec x2 = x * x;
-    vec p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
-    p = p * x2 - 8.60467152213735e-11f;
-    p = p * x2 + 5.12229709037114e-08f;
-    p = p * x2 + 1.48572235717979e-05f;
-    p = p * x2 + 6.37261928875436e-04f;
-    p = p * x2 + 4.89352455891786e-03f;
-    p = p * x;
-    vec q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
-    q = q * x2 + 2.26843463243900e-03f;
-    q = q * x2 + 4.89352518554385e-03f;
-    return p / q;
-}
 
-static inline vec activate(vec x, int sigmoid) { return sigmoid ? tanh_vec(x * 0.5f) * 0.5f + 0.5f : tanh_vec(x); }
+static inline vec activate(vec x, int sigmoid) { return sigmoid ? sigmoid_vec(x) : tanh_vec(x); }
 
 typedef struct {
     const Kernel *k;

@@ -14,7 +14,8 @@
 
 extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
-    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm, ctropt_mul_add, ctropt_gather_fields;
+    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm, ctropt_mul_add, ctropt_gather_fields,
+    ctropt_dot_sum;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
@@ -55,6 +56,29 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
             store(to + D - LANES, load(from + D - LANES));   /* the tail: the last LANES again, overlapping */
     }
 }
+
+/* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of
+ * Eigen and onnxruntime's MLAS; NaN stays NaN. */
+static inline vec tanh_vec(vec x) {
+    mask low = x < -9.0f, high = x > 9.0f;
+    vec lo = x * 0.0f - 9.0f, hi = x * 0.0f + 9.0f;
+    x = (vec)(((mask)x & ~(low | high)) | ((mask)lo & low) | ((mask)hi & high));
+    vec x2 = x * x;
+    vec p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+    p = p * x2 - 8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    p = p * x;
+    vec q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    return p / q;
+}
+
+/* The logistic sigmoid, 1 / (1 + e^-x), as tanh(x / 2) / 2 + 1/2. */
+static inline vec sigmoid_vec(vec x) { return tanh_vec(x * 0.5f) * 0.5f + 0.5f; }
 
 #define TRY(call)                          \
     do {                                   \

@@ -19,5 +19,6 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_unique_rows_float));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_layer_norm));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_mul_add));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_dot_sum));
     return ort->AddCustomOpDomain(options, domain);
 }
