@@ -15,7 +15,7 @@
 extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
     ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm, ctropt_mul_add, ctropt_gather_fields,
-    ctropt_dot_sum;
+    ctropt_dot_sum, ctropt_fm_interaction, ctropt_gated_sum;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));

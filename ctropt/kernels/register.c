@@ -20,5 +20,7 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_layer_norm));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_mul_add));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_dot_sum));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_fm_interaction));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_gated_sum));
     return ort->AddCustomOpDomain(options, domain);
 }

@@ -116,6 +116,8 @@ def rows_mixed(nodes: list[gs.Node], seeds: list[gs.Tensor], probe: Probe, opset
     """Nodes whose values for a row depend on other rows (measured on a reordered subset with repeats)."""
     batches = _batches(probe)
     values = [o for n in nodes for o in n.outputs if o.name and _per_row(o, probe, batches)]
+    if not values:   # nothing of the user's alone to run
+        return set(), ""
     try:
         user_side = Subgraph(values, seeds, opset, nodes=nodes, dtypes=[probe.value(v).dtype for v in values],
                              functions=functions)

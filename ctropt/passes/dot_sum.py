@@ -21,6 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from .. import kernels
+from ..graph import annotate_shapes_if_bare
 from ..graph.dims import same_size
 from ..graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from .cleanup import tidy
@@ -147,6 +148,7 @@ def dot_sum_kernel(ctx: PassContext) -> None:
     """Width-1 Gemm/MatMul chains (a logit's parts and bias, a cross layer's xₗ·w), with a Sigmoid after them →
     ctropt's DotSum kernel, where its library loads."""
     graph = ctx.graph
+    annotate_shapes_if_bare(graph)
     if not any(_link(n) for n in graph.nodes):
         ctx.note("no width-1 GEMM")
         return
