@@ -119,3 +119,55 @@ def test_a_lookup_reshaped_then_flattened_and_a_computed_shape_with_allowzero():
         out, _ = _lowered(model)
         assert sorted(ops(out)) == ["GatherFields", "Gemm"], ops(out)
         assert_same_outputs(model, out, _feeds(model), atol=0, rtol=0)
+
+
+def torch_columns_model():
+    """deepctr-torch: one float matrix X [B, F + 2]; the ids' columns Sliced and Cast to int64, offsets added, the
+    lookup flattened beside the dense columns' Slice (→ GatherFields), and the same ids read by an FM-style lookup
+    kept [B, F, E] (→ GatherRows)."""
+    nodes = [node("Slice", ["X", "s0", "sF", "ax"], ["cols"]), node("Cast", ["cols"], ["ids"], to=I64),
+             node("Add", ["ids", "off"], ["at"]), node("Gather", ["t8", "at"], ["e8"]),
+             node("Reshape", ["e8", "shape"], ["flat"]), node("Slice", ["X", "sF", "sEnd", "ax"], ["dense"]),
+             node("Concat", ["flat", "dense"], ["x"], axis=1), node("Gemm", ["x", "w"], ["y"]),
+             node("Gather", ["t4", "at"], ["e4"]), node("ReduceSum", ["e4", "ax"], ["pooled"], keepdims=0)]
+    return make_model(nodes, [vi("X", F, ["batch", FIELDS + 2])], [vi("y", F, ["batch", 5]),
+                                                                       vi("pooled", F, ["batch", E])],
+                      [init("s0", np.array([0])), init("sF", np.array([FIELDS])), init("sEnd", np.array([FIELDS + 2])),
+                       init("ax", np.array([1])), init("off", np.arange(FIELDS, dtype=np.int64) * 10),
+                       init("t8", RNG.normal(size=(V, E)).astype(np.float32)),
+                       init("t4", RNG.normal(size=(V, E)).astype(np.float32)),
+                       init("shape", np.array([-1, FIELDS * E])),
+                       init("w", RNG.normal(size=(FIELDS * E + 2, 5)).astype(np.float32))])
+
+
+def test_lookups_read_float_ids_where_the_model_casts_them():
+    model = torch_columns_model()
+    out, _ = _lowered(model)
+    assert "Cast" not in ops(out) and {"GatherFields", "GatherRows"} <= set(ops(out)), ops(out)
+    fields = next(n for n in out.graph.node if n.op_type == "GatherFields")
+    assert {a.name: a.i for a in fields.attribute} == {"fields": 1}
+    x = np.concatenate([RNG.integers(0, 10, (6, FIELDS)), RNG.normal(size=(6, 2))], 1).astype(np.float32)
+    x[0, :FIELDS] += 0.75   # fractional ids: truncated as the Cast truncates them
+    assert_same_outputs(model, out, {"X": x}, atol=0, rtol=0)
+    again, ctx2 = _lowered(out)
+    assert ctx2.rewrites == 0 and sorted(ops(again)) == sorted(ops(out))
+
+
+def test_gather_fields_and_rows_take_float_ids():
+    table, offsets = RNG.normal(size=(40, 3)).astype(np.float32), np.array([0, 10], np.int64)
+    fields = kernel_session([onnx.helper.make_node("GatherFields", ["t", "off", "a", "d"], ["y"],
+                                                   domain=kernels.DOMAIN, fields=1)],
+                            [vi("a", F, None), vi("d", F, None)], [init("t", table), init("off", offsets)])
+    rows = kernel_session([onnx.helper.make_node("GatherRows", ["t", "a", "off"], ["y"], domain=kernels.DOMAIN)],
+                          [vi("a", F, None)], [init("t", table), init("off", offsets)])
+    a = np.array([[1.9, 3.0], [-0.7, 12.5], [-3.2, 0.0]], np.float32)   # -3.2 → -3 + 0: from the end
+    d = RNG.normal(size=(3, 2)).astype(np.float32)
+    at = a.astype(np.int64) + offsets
+    np.testing.assert_array_equal(fields.run(None, {"a": a, "d": d})[0], np.concatenate([table[at].reshape(3, -1), d], 1))
+    np.testing.assert_array_equal(rows.run(None, {"a": a})[0], table[at])
+    for bad in (np.nan, 1e30, 40.0):
+        with pytest.raises(Exception, match="out of data bounds|must be within"):
+            rows.run(None, {"a": np.array([[bad, 0]], np.float32)})
+    with pytest.raises(Exception, match="int64 for float"):
+        kernel_session([onnx.helper.make_node("GatherRows", ["t", "a", "off"], ["y"], domain=kernels.DOMAIN)],
+                       [vi("a", F, None)], [init("t", table), init("off", offsets.astype(np.int32))]).run(None, {"a": a})

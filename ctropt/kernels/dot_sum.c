@@ -127,11 +127,7 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     (void)api;
     DotKernel *k = calloc(1, sizeof(DotKernel));
     if (!k) return ort->CreateStatus(ORT_FAIL, "DotSum: out of memory");
-    OrtStatus *s = ort->KernelInfoGetAttribute_int64(info, "sigmoid", &k->sigmoid);
-    if (s) {   /* absent: no sigmoid */
-        ort->ReleaseStatus(s);
-        k->sigmoid = 0;
-    }
+    k->sigmoid = int_attribute(info, "sigmoid", 0);
     *kernel = k;
     return NULL;
 }

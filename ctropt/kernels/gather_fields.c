@@ -8,10 +8,11 @@
  *
  * Node (domain "ai.ctropt.kernels", made by gather-rows-kernel):
  *   inputs   0 table [V, ...] (float)
- *            1 offsets (optional), [K] of the ids' type, K the fields' columns in all: column c of the ids reads row
- *              ids + offsets[c], the sum in the ids' type (fuse-parallel-embeddings' per-field offsets)
- *            2… the ids of F ≥ 1 fields (int32 or int64, one type; each [B] or [B, k]), then m ≥ 0 dense values
- *              (float; each [B] or [B, w]); the inputs' type tells which is which
+ *            1 offsets (optional), [K] of the ids' type (int64 for float ids), K the fields' columns in all: column
+ *              c of the ids reads row ids + offsets[c], the sum in the ids' type (fuse-parallel-embeddings' offsets)
+ *            2… the ids of F ≥ 1 fields (int32, int64 or float, one type; each [B] or [B, k]), then m ≥ 0 dense
+ *              values (float; each [B] or [B, w]); float ids are read as the Cast to int64 the model made of them
+ *   attributes fields (int, optional): F; without it the inputs' type tells which is which (int ids, float values)
  *   outputs  0 Y [B, K·D + Σ w] (D: a table row's size): as the ops above compute it; an index out of [-V, V) is an
  *            error (onnxruntime's message's meaning)
  */
@@ -29,12 +30,12 @@ typedef struct {
     int64_t width[MAX_PARTS];          /* columns of each part */
     int64_t fields, parts, rows, K, V, D, W, blocks, bad;   /* K: ids' columns; W: the output's; bad: row·K + column + 1 */
     float *y;
-    int wide;                          /* ids are int64 */
+    int kind;                          /* of the ids: IDS_INT32, IDS_INT64, IDS_FLOAT */
 } Job;
 
 /* Row i of field f's ids (column c of all the ids'). */
 static inline int64_t id_at(const Job *j, int64_t f, int64_t i, int64_t c) {
-    return offset_index(j->part[f], j->offsets, j->wide, i, c);
+    return offset_index(j->part[f], j->offsets, j->kind, i, c);
 }
 
 static void fields_block(void *data, size_t blk) {
@@ -74,31 +75,42 @@ static OrtStatus *read_part(OrtKernelContext *ctx, Job *j, int64_t p, ONNXTensor
     return NULL;
 }
 
+typedef struct {
+    int64_t fields;   /* the id parts, -1: by their type (int32 or int64) */
+} FieldsKernel;
+
+/* The parts' kinds: the first `fields` parts ids (any one kind, float too), the rest float; or, with fields -1, int
+ * parts ids and float parts dense, the ids first. */
+static OrtStatus *read_parts(OrtKernelContext *ctx, Job *j, int64_t fields, int64_t *dense) {
+    ONNXTensorElementDataType t, ids_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    for (int64_t p = 0; p < j->parts; ++p) {
+        TRY(read_part(ctx, j, p, &t));
+        const int kind = ids_kind(t);
+        const int ids = fields >= 0 ? p < fields : kind == IDS_INT32 || kind == IDS_INT64;
+        if (ids && (kind < 0 || j->fields != p || (p && t != ids_type))) return error("GatherFields: ids of one type, before the dense values");
+        if (!ids && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return error("GatherFields: a part is neither ids nor float");
+        if (ids) ids_type = t, j->kind = kind, j->fields++, j->K += j->width[p];
+        else *dense += j->width[p];
+    }
+    return j->fields ? NULL : error("GatherFields: no ids");
+}
+
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
     size_t n_in, rt;
     int64_t dt[8], dense = 0;
-    ONNXTensorElementDataType tt, ids_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, t;
+    ONNXTensorElementDataType tt, t;
     Job j = {0};
     TRY(read_typed_input(ctx, 0, (const void **)&j.table, dt, &rt, 8, "GatherFields: the table has rank > 8", &tt));
     if (rt < 1) return error("GatherFields: the table needs one axis at least");
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
     if (n_in < 3 || n_in - 2 > MAX_PARTS) return error("GatherFields: 1 to 512 parts");
     j.parts = (int64_t)n_in - 2;
-    for (int64_t p = 0; p < j.parts; ++p) {
-        TRY(read_part(ctx, &j, p, &t));
-        const int ids = t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-        if (ids && (j.fields != p || (p && t != ids_type))) return error("GatherFields: ids of one type, before the dense values");
-        if (!ids && t != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return error("GatherFields: a part is neither ids nor float");
-        if (ids) ids_type = t, j.fields++, j.K += j.width[p];
-        else dense += j.width[p];
-    }
-    if (!j.fields) return error("GatherFields: no ids");
-    j.wide = ids_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    TRY(read_parts(ctx, &j, ((FieldsKernel *)kernel)->fields, &dense));
     int64_t dk[1];
     size_t rk;
     TRY(read_typed_input(ctx, 1, &j.offsets, dk, &rk, 1, "GatherFields: the offsets have rank > 1", &t));
-    if (j.offsets && (t != ids_type || rk != 1 || dk[0] != j.K)) return error("GatherFields: offsets must be [K] of the ids' type");
+    if (j.offsets && (t != offsets_type(j.kind) || rk != 1 || dk[0] != j.K))
+        return error("GatherFields: offsets must be [K] of the ids' type (int64 for float ids)");
     j.V = dt[0], j.D = 1;
     for (size_t x = 1; x < rt; ++x) j.D *= dt[x];
     j.W = j.K * j.D + dense;
@@ -122,6 +134,17 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     return NULL;
 }
 
+static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                      void **kernel) {
+    (void)op;
+    (void)api;
+    FieldsKernel *k = calloc(1, sizeof(FieldsKernel));
+    if (!k) return ort->CreateStatus(ORT_FAIL, "GatherFields: out of memory");
+    k->fields = int_attribute(info, "fields", -1);   /* absent: the ids by their type */
+    *kernel = k;
+    return NULL;
+}
+
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatherFields"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 3; }
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
@@ -138,7 +161,7 @@ static int ORT_API_CALL mixed(const OrtCustomOp *op) { (void)op; return 0; }
 OrtCustomOp ctropt_gather_fields = {
     .version = ORT_API_VERSION, .GetName = name, .GetInputType = input_type, .GetInputTypeCount = n_inputs,
     .GetOutputType = float_type, .GetOutputTypeCount = n_outputs, .GetInputCharacteristic = input_kind,
-    .GetOutputCharacteristic = required, .CreateKernelV2 = no_attributes, .KernelComputeV2 = compute,
+    .GetOutputCharacteristic = required, .CreateKernelV2 = create, .KernelComputeV2 = compute,
     .KernelDestroy = destroy, COMMON_CALLBACKS,
     .GetVariadicInputHomogeneity = mixed,   /* ids and floats in the one variadic list (overrides COMMON_CALLBACKS) */
 };

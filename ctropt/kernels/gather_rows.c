@@ -7,8 +7,8 @@
  *
  * Node (domain "ai.ctropt.kernels", made by gather-rows-kernel):
  *   inputs   0 table [V, ...] (float: GatherRows; int64: GatherRowsInt64, positions the passes gather)
- *            1 indices (int32 or int64), any shape
- *            2 offsets (optional, the indices' type), [K]: K the indices' last dim; index i reads row
+ *            1 indices (int32, int64, or float: read as the Cast to int64 the model made of them), any shape
+ *            2 offsets (optional, the indices' type; int64 for float), [K]: K the indices' last dim; index i reads row
  *              indices[i] + offsets[i % K], the sum in the indices' type (fuse-parallel-embeddings' per-field offsets
  *              into one concatenated table, without the Expand and Add that would make them [..., K] first)
  *   outputs  0 Y [indices..., ...]: as Gather(table, indices, axis=0): a negative index counts from the end, one out
@@ -26,12 +26,12 @@ typedef struct {
     const void *indices, *offsets;   /* offsets: NULL when absent */
     float *y;
     int64_t count, V, D, K, blocks, bad;   /* D: 4-byte words per row; K: offsets; bad: out of range (+1), 0: none */
-    int wide;                          /* indices are int64 */
+    int kind;                          /* of the indices: IDS_INT32, IDS_INT64, IDS_FLOAT */
 } Job;
 
 /* Index i (column c of the offsets' K). */
 static inline int64_t index_at(const Job *j, int64_t i, int64_t c) {
-    return offset_index(j->indices, j->offsets, j->wide, i, c);
+    return offset_index(j->indices, j->offsets, j->kind, i, c);
 }
 
 static void gather_block(void *data, size_t b) {
@@ -59,10 +59,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(read_typed_input(ctx, 0, (const void **)&j.table, dt, &rt, MAX_RANK, "GatherRows: the table has rank > 8", &tt));
     TRY(read_typed_input(ctx, 1, &j.indices, di, &ri, MAX_RANK, "GatherRows: the indices have rank > 8", &ti));
     if (rt < 1) return error("GatherRows: the table needs one axis at least");
-    if (ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 && ti != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
-        return error("GatherRows: indices must be int32 or int64");
+    j.kind = ids_kind(ti);
+    if (j.kind < 0) return error("GatherRows: indices must be int32, int64 or float");
     const int64_t words = tt == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ? 2 : 1;   /* per element */
-    j.wide = ti == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     size_t n_in;
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
     if (n_in > 2) {
@@ -70,8 +69,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         size_t rk;
         ONNXTensorElementDataType tk;
         TRY(read_typed_input(ctx, 2, &j.offsets, dk, &rk, MAX_RANK, "GatherRows: the offsets have rank > 8", &tk));
-        if (j.offsets && (tk != ti || rk != 1 || ri < 1 || dk[0] != di[ri - 1] || dk[0] < 1))
-            return error("GatherRows: offsets must be [K] of the indices' type, K their last dim");
+        if (j.offsets && (tk != offsets_type(j.kind) || rk != 1 || ri < 1 || dk[0] != di[ri - 1] || dk[0] < 1))
+            return error("GatherRows: offsets must be [K] of the indices' type (int64 for float), K their last dim");
         j.K = j.offsets ? dk[0] : 0;
     }
     j.V = dt[0], j.D = 1, j.count = 1;

@@ -28,15 +28,34 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* Index i of int64 (`wide`) or int32 ids, plus offsets[c] where there are offsets, added in the ids' own type (as
- * Add would): GatherRows' and GatherFields' lookups at fuse-parallel-embeddings' per-field offsets. */
-static inline int64_t offset_index(const void *ids, const void *offsets, int wide, int64_t i, int64_t c) {
-    if (wide) {
-        const uint64_t at = (uint64_t)((const int64_t *)ids)[i];
-        return (int64_t)(offsets ? at + (uint64_t)((const int64_t *)offsets)[c] : at);
+/* The types of ids GatherRows and GatherFields read: int32, int64, or float32 (deepctr-torch's id columns, which
+ * the model casts to int64: truncated toward zero as that Cast does, out of int64's range read as INT64_MIN). */
+enum { IDS_INT32, IDS_INT64, IDS_FLOAT };
+
+/* The kind of ids of an element type, -1 for none; the offsets' type for them (a float id's offsets are int64). */
+static inline int ids_kind(ONNXTensorElementDataType t) {
+    return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ? IDS_INT32 : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ? IDS_INT64
+           : t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? IDS_FLOAT : -1;
+}
+static inline ONNXTensorElementDataType offsets_type(int kind) {
+    return kind == IDS_INT32 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
+
+/* Index i of ids of `kind`, plus offsets[c] where there are offsets, added in the ids' own type (as Add would; a
+ * float id cast to int64 first): GatherRows' and GatherFields' lookups at fuse-parallel-embeddings' offsets. */
+static inline int64_t offset_index(const void *ids, const void *offsets, int kind, int64_t i, int64_t c) {
+    if (kind == IDS_INT32) {
+        const uint32_t at = (uint32_t)((const int32_t *)ids)[i];
+        return (int32_t)(offsets ? at + (uint32_t)((const int32_t *)offsets)[c] : at);
     }
-    const uint32_t at = (uint32_t)((const int32_t *)ids)[i];
-    return (int32_t)(offsets ? at + (uint32_t)((const int32_t *)offsets)[c] : at);
+    uint64_t at;
+    if (kind == IDS_INT64) {
+        at = (uint64_t)((const int64_t *)ids)[i];
+    } else {
+        const float v = ((const float *)ids)[i];
+        at = v > -9.2233720e18f && v < 9.2233720e18f ? (uint64_t)(int64_t)v : (uint64_t)INT64_MIN;
+    }
+    return (int64_t)(offsets ? at + (uint64_t)((const int64_t *)offsets)[c] : at);
 }
 
 /* A row of D 4-byte words (float or half an int64: copied as bits). */
@@ -124,6 +143,15 @@ static inline OrtStatus *ORT_API_CALL no_attributes(const OrtCustomOp *op, const
     (void)info;
     *kernel = calloc(1, 1);
     return *kernel ? NULL : ort->CreateStatus(ORT_FAIL, "ctropt kernels: out of memory");
+}
+
+/* An optional int attribute of a node, `fallback` where it is absent. */
+static inline int64_t int_attribute(const OrtKernelInfo *info, const char *name, int64_t fallback) {
+    int64_t value;
+    OrtStatus *s = ort->KernelInfoGetAttribute_int64(info, name, &value);
+    if (!s) return value;
+    ort->ReleaseStatus(s);
+    return fallback;
 }
 
 /* The fields of an OrtCustomOp that every kernel fills alike (after .version, .GetName and its own callbacks). */

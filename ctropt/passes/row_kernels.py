@@ -20,6 +20,7 @@ columns) by their bits, ``UniqueRowsFloat`` (rows found equal are equal values, 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from .. import kernels
@@ -140,11 +141,43 @@ def fuse_gather_fields(ctx: PassContext) -> int:
         replace_outputs(ctx.graph, end, [made])
         end.outputs.clear()
         done += 1
+    return _counted(ctx, done, "lookup(s) of several fields' ids, flattened (beside dense values) → GatherFields")
+
+
+def _counted(ctx: PassContext, done: int, what: str) -> int:
+    """`done` rewrites of a step of gather-rows-kernel: counted, the graph cleaned up, a note."""
     if done:
         ctx.rewrites += done
         ctx.graph.cleanup()
-        ctx.note(f"{done} lookup(s) of several fields' ids, flattened (beside dense values) → GatherFields")
+        ctx.note(f"{done} {what}")
     return done
+
+
+def _float_ids(t: gs.Tensor) -> gs.Tensor | None:
+    """x when t = Cast(x, to=int64) of a float32 x (deepctr-torch's id columns): the kernels read x as that Cast."""
+    n = t.inputs[0] if len(t.inputs) == 1 else None
+    if n is None or n.op != "Cast" or n.domain or n.attrs.get("to") != onnx.TensorProto.INT64:
+        return None
+    return n.inputs[0] if dtype_of(n.inputs[0]) == np.dtype(np.float32) else None
+
+
+def read_float_ids(ctx: PassContext) -> int:
+    """GatherRows and GatherFields read float ids where the model casts them to int64: the Cast goes (GatherFields
+    then names its id parts, `fields`, since they no longer differ from its dense parts by type)."""
+    done = 0
+    for n in [n for n in ctx.graph.nodes if n.domain == kernels.DOMAIN]:
+        if n.op in ("GatherRows", "GatherRowsInt64") and (x := _float_ids(n.inputs[1])) is not None:
+            n.inputs[1] = x
+            done += 1
+        elif n.op == "GatherFields" and "fields" not in n.attrs:
+            ids = [p for p in n.inputs[2:] if np.dtype(dtype_of(p) or np.float32).kind in "iu"]
+            floats = [_float_ids(p) for p in ids]
+            if ids and all(f is not None for f in floats):
+                for i, x in enumerate(floats):
+                    n.inputs[2 + i] = x
+                n.attrs["fields"] = len(ids)
+                done += 1
+    return _counted(ctx, done, "lookup(s) read float ids where the model cast them to int64")
 
 
 @register_pass("gather-rows-kernel", group="lower", targets=("ort",), rules=GATHER_RULES)
@@ -155,6 +188,7 @@ def gather_rows_kernel(ctx: PassContext) -> None:
         kernels.apply_rules(ctx, GATHER_RULES, "lookups")
     if any(n.op == "GatherRows" for n in ctx.graph.nodes) and kernels.wanted(ctx.options) and not kernels.ensure():
         fuse_gather_fields(ctx)
+        read_float_ids(ctx)
 
 
 def _is_row_dedup(m: Match) -> bool | str:
