@@ -116,3 +116,14 @@ def test_what_stays():
                        [vi("y", F, ["a", 1])], [init("W", np.ones((4, 1), np.float32))])
     assert ops(run_pass(other, "dot-sum-kernel")[0]) == ["Gemm"]
     assert ops(run_pass(wdl_logit(), "dot-sum-kernel", ort_kernels="off")[0]).count("DotSum") == 0
+
+
+def test_a_term_of_sliced_columns_reads_the_matrix():
+    """deepctr-torch: the dense columns X[:, 5:7] of its one input, a term of the logit: w padded with zeros."""
+    nodes = [node("Slice", ["X", "s", "e", "ax"], ["dense"]), node("Gemm", ["dense", "W", "b"], ["logit"]),
+             node("Sigmoid", ["logit"], ["y"])]
+    model = make_model(nodes, [vi("X", F, ["batch", 7])], [vi("y", F, ["batch", 1])],
+                       [init("s", np.array([5])), init("e", np.array([7])), init("ax", np.array([1])),
+                        init("W", RNG.normal(size=(2, 1)).astype(np.float32)), init("b", np.array([0.1], np.float32))])
+    done, _ = check_pass(model, "dot-sum-kernel", ["DotSum"], feeds={"X": RNG.normal(size=(6, 7)).astype(np.float32)})
+    assert list(done.graph.node[0].input)[1] == "X"

@@ -145,7 +145,8 @@ def test_lookups_read_float_ids_where_the_model_casts_them():
     out, _ = _lowered(model)
     assert "Cast" not in ops(out) and {"GatherFields", "GatherRows"} <= set(ops(out)), ops(out)
     fields = next(n for n in out.graph.node if n.op_type == "GatherFields")
-    assert {a.name: a.i for a in fields.attribute} == {"fields": 1}
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in fields.attribute}
+    assert attrs == {"fields": 1, "ranges": [0, FIELDS, FIELDS, FIELDS + 2]} and list(fields.input[2:]) == ["X", "X"]
     x = np.concatenate([RNG.integers(0, 10, (6, FIELDS)), RNG.normal(size=(6, 2))], 1).astype(np.float32)
     x[0, :FIELDS] += 0.75   # fractional ids: truncated as the Cast truncates them
     assert_same_outputs(model, out, {"X": x}, atol=0, rtol=0)
@@ -171,3 +172,16 @@ def test_gather_fields_and_rows_take_float_ids():
     with pytest.raises(Exception, match="int64 for float"):
         kernel_session([onnx.helper.make_node("GatherRows", ["t", "a", "off"], ["y"], domain=kernels.DOMAIN)],
                        [vi("a", F, None)], [init("t", table), init("off", offsets.astype(np.int32))]).run(None, {"a": a})
+
+
+def test_gather_fields_reads_column_ranges():
+    table = RNG.normal(size=(40, 3)).astype(np.float32)
+    s = kernel_session([onnx.helper.make_node("GatherFields", ["t", "", "X", "X", "d"], ["y"], domain=kernels.DOMAIN,
+                                              fields=1, ranges=[1, 3, 3, 5, 0, 2])],
+                       [vi("X", F, None), vi("d", F, None)], [init("t", table)])
+    x = np.concatenate([RNG.normal(size=(4, 1)), RNG.integers(0, 40, (4, 2)), RNG.normal(size=(4, 2))], 1).astype(np.float32)
+    d = RNG.normal(size=(4, 3)).astype(np.float32)
+    want = np.concatenate([table[x[:, 1:3].astype(np.int64)].reshape(4, -1), x[:, 3:5], d[:, :2]], 1)
+    np.testing.assert_array_equal(s.run(None, {"X": x, "d": d})[0], want)
+    with pytest.raises(Exception, match="range is outside"):
+        s.run(None, {"X": x[:, :4], "d": d})

@@ -13,6 +13,8 @@
  *            2… the ids of F ≥ 1 fields (int32, int64 or float, one type; each [B] or [B, k]), then m ≥ 0 dense
  *              values (float; each [B] or [B, w]); float ids are read as the Cast to int64 the model made of them
  *   attributes fields (int, optional): F; without it the inputs' type tells which is which (int ids, float values)
+ *            ranges (ints, optional): two per part, the columns [start, end) of its input it reads (deepctr-torch's
+ *              ids and dense values: columns of one matrix); without it each part whole
  *   outputs  0 Y [B, K·D + Σ w] (D: a table row's size): as the ops above compute it; an index out of [-V, V) is an
  *            error (onnxruntime's message's meaning)
  */
@@ -27,15 +29,16 @@ typedef struct {
     const float *table;
     const void *offsets;
     const void *part[MAX_PARTS];       /* ids, then dense values */
-    int64_t width[MAX_PARTS];          /* columns of each part */
+    int64_t width[MAX_PARTS];          /* columns of each part read */
+    int64_t stride[MAX_PARTS], start[MAX_PARTS];   /* its input's columns, the first read */
     int64_t fields, parts, rows, K, V, D, W, blocks, bad;   /* K: ids' columns; W: the output's; bad: row·K + column + 1 */
     float *y;
     int kind;                          /* of the ids: IDS_INT32, IDS_INT64, IDS_FLOAT */
 } Job;
 
-/* Row i of field f's ids (column c of all the ids'). */
-static inline int64_t id_at(const Job *j, int64_t f, int64_t i, int64_t c) {
-    return offset_index(j->part[f], j->offsets, j->kind, i, c);
+/* Row b's k-th id of field f (column c of all the ids'). */
+static inline int64_t id_at(const Job *j, int64_t f, int64_t b, int64_t k, int64_t c) {
+    return offset_index(j->part[f], j->offsets, j->kind, b * j->stride[f] + j->start[f] + k, c);
 }
 
 static void fields_block(void *data, size_t blk) {
@@ -46,7 +49,7 @@ static void fields_block(void *data, size_t blk) {
         int64_t c = 0;   /* the ids' column, over all fields */
         for (int64_t f = 0; f < j->fields; ++f) {
             for (int64_t k = 0; k < j->width[f]; ++k, ++c, to += j->D) {
-                int64_t at = id_at(j, f, b * j->width[f] + k, c);
+                int64_t at = id_at(j, f, b, k, c);
                 at += at < 0 ? j->V : 0;
                 if ((uint64_t)at >= (uint64_t)j->V) {
                     __atomic_store_n(&j->bad, b * j->K + c + 1, __ATOMIC_RELAXED);
@@ -57,34 +60,43 @@ static void fields_block(void *data, size_t blk) {
             }
         }
         for (int64_t p = j->fields; p < j->parts; ++p) {
-            memcpy(to, (const float *)j->part[p] + b * j->width[p], (size_t)j->width[p] * sizeof(float));
+            memcpy(to, (const float *)j->part[p] + b * j->stride[p] + j->start[p], (size_t)j->width[p] * sizeof(float));
             to += j->width[p];
         }
     }
 }
 
-/* Part p's rows and columns ([B] or [B, w]) into the job; its type into *type. */
-static OrtStatus *read_part(OrtKernelContext *ctx, Job *j, int64_t p, ONNXTensorElementDataType *type) {
+typedef struct {
+    int64_t fields;                /* the id parts, -1: by their type (int32 or int64) */
+    int64_t ranges[2 * MAX_PARTS]; /* each part's columns read, [start, end) */
+    size_t n_ranges;               /* 0: every part whole */
+} FieldsKernel;
+
+/* Part p's rows and the columns read ([B] or [B, w], a range of them where the node gives ranges) into the job; its
+ * type into *type. */
+static OrtStatus *read_part(OrtKernelContext *ctx, const FieldsKernel *k, Job *j, int64_t p,
+                            ONNXTensorElementDataType *type) {
     int64_t d[2];
     size_t r;
     TRY(read_typed_input(ctx, (size_t)p + 2, &j->part[p], d, &r, 2, "GatherFields: a part has rank > 2", type));
     if (!j->part[p] || r < 1) return error("GatherFields: a part is missing or a scalar");
     if (p > 0 && d[0] != j->rows) return error("GatherFields: the parts' rows differ");
     j->rows = d[0];
-    j->width[p] = r == 2 ? d[1] : 1;
+    j->stride[p] = r == 2 ? d[1] : 1;
+    const int64_t start = k->n_ranges ? k->ranges[2 * p] : 0, end = k->n_ranges ? k->ranges[2 * p + 1] : j->stride[p];
+    if (start < 0 || start > end || end > j->stride[p]) return error("GatherFields: a part's range is outside its columns");
+    j->start[p] = start, j->width[p] = end - start;
     return NULL;
 }
 
-typedef struct {
-    int64_t fields;   /* the id parts, -1: by their type (int32 or int64) */
-} FieldsKernel;
-
 /* The parts' kinds: the first `fields` parts ids (any one kind, float too), the rest float; or, with fields -1, int
  * parts ids and float parts dense, the ids first. */
-static OrtStatus *read_parts(OrtKernelContext *ctx, Job *j, int64_t fields, int64_t *dense) {
+static OrtStatus *read_parts(OrtKernelContext *ctx, const FieldsKernel *k, Job *j, int64_t *dense) {
     ONNXTensorElementDataType t, ids_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    const int64_t fields = k->fields;
+    if (k->n_ranges && k->n_ranges != 2 * (size_t)j->parts) return error("GatherFields: ranges must be two per part");
     for (int64_t p = 0; p < j->parts; ++p) {
-        TRY(read_part(ctx, j, p, &t));
+        TRY(read_part(ctx, k, j, p, &t));
         const int kind = ids_kind(t);
         const int ids = fields >= 0 ? p < fields : kind == IDS_INT32 || kind == IDS_INT64;
         if (ids && (kind < 0 || j->fields != p || (p && t != ids_type))) return error("GatherFields: ids of one type, before the dense values");
@@ -105,7 +117,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
     if (n_in < 3 || n_in - 2 > MAX_PARTS) return error("GatherFields: 1 to 512 parts");
     j.parts = (int64_t)n_in - 2;
-    TRY(read_parts(ctx, &j, ((FieldsKernel *)kernel)->fields, &dense));
+    TRY(read_parts(ctx, kernel, &j, &dense));
     int64_t dk[1];
     size_t rk;
     TRY(read_typed_input(ctx, 1, &j.offsets, dk, &rk, 1, "GatherFields: the offsets have rank > 1", &t));
@@ -127,7 +139,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         while (k >= j.width[f]) k -= j.width[f++];
         char msg[160];
         snprintf(msg, sizeof msg, "GatherFields: indices element out of data bounds, idx=%lld must be within the "
-                 "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b * j.width[f] + k, c), (long long)-j.V,
+                 "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b, k, c), (long long)-j.V,
                  (long long)(j.V - 1));
         return error(msg);
     }
@@ -141,6 +153,17 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     FieldsKernel *k = calloc(1, sizeof(FieldsKernel));
     if (!k) return ort->CreateStatus(ORT_FAIL, "GatherFields: out of memory");
     k->fields = int_attribute(info, "fields", -1);   /* absent: the ids by their type */
+    OrtStatus *s = ort->KernelInfoGetAttributeArray_int64(info, "ranges", NULL, &k->n_ranges);
+    if (s) {   /* absent: every part whole */
+        ort->ReleaseStatus(s);
+        k->n_ranges = 0;
+    } else if (k->n_ranges > 2 * MAX_PARTS) {
+        free(k);
+        return error("GatherFields: ranges must be two per part");
+    } else if (k->n_ranges && (s = ort->KernelInfoGetAttributeArray_int64(info, "ranges", k->ranges, &k->n_ranges))) {
+        free(k);
+        return s;
+    }
     *kernel = k;
     return NULL;
 }

@@ -247,7 +247,7 @@ def _cast_once(m):
     return m.op("Cast", [cat], {"to": casts[0].attrs["to"]}, dtype=out.dtype, shape=out.shape)
 
 
-def _slice_bounds(u: gs.Tensor, axis: int) -> tuple | None:
+def slice_bounds(u: gs.Tensor, axis: int) -> tuple | None:
     """(data, start, end) when u is Slice(data) of steps 1 on `axis` only, constant bounds within the axis's known
     size (no clamping)."""
     n = u.inputs[0] if len(u.inputs) == 1 else None
@@ -269,7 +269,7 @@ def _adjacent_slices(m) -> bool:
     rank = rank_of(m.root.inputs[0])
     if not rank or len(m.root.inputs) < 2:
         return False
-    parts = [_slice_bounds(u, m.root.attrs.get("axis", 0) % rank) for u in m.root.inputs]
+    parts = [slice_bounds(u, m.root.attrs.get("axis", 0) % rank) for u in m.root.inputs]
     if any(p is None or p[0] is not parts[0][0] for p in parts):
         return False
     return all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
@@ -278,8 +278,8 @@ def _adjacent_slices(m) -> bool:
 def _one_slice(m):
     """The range as one Slice (deepctr-torch's dense columns, sliced one by one and joined)."""
     axis = m.root.attrs.get("axis", 0) % rank_of(m.root.inputs[0])
-    first = _slice_bounds(m.root.inputs[0], axis)
-    last = _slice_bounds(m.root.inputs[-1], axis)
+    first = slice_bounds(m.root.inputs[0], axis)
+    last = slice_bounds(m.root.inputs[-1], axis)
     out = m.root.outputs[0]
     bounds = [m.constant(f"{m.root.name}/{k}", np.array([v], np.int64)) for k, v in
               (("start", first[1]), ("end", last[2]), ("axis", axis))]

@@ -24,7 +24,7 @@ from .. import kernels
 from ..graph import annotate_shapes_if_bare
 from ..graph.dims import same_size
 from ..graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
-from .cleanup import tidy
+from .cleanup import slice_bounds, tidy
 from .registry import PassContext, register_pass
 
 MAX_TERMS = 64   # the kernel's (dot_sum.c)
@@ -58,6 +58,18 @@ def _link(n: gs.Node) -> tuple | None:
     return x, (w[:, 0] * alpha).astype(np.float32)
 
 
+def _unsliced(x: gs.Tensor, w: np.ndarray) -> tuple:
+    """(data, w with zeros around it) when x is columns [a, b) of a 2-D data (deepctr-torch's dense columns of its
+    one input): the kernel reads the rows where they are; else (x, w)."""
+    cut = slice_bounds(x, 1) if rank_of(x) == 2 else None
+    if cut is None or rank_of(cut[0]) != 2 or dtype_of(cut[0]) != F32:
+        return x, w
+    data, start, end = cut
+    wide = np.zeros(int(shape_of(data)[1]), np.float32)
+    wide[start:end] = w
+    return data, wide
+
+
 def _below(n: gs.Node, graph: gs.Graph) -> gs.Node | None:
     """The link that makes Gemm n's C, where only n reads it."""
     c = n.inputs[2]
@@ -72,7 +84,7 @@ def _chain(root: gs.Node, graph: gs.Graph) -> _Chain | None:
     chain, node, scale = _Chain([], 0.0, []), root, 1.0
     while node is not None:
         x, w = _link(node)
-        chain.terms.append((x, w * np.float32(scale)))
+        chain.terms.append(_unsliced(x, w * np.float32(scale)))
         chain.nodes.append(node)
         c = node.inputs[2] if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name else None
         if c is None:

@@ -27,6 +27,7 @@ from .. import kernels
 from ..graph.dims import same_size
 from ..graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
+from .cleanup import slice_bounds
 from .registry import PassContext, register_pass
 
 
@@ -180,6 +181,37 @@ def read_float_ids(ctx: PassContext) -> int:
     return _counted(ctx, done, "lookup(s) read float ids where the model cast them to int64")
 
 
+def _width(t: gs.Tensor) -> int | None:
+    """The columns of a [B] or [B, w] part, where known."""
+    shape = shape_of(t)
+    if shape is None or len(shape) not in (1, 2):
+        return None
+    return 1 if len(shape) == 1 else shape[1] if isinstance(shape[1], (int, np.integer)) else None
+
+
+def read_column_ranges(ctx: PassContext) -> int:
+    """GatherFields reads its parts' columns from the matrix they are Sliced from (deepctr-torch packs every
+    feature into one [B, n] input): the Slices on the last axis of 2-D values go, a `ranges` attribute says what
+    each part reads."""
+    done = 0
+    for n in [n for n in ctx.graph.nodes if n.op == "GatherFields" and n.domain == kernels.DOMAIN]:
+        parts = list(n.inputs[2:])
+        sliced = [slice_bounds(p, 1) if rank_of(p) == 2 else None for p in parts]
+        widths = [_width(p) for p in parts]
+        if "ranges" in n.attrs or not any(sliced) or any(w is None for w in widths):
+            continue
+        ranges = []
+        for i, (p, cut, w) in enumerate(zip(parts, sliced, widths)):
+            if cut is not None and rank_of(cut[0]) == 2:
+                n.inputs[2 + i] = cut[0]
+                ranges += [cut[1], cut[2]]
+            else:
+                ranges += [0, int(w)]
+        n.attrs["ranges"] = [int(r) for r in ranges]
+        done += 1
+    return _counted(ctx, done, "GatherFields read their parts' columns where they are Sliced from")
+
+
 @register_pass("gather-rows-kernel", group="lower", targets=("ort",), rules=GATHER_RULES)
 def gather_rows_kernel(ctx: PassContext) -> None:
     """Gather of float or int64 rows (embedding lookups, positions) → ctropt's GatherRows kernels, where its library
@@ -189,6 +221,7 @@ def gather_rows_kernel(ctx: PassContext) -> None:
     if any(n.op == "GatherRows" for n in ctx.graph.nodes) and kernels.wanted(ctx.options) and not kernels.ensure():
         fuse_gather_fields(ctx)
         read_float_ids(ctx)
+        read_column_ranges(ctx)
 
 
 def _is_row_dedup(m: Match) -> bool | str:
