@@ -1,7 +1,8 @@
 """onnxruntime's CPU ReduceSum over a middle axis, batched MatMul of small matrices, Gather of rows (at offset ids
-too), Unique of rows, a residual Sum + LayerNormalization and a cross layer's Mul and Adds against ctropt's SumAxes,
-SmallMatMul, GatherRows, UniqueRows, LayerNorm and MulAdd kernels, and a dot product with a constant vector against
-the MatMul weighted-sum-as-matmul makes of it, at the shapes the corpus's exports hold.
+too), Unique of rows, a residual Sum + LayerNormalization, a cross layer's Mul and Adds, a logit's width-1 Gemms, FM's
+second order and a mixture of experts' mix against ctropt's SumAxes, SmallMatMul, GatherRows, UniqueRows, LayerNorm,
+MulAdd, DotSum, FMInteraction and GatedSum kernels, and a dot product with a constant vector against the MatMul
+weighted-sum-as-matmul makes of it, at the shapes the corpus's exports hold.
 
     python benchmarks/small_ops.py            # batch 256, 1 thread
 
@@ -47,6 +48,11 @@ UNIQUES = [("[256, 103], one user", "dedup key: 3 ids and two histories of 50", 
 CROSS = [("[256, 221]: x0 · s + b + x", "PaddleRec DCN cross layer", 221, (256, 1)),
          ("[256, 72]: x0 ⊙ h + x", "FuxiCTR DCNv2 cross layer", 72, None)]
 DOTS = [("[256, 16] · [16]", "a narrow dot", 16), ("[256, 221] · [221]", "PaddleRec DCN's x·w", 221)]
+HEADS = [("[256, 16]·w + [256, 5]·1 + [256, 2]·w + b, Sigmoid", "deepctr WDL's logit (sum-into-gemm's chain)", [16, 5, 2]),
+         ("[256, 221] · [221, 1]", "PaddleRec DCN's x·w (no Sigmoid)", [221])]
+FMS = [("[256, 5, 8]", "deepctr(-torch) DeepFM", (256, 5, 8)), ("[256, 39, 8]", "PaddleRec DeepFM", (256, 39, 8))]
+MIXES = [("3 experts [256, 16], gate [256, 16]·[16, 3]", "deepctr-torch MMoE task", 3, 16, 16),
+         ("8 experts [256, 32], gate [256, 64]·[64, 8]", "a wider MMoE", 8, 32, 64)]
 NORMS = [("[256, 21, 32]", "FuxiCTR BST block", (256, 21, 32)),
          ("[256, 20, 64]", "RecBole SASRec block", (256, 20, 64)),
          ("[256, 20, 40]", "a width of no 8·N up to 64 (row buffer)", (256, 20, 40))]
@@ -123,12 +129,53 @@ def cases():
                _session([n("Mul", ["x", "w"], ["p"]), n("ReduceSum", ["p", "ax"], ["y"])], f,
                         {"w": w, "ax": np.array([-1])}),
                _session(n("MatMul", ["x", "w"], ["y"]), f, {"w": w.reshape(-1, 1)}), f)
+    yield from head_cases()
     for what, where, shape in NORMS:
         f = {k: RNG.standard_normal(shape).astype(np.float32) for k in "ab"}
         w = {"g": RNG.standard_normal(shape[-1]).astype(np.float32), "c": RNG.standard_normal(shape[-1]).astype(np.float32)}
         yield ("Sum + LayerNormalization " + what, where,
                _session([n("Sum", ["a", "b"], ["s"]), n("LayerNormalization", ["s", "g", "c"], ["y"], axis=-1)], f, w),
                _session(n("LayerNorm", ["a", "g", "c", "b"], ["y"], domain=kernels.DOMAIN, epsilon=1e-5), f, w), f)
+
+
+def head_cases():
+    """A logit's width-1 GEMMs and Sigmoid, FM's second order and a mixture of experts' mix, as the exporters write
+    them, against DotSum, FMInteraction and GatedSum."""
+    n = helper.make_node
+    for what, where, widths in HEADS:
+        f = {f"x{i}": RNG.standard_normal((256, k)).astype(np.float32) for i, k in enumerate(widths)}
+        w = {f"w{i}": RNG.standard_normal((k, 1)).astype(np.float32) for i, k in enumerate(widths)}
+        c = {"b": np.array([0.1], np.float32)}
+        std, prev = [], "b"
+        for i in range(len(widths)):
+            std.append(n("Gemm", [f"x{i}", f"w{i}", prev], [f"g{i}"]))
+            prev = f"g{i}"
+        sig = len(widths) > 1
+        std = std + [n("Sigmoid", [prev], ["y"])] if sig else [n("MatMul", ["x0", "w0"], ["y"])]
+        flat = {k: v.ravel() for k, v in w.items()}
+        kernel = n("DotSum", ["b"] + [a for i in range(len(widths)) for a in (f"x{i}", f"w{i}")], ["y"],
+                   domain=kernels.DOMAIN, sigmoid=int(sig))
+        yield (("Gemm chain + Sigmoid " if sig else "MatMul ") + what, where, _session(std, f, w | c),
+               _session(kernel, f, flat | (c if sig else {"b": np.zeros(1, np.float32)})), f)
+    for what, where, shape in FMS:
+        f = {"e": RNG.standard_normal(shape).astype(np.float32)}
+        c = {"ax": np.array([1]), "last": np.array([-1]), "half": np.array(0.5, np.float32)}
+        std = [n("ReduceSum", ["e", "ax"], ["s"]), n("Mul", ["s", "s"], ["s2"]), n("Mul", ["e", "e"], ["e2"]),
+               n("ReduceSum", ["e2", "ax"], ["q"]), n("Sub", ["s2", "q"], ["d"]),
+               n("ReduceSum", ["d", "last"], ["r"], keepdims=0), n("Mul", ["r", "half"], ["y"])]
+        yield ("FM second order " + what, where, _session(std, f, c),
+               _session(n("FMInteraction", ["e"], ["y"], domain=kernels.DOMAIN, keepdims=1, reduce=1, scale=0.5), f, {}), f)
+    for what, where, experts, d, hidden in MIXES:
+        f = {"h": RNG.standard_normal((256, hidden)).astype(np.float32)} | \
+            {f"x{e}": RNG.standard_normal((256, d)).astype(np.float32) for e in range(experts)}
+        c = {"W": RNG.standard_normal((hidden, experts)).astype(np.float32), "ax": np.array([1])}
+        xs = [f"x{e}" for e in range(experts)]
+        std = [n("MatMul", ["h", "W"], ["l"]), n("Softmax", ["l"], ["g"], axis=-1), n("Unsqueeze", ["g", "ax"], ["row"])]
+        std += [n("Unsqueeze", [x, "ax"], [f"u{x}"]) for x in xs] + [n("Concat", [f"u{x}" for x in xs], ["st"], axis=1),
+                                                                   n("MatMul", ["row", "st"], ["m"]), n("Squeeze", ["m", "ax"], ["y"])]
+        kernel = n("GatedSum", ["h", "W", "b"] + xs, ["y"], domain=kernels.DOMAIN, keepdims=0, softmax=1, project=1)
+        yield ("MatMul + Softmax + stack + MatMul " + what, where, _session(std, f, c),
+               _session(kernel, f, {"W": c["W"], "b": np.zeros(experts, np.float32)}), f)
 
 
 def main() -> None:

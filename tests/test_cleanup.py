@@ -424,3 +424,48 @@ def test_size_proofs_through_deep_residual_chains_are_fast():
     t = {v.name: v for v in g.tensors().values()}
     assert same_size((t[cur], 0), (t["x"], 0))
 
+
+
+def torch_tensordot_legacy():
+    """torch's legacy exporter, deepctr-torch's DCN CrossNet: tensordot(x_l [B, D, 1], w, dims=([1], [0])) as a
+    Transpose and Reshapes to targets computed from Shape ops, matmul(x0, ·), then squeeze(dim=2) as an If on the
+    size of that axis. The targets are static but for the batch: -1 for it, the If's condition then constant."""
+    d = 6
+    t = [node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]), node("Shape", ["xt"], ["s"]),
+         node("Slice", ["s", "i2", "i3"], ["last"]), node("Concat", ["m1", "last"], ["flat_shape"], axis=0),
+         node("Reshape", ["xt", "flat_shape"], ["flat"]), node("MatMul", ["flat", "w"], ["proj"]),
+         node("Slice", ["s", "i0", "i2"], ["lead"]), node("Concat", ["lead", "one"], ["back_shape"], axis=0),
+         node("Reshape", ["proj", "back_shape"], ["xw"]), node("MatMul", ["x", "xw"], ["dot"]),
+         node("Add", ["dot", "x"], ["y3"]), node("Shape", ["y3"], ["s3"]), node("Gather", ["s3", "i2s"], ["last3"]),
+         node("Equal", ["last3", "one_s"], ["is_one"])]
+    squeeze = helper.make_graph([node("Squeeze", ["y3", "i2"], ["sq"])], "then", [], [vi("sq", F, None)])
+    keep = helper.make_graph([node("Identity", ["y3"], ["same"])], "else", [], [vi("same", F, None)])
+    t.append(helper.make_node("If", ["is_one"], ["y"], then_branch=squeeze, else_branch=keep))
+    return make_model(t, [vi("x", F, ["batch", d, 1])], [vi("y", F, None)],
+                      [init("i0", np.array([0])), init("i2", np.array([2])), init("i3", np.array([3])),
+                       init("m1", np.array([-1])), init("one", np.array([1])), init("i2s", np.array(2)),
+                       init("one_s", np.array(1)), init("w", np.random.default_rng(3).normal(size=(d, 1)).astype(np.float32))])
+
+
+def test_computed_reshape_targets_become_constants_and_the_squeeze_if_folds():
+    import ctropt
+
+    model = torch_tensordot_legacy()
+    done = ctropt.optimize(model, passes=["infer-shapes", "fold-constants", "static-reshape-targets"], speed=False).model
+    assert "If" not in ops(done) and "Shape" not in ops(done), ops(done)
+    targets = [n.input[1] for n in done.graph.node if n.op_type == "Reshape"]
+    assert len(targets) == 2 and all(t in {i.name for i in done.graph.initializer} for t in targets)
+    feeds = {"x": np.random.default_rng(4).normal(size=(5, 6, 1)).astype(np.float32)}
+    assert_same_outputs(model, done, feeds)
+    assert interface(done) == interface(model)
+
+
+def test_static_reshape_targets_is_idempotent_and_keeps_a_target_of_two_unknown_sizes():
+    import ctropt
+
+    once = ctropt.optimize(torch_tensordot_legacy(), passes=["infer-shapes", "static-reshape-targets"], speed=False)
+    twice = ctropt.optimize(once.model, passes=["static-reshape-targets"], speed=False)
+    assert twice.records[-1].rewrites == 0 and ops(twice.model) == ops(once.model)
+    two = make_model([node("Shape", ["x"], ["s"]), node("Reshape", ["y", "s"], ["z"])],
+                     [vi("x", F, ["a", "b"]), vi("y", F, ["a", "b"])], [vi("z", F, ["a", "b"])])
+    assert ops(run_pass(two, "static-reshape-targets")[0]) == ["Shape", "Reshape"]

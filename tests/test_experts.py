@@ -76,18 +76,53 @@ def _feeds():
 
 @pytest.mark.parametrize("build", [mix_torch, mix_paddle])
 def test_mixes_become_one_kernel(build):
-    done, _ = check_pass(build(), "gated-sum-kernel", ["Gemm"] * (E + 1) + ["Softmax", "GatedSum"], feeds=_feeds())
+    done, _ = check_pass(build(), "gated-sum-kernel", ["Gemm"] * E + ["GatedSum"], feeds=_feeds())
     mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
-    assert list(mix.input)[1:] == [f"h{e}" for e in range(E)] and mix.input[0] == "gate"
-    assert onnx.helper.get_attribute_value(mix.attribute[0]) == 0
+    assert list(mix.input)[3:] == [f"h{e}" for e in range(E)] and mix.input[0] == "x"   # the gate's layer too
+    attrs = {a.name: a.i for a in mix.attribute}
+    assert attrs == {"keepdims": 0, "softmax": 1, "project": 1}
 
 
 def test_the_mix_as_small_matmul_and_kept_as_a_row():
     once, _ = run_pass(mix_torch(squeeze=False), "small-products-kernel")
     assert "SmallMatMul" in ops(once)
-    done, _ = check_pass(once, "gated-sum-kernel", ["Gemm"] * (E + 1) + ["Softmax", "GatedSum"], feeds=_feeds())
+    done, _ = check_pass(once, "gated-sum-kernel", ["Gemm"] * E + ["GatedSum"], feeds=_feeds())
     mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
-    assert onnx.helper.get_attribute_value(mix.attribute[0]) == 1   # [B, 1, D], as the MatMul made it
+    assert {a.name: a.i for a in mix.attribute}["keepdims"] == 1   # [B, 1, D], as the MatMul made it
+
+
+def test_a_gate_read_elsewhere_is_taken_as_it_is():
+    model = mix_torch()
+    model.graph.output.append(vi("gate", F, None))   # the Softmax's output is a graph output too
+    done, _ = check_pass(model, "gated-sum-kernel", ["Gemm"] * (E + 1) + ["Softmax", "GatedSum"], feeds=_feeds())
+    mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
+    assert mix.input[0] == "gate" and {a.name: a.i for a in mix.attribute} == {"keepdims": 0}
+    logits_read = mix_torch()
+    logits_read.graph.output.append(vi("logits", F, None))   # the gate's layer is read elsewhere: Softmax only
+    done, _ = check_pass(logits_read, "gated-sum-kernel", ["Gemm"] * (E + 1) + ["GatedSum"], feeds=_feeds())
+    mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
+    assert mix.input[0] == "logits" and {a.name: a.i for a in mix.attribute} == {"keepdims": 0, "softmax": 1}
+
+
+@pytest.mark.parametrize("experts,rows", [(3, 9), (8, 70), (12, 5)])
+def test_gated_sum_softmax_and_projection_match_numpy(experts, rows):
+    h = RNG.normal(size=(rows, 6)).astype(np.float32)
+    w, b = RNG.normal(size=(6, experts)).astype(np.float32), RNG.normal(size=experts).astype(np.float32)
+    xs = [RNG.normal(size=(rows, D)).astype(np.float32) for _ in range(experts)]
+    names = [f"x{i}" for i in range(experts)]
+    logits = h @ w + b
+    gate = np.exp(logits - logits.max(1, keepdims=True))
+    gate /= gate.sum(1, keepdims=True)
+    want = sum(gate[:, e:e + 1] * xs[e] for e in range(experts))
+    soft = kernel_session([onnx.helper.make_node("GatedSum", ["g"] + names, ["y"], domain=kernels.DOMAIN, keepdims=0,
+                                                 softmax=1)], [vi(n, F, None) for n in ["g"] + names])
+    np.testing.assert_allclose(soft.run(None, {"g": logits} | dict(zip(names, xs)))[0], want, rtol=1e-5, atol=1e-5)
+    if experts > 8:
+        return
+    proj = kernel_session([onnx.helper.make_node("GatedSum", ["h", "w", "b"] + names, ["y"], domain=kernels.DOMAIN,
+                                                 keepdims=0, softmax=1, project=1)],
+                          [vi(n, F, None) for n in ["h"] + names], [init("w", w), init("b", b)])
+    np.testing.assert_allclose(proj.run(None, {"h": h} | dict(zip(names, xs)))[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_what_stays():

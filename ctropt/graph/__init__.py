@@ -407,19 +407,29 @@ def annotate_shapes_if_bare(graph: gs.Graph) -> None:
         annotate_shapes(graph)
 
 
-def annotate_shapes(graph: gs.Graph) -> tuple[int, str]:
-    """Fill in missing dtypes/shapes of node outputs (all scopes) by onnx shape inference.
+def annotate_shapes(graph: gs.Graph, refine: bool = False) -> tuple[int, str]:
+    """Fill in missing dtypes/shapes of node outputs (all scopes) by onnx shape inference. With `refine`, inference
+    runs on the graph without its annotations, and a dim it finds a number for is set where the annotation has a
+    symbol or nothing (passes name the sizes of the values they build as they can: a second optimize, inferring
+    afresh, would see more).
 
     Graph inputs and outputs are never touched. Returns (values annotated, reason if inference could not run).
     """
     model = export_graph(graph)
     if model.ByteSize() > PROTOBUF_LIMIT - (1 << 20):
         return 0, "model over 2 GiB: shape inference skipped"
+    if refine:
+        for g in iter_proto_graphs(model.graph):
+            del g.value_info[:]
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception as e:  # inference is best effort: a model it cannot handle keeps its annotations
         return 0, f"shape inference failed: {str(e).splitlines()[0][:200]}"
-    known = {vi.name: vi for g in iter_proto_graphs(inferred.graph) for vi in g.value_info}
+    known = {}
+    for vi in (vi for g in iter_proto_graphs(inferred.graph) for vi in g.value_info):
+        # one name in several scopes (a body's copy of an outer value may have no shape): the one with a shape
+        if vi.name not in known or not known[vi.name].type.tensor_type.HasField("shape"):
+            known[vi.name] = vi
     annotated = 0
     for g in iter_graphs(graph):
         interface = {id(t) for t in list(g.inputs) + list(g.outputs)}
@@ -433,8 +443,14 @@ def annotate_shapes(graph: gs.Graph) -> tuple[int, str]:
                 if t.dtype is None and tt.elem_type:
                     t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
                     changed = True
-                if t.shape is None and tt.HasField("shape"):
-                    t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-                    changed = True
+                dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim] \
+                    if tt.HasField("shape") else None
+                if t.shape is None and dims is not None:
+                    t.shape, changed = dims, True
+                elif refine and dims is not None and len(dims) == len(t.shape):
+                    better = [d if isinstance(d, int) and not isinstance(o, (int, np.integer)) else o
+                              for o, d in zip(t.shape, dims)]
+                    if better != list(t.shape):
+                        t.shape, changed = better, True
                 annotated += changed
     return annotated, ""

@@ -287,6 +287,17 @@ def _same_size(a: tuple, b: tuple, graph: gs.Graph | None) -> bool:
     return graph is not None and _joined(graph, (chain_a[-1], chain_b[-1]))
 
 
+def source_dim(t: gs.Tensor, axis: int):
+    """The size of (t, axis) as the value its chain of size-keeping ops starts from declares it (a graph input's
+    named batch dim, where inference gave t a symbol of its own), else t's own."""
+    chain = _walk(t, axis)
+    if not chain:
+        return None
+    root, at = chain[-1]
+    dim = shape_of(root)[at]
+    return dim if dim not in (None, "") else shape_of(t)[_axis(t, axis)]
+
+
 def is_own_shape(x: gs.Tensor, shape: gs.Tensor, allowzero: int = 0) -> bool:
     """Whether the computed `shape` is `x`'s own shape entry by entry (a Reshape to it does nothing)."""
     entries, dims = shape_entries(shape), shape_of(x)

@@ -7,7 +7,10 @@ lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` 
 fields' lookups and dense columns written side by side) and ``UniqueRows`` / ``UniqueRowsFloat`` (unique_rows.c) stand in for
 onnxruntime ops whose CPU kernels make a call per matrix or per index, or sort; small-products-kernel,
 gather-rows-kernel and unique-rows-kernel emit them; ``LayerNorm`` (layer_norm.c) and ``MulAdd`` (mul_add.c: a * b
-+ c (+ d) in one pass) stand in for chains of elementwise ops (layer-norm-kernel, mul-add-kernel). A model that holds
++ c (+ d) in one pass) stand in for chains of elementwise ops (layer-norm-kernel, mul-add-kernel); ``DotSum``
+(dot_sum.c: width-1 GEMMs summed, a sigmoid after them), ``FMInteraction`` (fm_interaction.c: FM's second order) and
+``GatedSum`` (gated_sum.c: a mixture of experts' mix) for the small ops of a ranker's head, FM and experts
+(dot-sum-kernel, fm-interaction-kernel, gated-sum-kernel). A model that holds
 such a node needs the library registered in its onnxruntime session: ctropt's own sessions do it, other code calls
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 

@@ -76,6 +76,29 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
     }
 }
 
+static inline vec splat(float f) { return (vec){0} + f; }
+static inline vec pick(mask m, vec a, vec b) { return (vec)(((mask)a & m) | ((mask)b & ~m)); }
+
+/* exp on LANES values at most 0 (the row's max subtracted): Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r;
+ * about 1 ulp), 0 below -87.3 (so -inf gives 0); NaN (a row of -inf) stays NaN through the arithmetic. */
+static inline vec exp_vec(vec x) {
+    mask tiny = x < -87.3f;
+    vec c = pick(tiny, splat(-87.3f), x);
+    vec fx = c * 1.44269504088896341f + 0.5f;
+    vec fl = __builtin_convertvector(__builtin_convertvector(fx, mask), vec);   /* toward 0, then down: floor */
+    fl = pick(fl > fx, fl - 1.0f, fl);
+    vec r = c - fl * 0.693359375f + fl * 2.12194440e-4f;
+    vec y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    mask bits = (__builtin_convertvector(fl, mask) + 127) << 23;
+    y = y * (vec)bits;
+    return pick(tiny, splat(0.0f), y);
+}
+
 /* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of
  * Eigen and onnxruntime's MLAS; NaN stays NaN. */
 static inline vec tanh_vec(vec x) {

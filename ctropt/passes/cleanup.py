@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..graph import annotate_shapes, iter_graphs, loop_varying_values
-from ..graph.dims import BROADCASTING, is_own_shape, same_size
+from ..graph.dims import BROADCASTING, is_own_shape, same_size, shape_entries, source_dim
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
                           unique_name)
@@ -203,6 +203,56 @@ def _reshape_chain(m):
     (out,) = m.op("Reshape", [m["x"], m["shape"]], {"allowzero": m.root.attrs.get("allowzero", 0)},
                   dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
     return [out]
+
+
+def _static_target(m) -> np.ndarray | None:
+    """A computed Reshape target as a constant: its entries (graph/dims.shape_entries) all known ints but at most
+    one size of another value, which becomes -1 (the one entry the input's size then determines; torch's legacy
+    exporter writes tensordot's reshapes as Concat(Slice(Shape(x)), [-1]))."""
+    entries = shape_entries(m["shape"])
+    if entries is None or const_value(m["shape"]) is not None:
+        return None
+    sizes = []
+    for e in entries:
+        if isinstance(e, tuple):
+            dim = (shape_of(e[0]) or [None] * (e[1] + 1))[e[1]]
+            e = int(dim) if isinstance(dim, (int, np.integer)) else -1
+        sizes.append(e)
+    if sizes.count(-1) > 1:
+        return None
+    if 0 in sizes:
+        return None   # "the input's size" (or, with allowzero, a -1 that cannot be inferred): left as it is
+    return np.array(sizes, np.int64)
+
+
+def _with_static_target(m):
+    """The Reshape to the constant target; its output's shape the entries' sizes (a named dim where one is), and
+    marked for the values after it to be inferred again (`_reinfer_after`)."""
+    target = _static_target(m)
+    dims = [source_dim(*e) if isinstance(e, tuple) else e for e in shape_entries(m["shape"])]
+    attrs = {"allowzero": m.root.attrs["allowzero"]} if "allowzero" in m.root.attrs else {}   # from opset 14
+    (out,) = m.op("Reshape", [m["x"], m.constant(f"{m.root.name}/shape", target)], attrs,
+                  dtype=m.root.outputs[0].dtype, shape=[d if d != -1 else None for d in dims])
+    m.graph.__dict__.setdefault("_ctropt_reinfer", []).append(out)
+    return [out]
+
+
+def _reinfer_after(graph: gs.Graph) -> None:
+    """Shapes inferred again for the values a static Reshape target feeds (inference saw the computed target's
+    sizes as unknown, and so every value after it)."""
+    stack = graph.__dict__.pop("_ctropt_reinfer", [])
+    if not stack:
+        return
+    outputs, seen = {id(t) for t in graph.outputs}, {id(t) for t in stack}   # those keep the sizes they were given
+    while stack:
+        t = stack.pop()
+        for n in t.outputs:
+            for o in n.outputs:
+                if id(o) not in seen and id(o) not in outputs:
+                    seen.add(id(o))
+                    o.shape = None
+                    stack.append(o)
+    annotate_shapes(graph)
 
 
 def _parts_gathered_alike(m) -> bool:
@@ -481,6 +531,34 @@ def eliminate_identity(ctx: PassContext) -> None:
         ctx.apply(*NO_OP_RULES, *CHAIN_RULES)
     finally:
         for t, shape in hidden:
+            t.shape = shape
+
+
+STATIC_TARGET_RULES = (
+    Rewrite("static-reshape-target", P.Reshape(x, Var("shape")), _with_static_target,
+            lambda m: _static_target(m) is not None or "its target is constant, or more than one size is unknown"),
+)
+
+
+@register_pass("static-reshape-targets", group="fusion", speed=False, rules=STATIC_TARGET_RULES)
+def static_reshape_targets(ctx: PassContext) -> None:
+    """Reshape targets computed from Shape ops whose sizes are known but the batch's → constants with -1 for it
+    (torch's legacy tensordot), the values after them inferred again: torch's squeeze(dim), an If on that axis's
+    size, then folds, and sum-into-gemm sees the logit's terms. A fusion pass: after those that run a region on
+    fewer rows or tokens (dedup-user-side, remove-attention-padding: their computed sizes must stay computed) and
+    after fuse-fc (its flattened layers' targets, read at run time, are made constant here too where they can be)."""
+    kept = [(t, t.shape) for g in iter_graphs(ctx.graph) for n in g.nodes for t in n.outputs]
+    annotate_shapes(ctx.graph, refine=True)   # the sizes of values other passes built, as a second run sees them
+    done = 0
+    for _ in range(8):   # a target made constant makes the sizes after it known: another target may follow
+        if not ctx.apply(*STATIC_TARGET_RULES):
+            break
+        done += 1
+        _reinfer_after(ctx.graph)
+    if done:
+        tidy(ctx)
+    else:   # nothing rewritten: the model as it came (the refined sizes would let later passes see more)
+        for t, shape in kept:
             t.shape = shape
 
 

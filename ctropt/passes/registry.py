@@ -143,7 +143,7 @@ PIPELINE_ORDER = {
     "string-embedding": 3, "merge-partitioned-embeddings": 5, "vectorize-embedding-bags": 10, "rewrite-sparse-columns": 12,
     "rewrite-indicator-columns": 15, "fuse-rnn": 30, "compute-read-rows-only": 34, "dedup-user-side": 35, "remove-attention-padding": 40,
     "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
-    "fuse-fc": 60, "fold-fc-affine": 62,
+    "fuse-fc": 60, "fold-fc-affine": 62, "static-reshape-targets": 63,
     # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
     "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "fm-interaction-kernel": 2, "small-products-kernel": 3, "gather-rows-kernel": 4, "gated-sum-kernel": 4, "unique-rows-kernel": 4, "residual-add-as-sum": 5, "layer-norm-kernel": 6, "mul-add-kernel": 7, "dot-sum-kernel": 8, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
     "body-inputs-own-names": 19, "scan-outer-scope-as-state": 20, "loop-inline-invariant-constants": 21,
