@@ -127,3 +127,11 @@ def test_a_term_of_sliced_columns_reads_the_matrix():
                         init("W", RNG.normal(size=(2, 1)).astype(np.float32)), init("b", np.array([0.1], np.float32))])
     done, _ = check_pass(model, "dot-sum-kernel", ["DotSum"], feeds={"X": RNG.normal(size=(6, 7)).astype(np.float32)})
     assert list(done.graph.node[0].input)[1] == "X"
+
+
+def test_empty_values_made_in_the_graph():
+    """onnxruntime gives a value of no elements that it made itself no data: the kernels take it (0 rows)."""
+    nodes = [node("Relu", ["x"], ["m"]), node("Gemm", ["m", "W", "b"], ["logit"]), node("Sigmoid", ["logit"], ["y"])]
+    model = make_model(nodes, [vi("x", F, ["batch", 4])], [vi("y", F, ["batch", 1])],
+                       [init("W", RNG.normal(size=(4, 1)).astype(np.float32)), init("b", np.array([0.1], np.float32))])
+    check_pass(model, "dot-sum-kernel", ["Relu", "DotSum"], feeds={"x": np.zeros((0, 4), np.float32)})

@@ -93,12 +93,12 @@ def test_the_mix_as_small_matmul_and_kept_as_a_row():
 
 def test_a_gate_read_elsewhere_is_taken_as_it_is():
     model = mix_torch()
-    model.graph.output.append(vi("gate", F, None))   # the Softmax's output is a graph output too
+    model.graph.output.append(vi("gate", F, ["batch", E]))   # the Softmax's output is a graph output too
     done, _ = check_pass(model, "gated-sum-kernel", ["Gemm"] * (E + 1) + ["Softmax", "GatedSum"], feeds=_feeds())
     mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
     assert mix.input[0] == "gate" and {a.name: a.i for a in mix.attribute} == {"keepdims": 0}
     logits_read = mix_torch()
-    logits_read.graph.output.append(vi("logits", F, None))   # the gate's layer is read elsewhere: Softmax only
+    logits_read.graph.output.append(vi("logits", F, ["batch", E]))   # the gate's layer is read elsewhere: Softmax only
     done, _ = check_pass(logits_read, "gated-sum-kernel", ["Gemm"] * (E + 1) + ["GatedSum"], feeds=_feeds())
     mix = next(n for n in done.graph.node if n.op_type == "GatedSum")
     assert mix.input[0] == "logits" and {a.name: a.i for a in mix.attribute} == {"keepdims": 0, "softmax": 1}
@@ -132,3 +132,14 @@ def test_what_stays():
                        [init("ax1", np.array([1], np.int64))])
     assert "GatedSum" not in ops(run_pass(model, "gated-sum-kernel")[0])
     assert "GatedSum" not in ops(run_pass(mix_torch(), "gated-sum-kernel", ort_kernels="off")[0])
+
+
+def test_a_gate_shared_by_every_row_stays():
+    """A constant gate [1, 1, E] (a learned mix, folded) broadcast over the batch's stack: the kernel takes a gate
+    per row, so the MatMul stays."""
+    nodes, inits = _experts_and_gate()
+    nodes = nodes[:E] + [node("Unsqueeze", [f"h{e}", "ax1"], [f"u{e}"]) for e in range(E)]
+    nodes += [node("Concat", [f"u{e}" for e in range(E)], ["stack"], axis=1), node("MatMul", ["row", "stack"], ["y"])]
+    inits = [i for i in inits if i.name != "Wg"] + [init("row", np.full((1, 1, E), 1 / E, np.float32))]
+    model = make_model(nodes, [vi("x", F, ["batch", 6])], [vi("y", F, ["batch", 1, D])], inits)
+    assert "GatedSum" not in ops(run_pass(model, "gated-sum-kernel")[0])

@@ -124,6 +124,8 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         if g is None or indices is None:
             return None
         return (x, axis) if axis < g else (node.inputs[1], axis - g) if axis < g + indices else (x, axis - indices + 1)
+    if op in ("Unsqueeze", "Squeeze") and (axes := axes_of(node)) is not None and rank_of(x) is not None:
+        return _squeeze_kept(op, x, axis, rank, axes)
     if op == "Transpose" and "perm" in node.attrs:
         return x, int(node.attrs["perm"][axis])
     if op == "Reshape" and len(node.inputs) > 1:
@@ -146,6 +148,16 @@ def _kept_axis(node: gs.Node, axis: int, rank: int) -> tuple | None:
         kept = [a for a in range(rank_of(x)) if node.attrs.get("keepdims", 1) or a not in reduced]
         return (x, kept[axis]) if axis < len(kept) and kept[axis] not in reduced else None
     return None
+
+
+def _squeeze_kept(op: str, x: gs.Tensor, axis: int, rank: int, axes: list) -> tuple | None:
+    """(x, its axis) that output `axis` of an Unsqueeze (axes inserted) or Squeeze (axes removed) of x is."""
+    if op == "Unsqueeze":
+        inserted = {a % rank for a in axes}
+        return None if axis in inserted else (x, axis - sum(a < axis for a in inserted))
+    removed = {a % rank_of(x) for a in axes}
+    kept = [a for a in range(rank_of(x)) if a not in removed]
+    return (x, kept[axis]) if axis < len(kept) else None
 
 
 def _expanded_from(node: gs.Node, x: gs.Tensor, axis: int, rank: int) -> tuple | None:

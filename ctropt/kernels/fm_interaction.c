@@ -73,7 +73,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     size_t rank;
     Job j = {.reduce = k->reduce, .scale = k->scale};
     TRY(read_input(ctx, 1, 0, &j.e, d, &rank, 3, "FMInteraction: E must be [B, F, D]"));
-    if (!j.e || rank != 3) return error("FMInteraction: E must be [B, F, D]");
+    if (rank != 3) return error("FMInteraction: E must be [B, F, D]");   /* data NULL: empty */
     j.rows = d[0], j.F = d[1], j.D = d[2];
     int64_t out[3] = {j.rows, 1, j.D};
     size_t ro = k->keepdims ? 3 : 2;

@@ -110,7 +110,7 @@ static OrtStatus *read_projection(OrtKernelContext *ctx, size_t n_in, Job *j, in
     int64_t d[MAX_RANK];
     size_t rank;
     TRY(read_input(ctx, n_in, 1, &j->W, d, &rank, MAX_RANK, "GatedSum: W has rank > 8"));
-    if (!j->W || rank != 2 || d[1] != j->E || j->E > LANES) return error("GatedSum: W must be [H, E], E ≤ 8");
+    if (rank != 2 || d[1] != j->E || j->E > LANES) return error("GatedSum: W must be [H, E], E ≤ 8");
     j->H = d[0];
     TRY(read_input(ctx, n_in, 2, &j->b, d, &rank, MAX_RANK, "GatedSum: b has rank > 8"));
     if (!j->b || numel(d, rank) != j->E) return error("GatedSum: b must be [E]");
@@ -132,11 +132,11 @@ static OrtStatus *mix(OrtKernelContext *ctx, const GatedKernel *k, Job *j, size_
     size_t rank;
     for (int64_t e = 0; e < j->E; ++e) {
         TRY(read_input(ctx, n_in, first + (size_t)e, &j->x[e], d, &rank, MAX_RANK, "GatedSum: an expert has rank > 8"));
-        if (!j->x[e] || rank < 1) return error("GatedSum: an expert is missing or a scalar");
+        if (rank < 1) return error("GatedSum: an expert is a scalar");   /* data NULL: empty */
         if (e == 0) j->D = d[rank - 1], j->rows = j->D ? numel(d, rank) / j->D : 0;
         else if (numel(d, rank) != j->rows * j->D) return error("GatedSum: the experts' sizes differ");
     }
-    if (!j->g || gate != j->rows * j->E) return error("GatedSum: the gate is not one value per row and expert");
+    if (gate != j->rows * j->E) return error("GatedSum: the gate is not one value per row and expert");
     const int64_t out[3] = {j->rows, 1, j->D}, flat[2] = {j->rows, j->D};
     OrtValue *y;
     TRY(k->keepdims ? ort->KernelContext_GetOutput(ctx, 0, out, 3, &y) : ort->KernelContext_GetOutput(ctx, 0, flat, 2, &y));
@@ -158,7 +158,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(read_input(ctx, n_in, 0, &j.g, d, &rank, MAX_RANK, "GatedSum: the gate has rank > 8"));
     gate = numel(d, rank);
     if (k->project) {
-        if (!j.g || rank != 2) return error("GatedSum: h must be [B, H]");
+        if (rank != 2) return error("GatedSum: h must be [B, H]");
         TRY(read_projection(ctx, n_in, &j, &gate));
     }
     OrtStatus *s = mix(ctx, k, &j, n_in, first, gate);

@@ -244,15 +244,20 @@ def _reinfer_after(graph: gs.Graph) -> None:
     if not stack:
         return
     outputs, seen = {id(t) for t in graph.outputs}, {id(t) for t in stack}   # those keep the sizes they were given
+    cleared = []
     while stack:
         t = stack.pop()
         for n in t.outputs:
             for o in n.outputs:
                 if id(o) not in seen and id(o) not in outputs:
                     seen.add(id(o))
+                    cleared.append((o, o.shape))
                     o.shape = None
                     stack.append(o)
     annotate_shapes(graph)
+    for o, shape in cleared:   # what inference could not size (or inference not run: a model over 2 GiB) as it was
+        if o.shape is None:
+            o.shape = shape
 
 
 def _parts_gathered_alike(m) -> bool:
@@ -536,7 +541,8 @@ def eliminate_identity(ctx: PassContext) -> None:
 
 STATIC_TARGET_RULES = (
     Rewrite("static-reshape-target", P.Reshape(x, Var("shape")), _with_static_target,
-            lambda m: _static_target(m) is not None or "its target is constant, or more than one size is unknown"),
+            lambda m: _static_target(m) is not None or "its target is constant, or more than one size is unknown",
+            subgraphs=False),   # a Loop body's sizes may change per iteration (paddle2onnx declares the first's)
 )
 
 

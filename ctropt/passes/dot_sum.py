@@ -28,6 +28,7 @@ from .cleanup import slice_bounds, tidy
 from .registry import PassContext, register_pass
 
 MAX_TERMS = 64   # the kernel's (dot_sum.c)
+MAX_RANK = 8
 F32 = np.dtype(np.float32)
 
 
@@ -46,13 +47,13 @@ def _link(n: gs.Node) -> tuple | None:
     if n.domain or n.op not in ("Gemm", "MatMul") or len(n.outputs) != 1:
         return None
     x, w = n.inputs[0], const_value(n.inputs[1])
-    if w is None or w.dtype != F32 or w.ndim != 2 or dtype_of(x) != F32 or (rank_of(x) or 0) < 2:
+    if w is None or w.dtype != F32 or w.ndim != 2 or dtype_of(x) != F32 or not 2 <= (rank_of(x) or 0) <= MAX_RANK:
         return None
     if n.op == "Gemm":
         if n.attrs.get("transA", 0) or rank_of(x) != 2:
             return None
         w = w.T if n.attrs.get("transB", 0) else w
-    if w.shape[1] != 1 or shape_of(x)[-1] != w.shape[0]:
+    if w.shape[1] != 1 or w.shape[0] < 1 or shape_of(x)[-1] != w.shape[0]:
         return None
     alpha = float(n.attrs.get("alpha", 1.0)) if n.op == "Gemm" else 1.0
     return x, (w[:, 0] * alpha).astype(np.float32)

@@ -19,6 +19,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import annotate_shapes_if_bare
+from ..graph.dims import same_size
 from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
 from .cleanup import tidy
 from .fc import per_column
@@ -45,6 +46,14 @@ def _before_layout(t: gs.Tensor) -> gs.Tensor:
     return t
 
 
+def _own_rows(part: gs.Tensor, d: int) -> gs.Tensor:
+    """An expert's values before the layout ops that made it [B, 1, D], where they are rows of D there too (the
+    kernel reads D from an expert's last dim), of rank 8 at most; else the part itself."""
+    x = _before_layout(part)
+    shape = shape_of(x)
+    return x if shape is not None and 1 <= len(shape) <= 8 and shape[-1] == d else part
+
+
 def _experts(stack: gs.Tensor, e: int, d: int) -> list | None:
     """The E experts [.., D] that the stack [B, E, D] is made of: Concat on axis 1 of [B, 1, D] parts (each before
     its Unsqueeze), or a Reshape of a Concat on the last axis of E values [B, D]."""
@@ -52,7 +61,7 @@ def _experts(stack: gs.Tensor, e: int, d: int) -> list | None:
     if cat is not None and cat.attrs.get("axis") % 3 == 1 and len(cat.inputs) == e:
         parts = [shape_of(p) for p in cat.inputs]
         if all(s is not None and len(s) == 3 and s[1] == 1 and s[2] == d for s in parts):
-            return [_before_layout(p) for p in cat.inputs]
+            return [_own_rows(p, d) for p in cat.inputs]
     reshape = _producer(stack, "Reshape")
     cat = _producer(reshape.inputs[0], "Concat") if reshape is not None else None
     if cat is not None and len(cat.inputs) == e and rank_of(cat.outputs[0]) == 2 and cat.attrs.get("axis") % 2 == 1:
@@ -72,6 +81,8 @@ def _match(n: gs.Node) -> tuple | None:
     if not isinstance(e, (int, np.integer)) or not isinstance(d, (int, np.integer)) or stack[1] != e or \
             not 1 <= e <= MAX_EXPERTS:
         return None
+    if not same_size((n.inputs[0], 0), (n.inputs[1], 0)):
+        return None   # a gate of one row for every row of the stack (a constant gate): the kernel takes one per row
     experts = _experts(n.inputs[1], int(e), int(d))
     return (_before_layout(n.inputs[0]), experts) if experts else None
 
