@@ -453,6 +453,8 @@ def test_computed_reshape_targets_become_constants_and_the_squeeze_if_folds():
     model = torch_tensordot_legacy()
     done = ctropt.optimize(model, passes=["infer-shapes", "fold-constants", "static-reshape-targets"], speed=False).model
     assert "If" not in ops(done) and "Shape" not in ops(done), ops(done)
+    sizes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in done.graph.value_info}
+    assert sizes["dot"][1:] == [6, 1] and sizes["y3"][1:] == [6, 1]   # the sizes known before are known after
     targets = [n.input[1] for n in done.graph.node if n.op_type == "Reshape"]
     assert len(targets) == 2 and all(t in {i.name for i in done.graph.initializer} for t in targets)
     feeds = {"x": np.random.default_rng(4).normal(size=(5, 6, 1)).astype(np.float32)}

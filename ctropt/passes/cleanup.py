@@ -229,7 +229,8 @@ def _with_static_target(m):
     """The Reshape to the constant target; its output's shape the entries' sizes (a named dim where one is), and
     marked for the values after it to be inferred again (`_reinfer_after`)."""
     target = _static_target(m)
-    dims = [source_dim(*e) if isinstance(e, tuple) else e for e in shape_entries(m["shape"])]
+    dims = [source_dim(*e) if isinstance(e, tuple) and size == -1 else int(size)
+            for e, size in zip(shape_entries(m["shape"]), target)]
     attrs = {"allowzero": m.root.attrs["allowzero"]} if "allowzero" in m.root.attrs else {}   # from opset 14
     (out,) = m.op("Reshape", [m["x"], m.constant(f"{m.root.name}/shape", target)], attrs,
                   dtype=m.root.outputs[0].dtype, shape=[d if d != -1 else None for d in dims])
@@ -255,9 +256,12 @@ def _reinfer_after(graph: gs.Graph) -> None:
                     o.shape = None
                     stack.append(o)
     annotate_shapes(graph)
-    for o, shape in cleared:   # what inference could not size (or inference not run: a model over 2 GiB) as it was
-        if o.shape is None:
-            o.shape = shape
+    for o, shape in cleared:   # the sizes are the same as before: a number known before or now is kept
+        if o.shape is None or shape is None or len(o.shape) != len(shape):
+            o.shape = o.shape if o.shape is not None else shape   # inference not run (over 2 GiB) or no better
+            continue
+        o.shape = [old if isinstance(old, (int, np.integer)) and not isinstance(new, (int, np.integer)) else new
+                   for old, new in zip(shape, o.shape)]
 
 
 def _parts_gathered_alike(m) -> bool:
