@@ -346,7 +346,6 @@ static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, 
     (void)op;
     return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
-static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -354,5 +353,5 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
 }
 
 
-OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, input_kind, required, create,
+OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, float_type, one_count, input_kind, required, create,
                                                compute);

@@ -107,7 +107,6 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "FMInteraction"; }
-static size_t ORT_API_CALL one_count(const OrtCustomOp *op) { (void)op; return 1; }
 
 OrtCustomOp ctropt_fm_interaction = CUSTOM_OP(name, float_type, one_count, float_type, one_count, required, required,
                                               create, compute);

@@ -184,12 +184,6 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatedSum"; }
-static size_t ORT_API_CALL one_count(const OrtCustomOp *op) { (void)op; return 1; }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    (void)i;
-    return INPUT_OUTPUT_VARIADIC;
-}
 
-OrtCustomOp ctropt_gated_sum = CUSTOM_OP(name, float_type, one_count, float_type, one_count, input_kind, required,
+OrtCustomOp ctropt_gated_sum = CUSTOM_OP(name, float_type, one_count, float_type, one_count, variadic, required,
                                          create, compute);

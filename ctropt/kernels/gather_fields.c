@@ -174,7 +174,6 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
     (void)op;
     return i == 0 ? INPUT_OUTPUT_REQUIRED : i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_VARIADIC;
 }
-static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
     (void)op;   /* the ids' and the parts' types are read at run time */
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -183,7 +182,7 @@ static int ORT_API_CALL mixed(const OrtCustomOp *op) { (void)op; return 0; }
 
 OrtCustomOp ctropt_gather_fields = {
     .version = ORT_API_VERSION, .GetName = name, .GetInputType = input_type, .GetInputTypeCount = n_inputs,
-    .GetOutputType = float_type, .GetOutputTypeCount = n_outputs, .GetInputCharacteristic = input_kind,
+    .GetOutputType = float_type, .GetOutputTypeCount = one_count, .GetInputCharacteristic = input_kind,
     .GetOutputCharacteristic = required, .CreateKernelV2 = create, .KernelComputeV2 = compute,
     .KernelDestroy = destroy, COMMON_CALLBACKS,
     .GetVariadicInputHomogeneity = mixed,   /* ids and floats in the one variadic list (overrides COMMON_CALLBACKS) */

@@ -102,7 +102,6 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
     (void)op;
     return i < 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
-static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
     (void)op;   /* the indices' type is read at run time: int32 or int64 */
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -112,7 +111,7 @@ static ONNXTensorElementDataType ORT_API_CALL input_type_int64(const OrtCustomOp
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
 
-OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, n_outputs, input_kind, required,
+OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, one_count, input_kind, required,
                                            no_attributes, compute);
-OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, n_outputs, input_kind,
+OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, one_count, input_kind,
                                                  required, no_attributes, compute);

@@ -14,7 +14,8 @@
 
 extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
-    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm, ctropt_mul_add, ctropt_gather_fields,
+    ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm,
+    ctropt_mul_add, ctropt_gather_fields,
     ctropt_dot_sum, ctropt_fm_interaction, ctropt_gated_sum;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -156,6 +157,13 @@ static inline OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const O
     (void)op;
     (void)i;
     return INPUT_OUTPUT_REQUIRED;
+}
+/* One input (a variadic list: its inputs all of its type) or one output. */
+static inline size_t ORT_API_CALL one_count(const OrtCustomOp *op) { (void)op; return 1; }
+static inline OrtCustomOpInputOutputCharacteristic ORT_API_CALL variadic(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    (void)i;
+    return INPUT_OUTPUT_VARIADIC;
 }
 
 /* CreateKernelV2 of a kernel without attributes (its state: one byte, for KernelDestroy to free). */

@@ -167,11 +167,10 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "LayerNorm"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 4; }
-static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
-OrtCustomOp ctropt_layer_norm = CUSTOM_OP(name, float_type, n_inputs, float_type, n_outputs, input_kind, required,
+OrtCustomOp ctropt_layer_norm = CUSTOM_OP(name, float_type, n_inputs, float_type, one_count, input_kind, required,
                                           create, compute);

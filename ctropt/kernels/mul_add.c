@@ -133,11 +133,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "MulAdd"; }
 static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return MAX_INPUTS; }
-static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 1; }
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-OrtCustomOp ctropt_mul_add = CUSTOM_OP(name, float_type, n_inputs, float_type, n_outputs, input_kind, required,
+OrtCustomOp ctropt_mul_add = CUSTOM_OP(name, float_type, n_inputs, float_type, one_count, input_kind, required,
                                        no_attributes, compute);

@@ -269,11 +269,10 @@ static OrtStatus *ORT_API_CALL product_compute(void *kernel, OrtKernelContext *c
 
 static const char *ORT_API_CALL sum_name(const OrtCustomOp *op) { (void)op; return "SumAxes"; }
 static const char *ORT_API_CALL product_name(const OrtCustomOp *op) { (void)op; return "SmallMatMul"; }
-static size_t ORT_API_CALL n_one(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t ORT_API_CALL n_two(const OrtCustomOp *op) { (void)op; return 2; }
 
-OrtCustomOp ctropt_sum_axes = CUSTOM_OP(sum_name, float_type, n_one, float_type, n_one, required, required, sum_create,
+OrtCustomOp ctropt_sum_axes = CUSTOM_OP(sum_name, float_type, one_count, float_type, one_count, required, required, sum_create,
                                          sum_compute);
 
-OrtCustomOp ctropt_small_matmul = CUSTOM_OP(product_name, float_type, n_two, float_type, n_one, required, required,
+OrtCustomOp ctropt_small_matmul = CUSTOM_OP(product_name, float_type, n_two, float_type, one_count, required, required,
                                              no_attributes, product_compute);

@@ -143,14 +143,13 @@ static OrtStatus *ORT_API_CALL compute_float(void *kernel, OrtKernelContext *ctx
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "UniqueRows"; }
 static const char *ORT_API_CALL name_float(const OrtCustomOp *op) { (void)op; return "UniqueRowsFloat"; }
-static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 1; }
 static size_t ORT_API_CALL n_outputs(const OrtCustomOp *op) { (void)op; return 4; }
 static ONNXTensorElementDataType ORT_API_CALL float_then_int64(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 }
 
-OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, n_inputs, int64_type, n_outputs, required, required,
+OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, one_count, int64_type, n_outputs, required, required,
                                            no_attributes, compute);
-OrtCustomOp ctropt_unique_rows_float = CUSTOM_OP(name_float, float_type, n_inputs, float_then_int64, n_outputs, required,
+OrtCustomOp ctropt_unique_rows_float = CUSTOM_OP(name_float, float_type, one_count, float_then_int64, n_outputs, required,
                                                  required, no_attributes, compute_float);
