@@ -177,6 +177,76 @@ def test_a_where_mask_is_read_as_a_boolean_mask():
     assert "Where" in ops(done)
 
 
+def cast_mask(form):
+    """A mask's 0/1 floats times a constant as the bias: tf2onnx's Sub(scores, c·Cast(Not(m))) (DeepRec BST) and
+    BERT's Add(scores, (1 - Cast(m))·-10000); `inf`: c·Cast(m) with c = -inf (∞·0 is NaN: stays a float bias)."""
+    if form == "tf2onnx":
+        nodes = [node("Not", ["m"], ["nm"]), node("Cast", ["nm"], ["f"], to=onnx.TensorProto.FLOAT),
+                 node("Mul", ["c", "f"], ["pen"]), node("Sub", ["qk", "pen"], ["x"])]
+        c = 4294967295.0
+    else:
+        nodes = [node("Cast", ["m"], ["f"], to=onnx.TensorProto.FLOAT), node("Sub", ["one", "f"], ["inv"]),
+                 node("Mul", ["inv", "c"], ["pen"]), node("Add", ["qk", "pen"], ["x"])]
+        c = -np.inf if form == "inf" else -10000.0
+    nodes = [node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), node("MatMul", ["q", "kt"], ["qk"])] + nodes + \
+        [node("Softmax", ["x"], ["p"], axis=-1), node("MatMul", ["p", "v"], ["y"])]
+    inputs = [vi("q", F, ["n", L, DK]), vi("k", F, ["n", L, DK]), vi("v", F, ["n", L, DV]),
+              vi("m", onnx.TensorProto.BOOL, ["n", 1, L])]
+    inits = [init("c", np.array(c, np.float32)), init("one", np.array(1.0, np.float32))]
+    return make_model(nodes, inputs, [vi("y", F, None)], inits)
+
+
+@pytest.mark.parametrize("form", ["tf2onnx", "bert", "inf"])
+def test_a_constant_times_a_cast_mask_is_read_as_the_mask(form):
+    """c·Cast(Not(m)) subtracted, or (1 - Cast(m))·c added: the kernel reads m (the Cast, Not and Mul are not run);
+    an infinite c stays a float bias (∞·0 is NaN there, and must stay so)."""
+    f = {k: RNG.normal(size=(B * H, L, d)).astype(np.float32) for k, d in (("q", DK), ("k", DK), ("v", DV))}
+    f["m"] = RNG.random((B * H, 1, L)) < 0.6
+    f["m"][:, :, 0] = True
+    done = _check(cast_mask(form), f)
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    if form == "inf":
+        assert "Cast" in ops(done) and len(core.input) == 4
+        return
+    assert not {"Cast", "Not", "Mul"} & set(ops(done)) and core.input[4] == "m"
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in core.attribute}
+    assert attrs["mask_on"] == 0 and attrs["mask_value"] == pytest.approx(-4294967295.0 if form == "tf2onnx" else -1e4)
+
+
+def stacked_heads(mask_rows):
+    """tf (DeepRec BST, the Keras-era transformers): heads split off the last axis and stacked on the batch axis,
+    concat(split(x, H, -1), 0), for Q, K and V; Kᵀ by a Transpose; a key mask tiled over the heads ([H·B, 1 or L, L],
+    `mask_rows`) as c·Cast(Not(m)) subtracted; the heads merged back by concat(split(y, H, 0), -1)."""
+    nodes = []
+    for x in "qkv":
+        nodes += [node("Split", [x, "sizes"], [f"{x}{h}" for h in range(H)], axis=-1),
+                  node("Concat", [f"{x}{h}" for h in range(H)], [f"{x}s"], axis=0)]
+    nodes += [node("Transpose", ["ks"], ["kt"], perm=[0, 2, 1]), node("MatMul", ["qs", "kt"], ["qk"]),
+              node("Mul", ["qk", "s"], ["qks"]), node("Tile", ["m", "reps"], ["mt"]), node("Not", ["mt"], ["nm"]),
+              node("Cast", ["nm"], ["f"], to=onnx.TensorProto.FLOAT), node("Mul", ["c", "f"], ["pen"]),
+              node("Sub", ["qks", "pen"], ["x"]), node("Softmax", ["x"], ["p"], axis=-1),
+              node("MatMul", ["p", "vs"], ["ys"]), node("Split", ["ys", "parts"], [f"y{h}" for h in range(H)], axis=0),
+              node("Concat", [f"y{h}" for h in range(H)], ["y"], axis=-1)]
+    inputs = [vi("q", F, ["b", L, H * DK]), vi("k", F, ["b", L, H * DK]), vi("v", F, ["b", L, H * DK]),
+              vi("m", onnx.TensorProto.BOOL, ["b", mask_rows, L])]
+    inits = [init("sizes", np.array([DK] * H, np.int64)), init("s", np.array(0.5, np.float32)),
+             init("reps", np.array([H, 1, 1], np.int64)), init("c", np.array(4294967295.0, np.float32)),
+             init("parts", np.array([B] * H, np.int64))]
+    return make_model(nodes, inputs, [vi("y", F, ["b", L, H * DK])], inits)
+
+
+@pytest.mark.parametrize("mask_rows", [1, L])
+def test_heads_stacked_on_the_batch_axis_are_read_in_place(mask_rows):
+    """concat(split(x, H, -1), 0): the kernel reads x as [B, L, H, d] with its heads first and writes the merged
+    [B, L, H·d]; no Split or Concat runs, and the mask tiled to [H·B, ., L] is read as [H, B, ., L]."""
+    f = {k: RNG.normal(size=(B, L, H * DK)).astype(np.float32) for k in "qkv"}
+    f["m"] = RNG.random((B, mask_rows, L)) < 0.6
+    f["m"][..., 0] = True
+    done = _check(stacked_heads(mask_rows), f, k_perm=[2, 0, 1, 3])
+    assert not {"Split", "Concat", "Not", "Cast"} & set(ops(done)), ops(done)
+    assert ops(done).count("Reshape") == 5   # Q, K and V split into heads, the mask regrouped, Y merged
+
+
 def test_torch_sequence_first_layout_read_through_strides():
     f = {n: RNG.normal(size=(L, B * H, d)).astype(np.float32) for n, d in (("q", DK), ("k", DK), ("v", DV))}
     f["bias"] = np.where(RNG.random((B * H, L, L)) < 0.3, -np.inf, 0).astype(np.float32)

@@ -11,20 +11,26 @@ each head's rows LANES at a time with the softmax in registers.
 Found by what it computes, in whichever dialect: a MatMul reading a Softmax over the last axis of
 ``[MatMul(Q, Kᵀ) scaled by constants] [+ bias | - bias]``, the scale on Q, on Kᵀ or on the scores (a torch export
 scales both by √s), the bias any float value of rank 4 at most (a key-padding, causal or additive mask made by the
-export; the kernel broadcasts it as the Add does). A bias that is Where(mask, c, 0) is read from the boolean mask
-itself (the Where, a pass over [B·H, L, L], is not run). A Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts)
-is read by the kernel through strides instead of being run, and so is one that merges the heads back after it
-(the kernel writes that layout). Float32 only, ranks 2–4.
+export; the kernel broadcasts it as the Add does). A bias that is Where(mask, c, 0), or c times the mask as 0/1
+floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c), is read from the boolean mask itself (the Where,
+or the Cast and Mul, passes over [B·H, L, L], are not run). Heads that tf splits off the last axis and stacks on
+the batch axis, concat(split(x, H, -1), 0), are read from x in place, and the kernel writes them merged back. A
+Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts) is read by the kernel
+through strides instead of being run, and so is one that merges the heads back after it (the kernel writes that
+layout). Float32 only, ranks 2–4.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError, annotate_shapes_if_bare
-from ..graph.edit import const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
+from ..graph.edit import add_constant, const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -53,24 +59,67 @@ def _unscaled(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float]:
     return t, scale
 
 
-def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[int] | None, float]:
+@dataclass
+class Stacked:
+    """Heads split off the last axis and stacked on the first, tf's concat(split(x, H, axis=-1), axis=0): x
+    [B, L, H·d] read as [H·B, L, d] (the kernel reads x as [B, L, H, d] with its heads' axis first)."""
+    x: gs.Tensor
+    heads: int
+
+
+def _stacked(t: gs.Tensor, graph: gs.Graph) -> Stacked | None:
+    """t = Concat(Split(x, H equal parts, last axis), axis 0), the parts in order and read only there."""
+    node = t.inputs[0] if t.inputs and read_once(t, graph) else None
+    if node is None or node.op != "Concat" or node.attrs.get("axis") != 0 or len(node.inputs) < 2:
+        return None
+    split = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
+    if split is None or split.op != "Split" or list(split.outputs) != list(node.inputs) or rank_of(split.inputs[0]) != 3:
+        return None
+    sizes = const_value(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else split.attrs.get("split")
+    width = (shape_of(split.inputs[0]) or [None])[-1]
+    if split.attrs.get("axis", 0) not in (-1, 2) or not isinstance(width, int) or width % len(node.inputs) or \
+            (sizes is not None and len({int(x) for x in np.ravel(sizes)}) != 1) or \
+            any(not read_once(o, graph) for o in split.outputs):
+        return None
+    return Stacked(split.inputs[0], len(node.inputs))
+
+
+def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor | Stacked, list[int] | None, float]:
     """`t` as (value, perm, scale): t = scale · Transpose(value, perm), the Transpose (perm None: none) and the scalar
-    Mul/Div it strips each read only here."""
+    Mul/Div it strips each read only here; heads stacked on the batch axis as Stacked, with the rank-4 perm that
+    reads them."""
     t, scale = _unscaled(t, graph)
     node = t.inputs[0] if t.inputs else None
-    if node is None or node.op != "Transpose" or not read_once(t, graph) or rank_of(node.inputs[0]) is None:
-        return t, None, scale
-    rank = rank_of(node.inputs[0])
-    perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
-    base, inner = _unscaled(node.inputs[0], graph)
-    return base, perm, scale * inner
+    perm = None
+    if node is not None and node.op == "Transpose" and read_once(t, graph) and rank_of(node.inputs[0]) is not None:
+        rank = rank_of(node.inputs[0])
+        perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+        t, inner = _unscaled(node.inputs[0], graph)
+        scale *= inner
+    stacked = _stacked(t, graph) if rank_of(t) == 3 else None
+    if stacked is None:
+        return t, perm, scale
+    axes = {0: [2, 0], 1: [1], 2: [3]}   # [H·B, L, d] in the axes of [B, L, H, d]
+    return stacked, [a for p in (perm or [0, 1, 2]) for a in axes[p]], scale
 
 
-def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] | None:
-    """A bias that is Where(mask, c, 0) or Where(mask, 0, c) (c one float, the zeros no larger than the mask, the
-    Where read only as the bias) as (mask, c, the mask's value where c is added); None otherwise."""
-    node = bias.inputs[0] if bias.inputs and read_once(bias, graph) else None
-    if node is None or node.op != "Where" or node.inputs[0].dtype != np.bool_:
+def _merged_heads(out: gs.Tensor, graph: gs.Graph, heads: int) -> gs.Tensor | None:
+    """The value that merges stacked heads back, Concat(Split(out, H, axis 0), last axis), when it is all that reads
+    out."""
+    split = out.outputs[0] if read_once(out, graph) else None
+    if split is None or split.op != "Split" or split.attrs.get("axis", 0) != 0 or len(split.outputs) != heads:
+        return None
+    concat = split.outputs[0].outputs[0] if read_once(split.outputs[0], graph) else None
+    if concat is None or concat.op != "Concat" or list(concat.inputs) != list(split.outputs) or \
+            concat.attrs.get("axis") not in (-1, 2) or any(not read_once(o, graph) for o in split.outputs):
+        return None
+    return concat.outputs[0]
+
+
+def _where_mask(node: gs.Node) -> tuple[gs.Tensor, float, int] | None:
+    """Where(mask, c, 0) or Where(mask, 0, c) (c one float, the zeros no larger than the mask) as (mask, c, the
+    mask's value where c is added)."""
+    if node.op != "Where" or node.inputs[0].dtype != np.bool_:
         return None
     cond, rank = node.inputs[0], rank_of(node.inputs[0])
     for on, (c, zeros) in ((1, node.inputs[1:]), (0, node.inputs[2:0:-1])):
@@ -79,6 +128,39 @@ def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] |
             continue
         if all(x == 1 or (x == y and x is not None) for x, y in zip(shape[::-1], cond_shape[::-1])):
             return cond, value, on
+    return None
+
+
+def _flag(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, int] | None:
+    """t as 0/1 floats of a boolean mask: Cast(mask) (mask, 1), Cast(Not(mask)) or 1 - Cast(mask) (mask, 0)."""
+    node = t.inputs[0] if t.inputs and read_once(t, graph) else None
+    if node is not None and node.op == "Sub" and _scalar(node.inputs[0], node.inputs[1]) == 1.0:
+        inner = _flag(node.inputs[1], graph)
+        return (inner[0], 1 - inner[1]) if inner else None
+    if node is None or node.op != "Cast" or node.inputs[0].dtype != np.bool_ or \
+            node.attrs.get("to") != onnx.TensorProto.FLOAT:
+        return None
+    mask = node.inputs[0]
+    if mask.inputs and mask.inputs[0].op == "Not":
+        return mask.inputs[0].inputs[0], 0
+    return mask, 1
+
+
+def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] | None:
+    """A bias (read only here) that is a boolean mask's constant: Where(mask, c, 0) or Where(mask, 0, c), or c times
+    the mask as 0/1 floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c; c finite: ∞·0 is NaN), as (mask,
+    c, the mask's value where c is added); None otherwise."""
+    node = bias.inputs[0] if bias.inputs and read_once(bias, graph) else None
+    if node is None:
+        return None
+    if node.op == "Where":
+        return _where_mask(node)
+    if node.op != "Mul":
+        return None
+    for c, x in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        value, flag = _scalar(c, x), _flag(x, graph)
+        if value is not None and np.isfinite(value) and flag is not None:
+            return flag[0], value, flag[1]
     return None
 
 
@@ -114,11 +196,15 @@ def read_core(m: Match) -> dict | str:
     v, v_perm, sv = _source(m["v"], g)
     if sv != 1.0 or rank_of(mm.inputs[1]) is None:
         return "V scaled, or Kᵀ of unknown rank"
-    r = rank_of(mm.inputs[1])
+    stacked = [isinstance(x, Stacked) for x in (q, k, v)]
+    if any(stacked) and (not all(stacked) or len({x.heads for x in (q, k, v)}) != 1):
+        return "heads stacked on the batch axis for some of Q, K and V only"
+    r = len(kt_perm) if kt_perm else rank_of(mm.inputs[1])
     swap = list(range(r - 2)) + [r - 1, r - 2]   # K is Kᵀ with its last two axes swapped
     k_perm = [kt_perm[a] for a in swap] if kt_perm else swap
     core.update(q=q, k=k, v=v, scale=outer * inner * sq * sk, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm)
-    values = [q, k, v] + ([core["bias"]] if core["bias"] is not None else [])
+    values = [x.x if isinstance(x, Stacked) else x for x in (q, k, v)] + \
+        ([core["bias"]] if core["bias"] is not None else [])
     if any(v.dtype != np.float32 for v in values):
         return "not float32"
     if any(rank_of(x) is None or not 2 <= rank_of(x) <= 4 for x in values[:3]):
@@ -128,6 +214,23 @@ def read_core(m: Match) -> dict | str:
     mask = _as_mask(core["bias"], g) if core["bias"] is not None else None
     if mask is not None and rank_of(mask[0]) <= 4:
         core.update(bias=None, mask=mask[0], mask_value=mask[1] * core["bias_scale"], mask_on=mask[2])
+    return _with_stacked_heads(core, m) if all(stacked) else core
+
+
+def _with_stacked_heads(core: dict, m: Match) -> dict | str:
+    """Stacked heads: the value that merges them back (the kernel writes it), and the [H·B, S, L] bias or mask
+    regrouped as [H, B, S, L]."""
+    heads = core["q"].heads
+    core["merged"] = _merged_heads(m.root.outputs[0], m.graph, heads)
+    if core["merged"] is None:
+        return "heads stacked on the batch axis, not merged back by a Split and a Concat"
+    extra = core["mask"] if "mask" in core else core["bias"]
+    shape = shape_of(extra) if extra is not None else []
+    if shape is None or len(shape) == 4 or (len(shape) == 3 and shape[0] != 1 and
+                                            not all(isinstance(d, int) for d in shape[1:])):
+        return "heads stacked on the batch axis, with a bias of unknown size"
+    if len(shape) == 3 and shape[0] != 1:
+        core["regroup"] = [heads, -1, *shape[1:]]
     return core
 
 
@@ -147,6 +250,8 @@ def _to_kernel(m: Match) -> list:
         attrs.update(mask_value=float(core["mask_value"]), mask_on=core["mask_on"])
     while inputs[-1] is empty:
         inputs.pop()
+    if "merged" in core:
+        return _stacked_kernel(m, core, inputs, attrs)
     reader = out.outputs[0] if read_once(out, m.graph) else None
     if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
             len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
@@ -160,6 +265,31 @@ def _to_kernel(m: Match) -> list:
     if "y_perm" not in attrs:
         return [y]
     replace_outputs(m.graph, reader, [y])   # the Transpose is dead now, and so is the MatMul it read
+    return [None]
+
+
+def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
+    """Stacked heads: the kernel reads x [B, L, H·d] as [B, L, H, d] (a Reshape, no copy) and writes [B, S, H, dv],
+    which a Reshape makes the merged [B, S, H·dv]; neither Split nor Concat runs."""
+    heads = core["q"].heads
+    split = add_constant(m.graph, f"{m.root.name}/heads", np.array([0, 0, heads, -1], np.int64))
+    for i in range(3):
+        (inputs[i],) = m.op("Reshape", [inputs[i].x, split], name=f"{m.root.name}/heads_{'qkv'[i]}",
+                            dtype=np.float32)
+    if "regroup" in core:
+        extra = 4 if "mask" in core else 3
+        regroup = add_constant(m.graph, f"{m.root.name}/regroup", np.array(core["regroup"], np.int64))
+        (inputs[extra],) = m.op("Reshape", [inputs[extra], regroup], name=f"{m.root.name}/regroup",
+                                dtype=inputs[extra].dtype)
+    for key in ("q_perm", "k_perm", "v_perm"):
+        attrs[key] = core[key]
+    attrs["y_perm"] = [1, 2, 0, 3]
+    (y,) = m.op("AttentionCore", inputs, attrs, name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN,
+                dtype=np.float32)
+    merge = add_constant(m.graph, f"{m.root.name}/merge", np.array([0, 0, -1], np.int64))
+    merged = core["merged"]
+    (out,) = m.op("Reshape", [y, merge], name=f"{m.root.name}/merge", dtype=merged.dtype, shape=merged.shape)
+    replace_outputs(m.graph, merged.inputs[0], [out])   # the Split and Concat are dead now, and so is the MatMul
     return [None]
 
 
