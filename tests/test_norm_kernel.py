@@ -110,3 +110,35 @@ def test_a_norms_mean_as_a_graph_output_and_a_scale_that_is_a_column_stay():
     for model in (with_mean, column):
         done, ctx = run_pass(model, "layer-norm-kernel")
         assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)
+
+
+def batchnorm_norm(width: int = 16, axes=(0, 2, 3), count: float | None = None):
+    """tf2onnx's Keras LayerNormalization (DeepRec BST): x reshaped to [1, N, D, 1], BatchNormalization with scale
+    Expand(1), bias Expand(0), mean Squeeze(ReduceMean) and var ReduceSumSquare(x - mean) / D, reshaped back, then
+    the layer's own Mul and Add."""
+    nodes = [node("Reshape", ["x", "to4"], ["x4"]), node("ReduceMean", ["x4"], ["m4"], axes=list(axes), keepdims=1),
+             node("Sub", ["x4", "m4"], ["d"]), node("ReduceSumSquare", ["d"], ["ss"], axes=list(axes), keepdims=0),
+             node("Div", ["ss", "count"], ["var"]), node("Squeeze", ["m4", "sq"], ["mean"]),
+             node("Shape", ["mean"], ["n"]), node("Expand", ["one", "n"], ["ones"]),
+             node("Expand", ["zero", "n"], ["zeros"]),
+             node("BatchNormalization", ["x4", "ones", "zeros", "mean", "var"], ["y4"], epsilon=1e-3),
+             node("Reshape", ["y4", "back"], ["n3"]), node("Mul", ["n3", "g"], ["ng"]), node("Add", ["ng", "beta"], ["y"])]
+    inits = [init("to4", np.array([1, -1, width, 1], np.int64)), init("sq", np.array([0, 2, 3], np.int64)),
+             init("count", np.array(count or width, np.float32)), init("one", np.array([1.0], np.float32)),
+             init("zero", np.array([0.0], np.float32)), init("back", np.array([-1, 39, width], np.int64)),
+             init("g", RNG.normal(1, 0.2, width).astype(np.float32)),
+             init("beta", RNG.normal(0, 0.2, width).astype(np.float32))]
+    return make_model(nodes, [vi("x", F, ["B", 39, width])], [vi("y", F, ["B", 39, width])], inits, opset=13)
+
+
+def test_a_norm_written_as_a_batchnorm_over_rows_by_tf2onnx():
+    """Keras LayerNormalization as tf2onnx writes it → the LayerNorm kernel (scale 1, bias 0; the layer's Mul and Add
+    stay); a variance divided by another count is not a layer norm and stays."""
+    feeds = {"x": RNG.normal(2, 3, (4, 39, 16)).astype(np.float32)}
+    model, _ = run_pass(batchnorm_norm(), "infer-shapes")
+    out, _ = check_pass(model, "layer-norm-kernel", ["LayerNorm", "Mul", "Add"], feeds)
+    assert next(
+        n for n in out.graph.node if n.op_type == "LayerNorm").input[0] == "x"
+    other, _ = run_pass(batchnorm_norm(count=15.0), "infer-shapes")
+    done, ctx = run_pass(other, "layer-norm-kernel")
+    assert ctx.rewrites == 0 and "LayerNorm" not in ops(done)

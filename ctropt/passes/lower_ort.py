@@ -11,7 +11,9 @@ it measures faster.
 `layer-norm-kernel` goes further where ctropt's kernel library loads: a LayerNormalization over the last axis, with
 the residual Add or Sum before it, becomes one ``LayerNorm`` kernel node, which reads each row once and normalizes
 it in registers. onnxruntime's own takes about 7× a copy of its input on the short rows of these models
-([5376, 32]: 166 µs against a 23 µs copy; 190 µs with the Sum).
+([5376, 32]: 166 µs against a 23 µs copy; 190 µs with the Sum). It also reads the forms exporters write a layer norm
+in: elementwise ops (paddle2onnx before opset 17), and tf2onnx's Keras LayerNormalization, a BatchNormalization over
+x reshaped to [1, rows, D, 1] with the rows' own mean and variance (DeepRec BST: five ops and two Reshapes a norm).
 """
 
 from __future__ import annotations
@@ -141,16 +143,74 @@ WRITTEN_OUT = P.Add(P.Mul(P.Div(_d, P.Sqrt(P.Add(P.ReduceMean(P.Pow(_d, Const("t
                                                  Const("eps")))), Const("scale")), Const("bias"), _domain="")
 
 
+def _fill(t: gs.Tensor) -> float | None:
+    """The one value a constant, or Expand(constant), holds everywhere; None otherwise."""
+    if t.inputs and t.inputs[0].op == "Expand":
+        t = t.inputs[0].inputs[0]
+    v = const_value(t)
+    return float(v.reshape(-1)[0]) if v is not None and v.size and (v == v.reshape(-1)[0]).all() else None
+
+
+def _made(t: gs.Tensor, op: str) -> gs.Node | None:
+    return t.inputs[0] if t.inputs and t.inputs[0].op == op else None
+
+
+def _batchnorm_norm(m: Match) -> dict | None:
+    """tf2onnx's Keras LayerNormalization: x [.., D] reshaped to [1, N, D, 1] (a row per channel), BatchNormalization
+    with scale 1, bias 0 and the rows' own statistics (mean = ReduceMean over D, var = ReduceSumSquare(x - mean) /
+    D), reshaped back to x's shape: a norm over the last axis, without scale and bias. x and eps, or None."""
+    bn, x4 = m.node("bn"), m["x4"]
+    flat = _made(x4, "Reshape")
+    x = flat.inputs[0] if flat else None
+    shape, to, back = shape_of(x) if x else None, const_value(flat.inputs[1]) if flat else None, const_value(m["back"])
+    if shape is None or to is None or back is None or not isinstance(shape[-1], (int, np.integer)) or \
+            [int(a) for a in to] != [1, -1, shape[-1], 1] or bn.attrs.get("training_mode", 0) or \
+            _fill(m["scale"]) != 1.0 or _fill(m["bias"]) != 0.0 or len(back) != len(shape) or \
+            any(b != d and not (b == -1 and not isinstance(d, (int, np.integer))) for b, d in zip(back, shape)):
+        return None
+    squeeze, div = _made(m["mean"], "Squeeze"), _made(m["var"], "Div")
+    mean = _made(squeeze.inputs[0], "ReduceMean") if squeeze else None
+    sum_sq = _made(div.inputs[0], "ReduceSumSquare") if div else None
+    sub = _made(sum_sq.inputs[0], "Sub") if sum_sq else None
+    rows = ([0, 2, 3], [2, 3], [2])
+    if mean is None or sub is None or mean.inputs[0] is not x4 or list(sub.inputs) != [x4, mean.outputs[0]] or \
+            axes_of(mean) not in rows or axes_of(sum_sq) not in rows or not mean.attrs.get("keepdims", 1) or \
+            _fill(div.inputs[1]) != float(shape[-1]):
+        return None
+    return {"x": x, "eps": float(bn.attrs.get("epsilon", 1e-5))}
+
+
+def _batchnorm_to_kernel(m: Match) -> list:
+    found, out = _batchnorm_norm(m), m.root.outputs[0]
+    width = int(shape_of(found["x"])[-1])
+    ones = m.constant(f"{m.root.name}/ones", np.ones(width, np.float32))
+    zeros = m.constant(f"{m.root.name}/zeros", np.zeros(width, np.float32))
+    return [m.op("LayerNorm", [found["x"], ones, zeros], {"epsilon": found["eps"]}, name=f"{m.root.name}/LayerNorm",
+                 domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
+
+
+def _is_batchnorm_norm(m: Match) -> bool | str:
+    found = _batchnorm_norm(m)
+    if found is None:
+        return "not a layer norm written as a BatchNormalization over rows"
+    return True if np.dtype(dtype_of(found["x"]) or np.float64) == np.float32 else "not float32"
+
+
 NORM_RULES = (
     Rewrite("layer-norm", P.LayerNormalization(Var("x"), ..., _domain=""), _to_norm_kernel, _is_row_norm,
             subgraphs=False),
     Rewrite("layer-norm-written-out", WRITTEN_OUT, _decomposed_to_kernel, _is_decomposed_norm, subgraphs=False),
+    Rewrite("layer-norm-as-batchnorm", P.Reshape(P.BatchNormalization(Var("x4"), Var("scale"), Var("bias"),
+                                                                       Var("mean"), Var("var"), _name="bn"),
+                                                 Var("back")),
+            _batchnorm_to_kernel, _is_batchnorm_norm, subgraphs=False),
 )
 
 
 @register_pass("layer-norm-kernel", group="lower", targets=("ort",), rules=NORM_RULES)
 def layer_norm_kernel(ctx: PassContext) -> None:
     """LayerNormalization over the last axis, and the residual Add or Sum before it, or a layer norm written out in
-    elementwise ops (paddle2onnx before opset 17) → ctropt's LayerNorm kernel, where its library loads."""
-    if any(n.op in ("LayerNormalization", "ReduceMean") for n in ctx.graph.nodes):
+    elementwise ops (paddle2onnx before opset 17) or as a BatchNormalization over rows (tf2onnx's Keras
+    LayerNormalization) → ctropt's LayerNorm kernel, where its library loads."""
+    if any(n.op in ("LayerNormalization", "ReduceMean", "BatchNormalization") for n in ctx.graph.nodes):
         kernels.apply_rules(ctx, NORM_RULES, "layer norms")
