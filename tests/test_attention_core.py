@@ -247,6 +247,42 @@ def test_heads_stacked_on_the_batch_axis_are_read_in_place(mask_rows):
     assert ops(done).count("Reshape") == 5   # Q, K and V split into heads, the mask regrouped, Y merged
 
 
+def packed_projection(masked):
+    """torch nn.MultiheadAttention (FuxiCTR BST, dynamo): one projection [L, B, 3, D], Q, K and V each a Gather of
+    index 0, 1, 2 on its axis 2 and the heads split into the batch, Reshape [L, B·H, d]; sequence-first, so each is
+    transposed; optionally a [B·H, L, L] boolean mask; the heads merged back by a Transpose."""
+    nodes = [node("Gather", ["p", f"i{c}"], [f"g{c}"], axis=2) for c in range(3)] + \
+        [node("Reshape", [f"g{c}", "heads"], [f"h{c}"]) for c in range(3)] + \
+        [node("Transpose", ["h0"], ["q"], perm=[1, 0, 2]), node("Transpose", ["h1"], ["kt"], perm=[1, 2, 0]),
+         node("Transpose", ["h2"], ["v"], perm=[1, 0, 2]), node("MatMul", ["q", "kt"], ["qk"]),
+         node("Mul", ["qk", "s"], ["x0"])]
+    if masked:
+        nodes += [node("Where", ["m", "minf", "zero"], ["bias"]), node("Add", ["x0", "bias"], ["x"])]
+    nodes += [node("Softmax", ["x" if masked else "x0"], ["pr"], axis=-1), node("MatMul", ["pr", "v"], ["yh"]),
+              node("Transpose", ["yh"], ["y"], perm=[1, 0, 2])]
+    inputs = [vi("p", F, [L, "b", 3, H * DK])] + ([vi("m", onnx.TensorProto.BOOL, ["bh", L, L])] if masked else [])
+    inits = [init(f"i{c}", np.array(c, np.int64)) for c in range(3)] + \
+        [init("heads", np.array([L, -1, DK], np.int64)), init("s", np.array(DK ** -0.5, np.float32)),
+         init("minf", np.array(-np.inf, np.float32)), init("zero", np.array(0.0, np.float32))]
+    return make_model(nodes, inputs, [vi("y", F, [L, "bh", DK])], inits)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_q_k_and_v_packed_in_one_projection_are_read_in_place(masked):
+    """The kernel reads Q, K and V out of the packed projection (its last axis split into heads, a select of axis 2)
+    and writes the heads merged back; no Gather runs, and the mask is read as [B, H, L, L]."""
+    f = {"p": RNG.normal(size=(L, B, 3, H * DK)).astype(np.float32)}
+    if masked:
+        f["m"] = RNG.random((B * H, L, L)) < 0.3
+        f["m"][..., 0] = False
+    model, _ = run_pass(packed_projection(masked), "infer-shapes")
+    done = _check(model, f, k_perm=[1, 2, 0, 3])
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in core.attribute}
+    assert "Gather" not in ops(done) and [attrs[f"{x}_select"] for x in "qkv"] == [[2, 0], [2, 1], [2, 2]]
+    assert attrs["y_perm"] == [2, 0, 1, 3] and ops(done).count("Reshape") == 3 + masked + 1
+
+
 def test_torch_sequence_first_layout_read_through_strides():
     f = {n: RNG.normal(size=(L, B * H, d)).astype(np.float32) for n, d in (("q", DK), ("k", DK), ("v", DV))}
     f["bias"] = np.where(RNG.random((B * H, L, L)) < 0.3, -np.inf, 0).astype(np.float32)

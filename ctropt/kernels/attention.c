@@ -12,8 +12,10 @@
  *            bias may widen the leading axes, and the query rows when Q has one).
  *   attributes scale, bias_scale, mask_value (floats), mask_on (int); q_perm, k_perm, v_perm (ints, optional): the
  *            input is read as Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ
- *            with its last two axes swapped), by strides, without copying it; y_perm (ints, optional): the output
- *            is written as Transpose(Y, y_perm) (heads merged back by the export)
+ *            with its last two axes swapped), by strides, without copying it; q_select, k_select, v_select (ints
+ *            [axis, index], optional): the input (rank 5 at most) is read as Gather(input, index, axis) first (Q, K
+ *            and V packed in one projection, as torch's nn.MultiheadAttention writes them); y_perm (ints,
+ *            optional): the output is written as Transpose(Y, y_perm) (heads merged back by the export)
  *
  * A row of scores is what onnxruntime computes for the decomposed form (its MatMul, Mul, Add and Softmax): the row's
  * max subtracted, exp, the sum, times 1/sum; a row of -inf (all masked) gives NaN here as there. The rounding differs
@@ -34,6 +36,7 @@
 typedef struct {
     float scale, bias_scale, mask_value;
     int64_t mask_on, perm[4][4], perm_rank[4];   /* perms of Q, K, V, Y; rank 0: none */
+    int64_t select[3][2];                        /* axis and index of Q, K, V read first; axis -1: none */
 } Kernel;
 
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(float))));
@@ -196,23 +199,38 @@ static void align(const int64_t *dims, size_t r, size_t want, int64_t *out) {
     for (size_t i = 0; i < want; ++i) out[i] = i + r < want ? 1 : dims[i + r - want];
 }
 
-/* An input of dims (rank r) read as Transpose(input, perm) (perm NULL: as it is), right-aligned to 4 axes: its dims and
- * element strides (missing leading axes: 1 and 0). */
-static void viewed(const int64_t *dims, size_t r, const int64_t *perm, int64_t *out, int64_t *strides) {
-    int64_t own[4], step = 1;
-    for (size_t x = r; x-- > 0;) own[x] = step, step *= dims[x];
+/* An input of dims (rank r) read as Gather(input, index, axis) (select {axis, index}; axis -1: not) and then as
+ * Transpose(., perm) (perm NULL: as it is), right-aligned to 4 axes: its dims and element strides (missing leading
+ * axes: 1 and 0). Returns the offset of its first element. */
+static int64_t viewed(const int64_t *all, size_t r, const int64_t select[2], const int64_t *perm, int64_t *out,
+                      int64_t *strides) {
+    int64_t own[5], dims[5], step = 1, offset = 0;
+    size_t kept = 0;
+    for (size_t x = r; x-- > 0; step *= all[x])
+        if ((int64_t)x == select[0]) offset = select[1] * step;
+    step = 1;
+    for (size_t x = r; x-- > 0; step *= all[x])
+        if ((int64_t)x != select[0]) ++kept;
+    step = 1;
+    for (size_t x = r, y = kept; x-- > 0; step *= all[x]) {
+        if ((int64_t)x == select[0]) continue;
+        --y;
+        own[y] = step;
+        dims[y] = all[x];
+    }
     for (size_t x = 0; x < 4; ++x) {
-        const int64_t from = x + r < 4 ? -1 : perm ? perm[x + r - 4] : (int64_t)(x + r - 4);
+        const int64_t from = x + kept < 4 ? -1 : perm ? perm[x + kept - 4] : (int64_t)(x + kept - 4);
         out[x] = from < 0 ? 1 : dims[from];
         strides[x] = from < 0 ? 0 : own[from];
     }
+    return offset;
 }
 
 /* The inputs' layout into the job: Q, K, V and the bias or mask broadcast as numpy does (the bias may widen the
  * leading axes, and the query rows when Q has one), their element strides, and the output's rank. */
-static OrtStatus *layout(const Kernel *kn, const float *in[5], size_t rank[5], int64_t d[5][4], Job *j,
+static OrtStatus *layout(const Kernel *kn, const float *in[5], size_t rank[5], int64_t d[5][5], Job *j,
                          size_t *out_rank) {
-    int64_t a[4][4], st[3][4], lead[2];
+    int64_t a[4][4], st[3][4], lead[2], offset[3];
     if (in[3] && in[4]) return error("AttentionCore: a bias or a mask, not both");
     if (in[4]) {   /* the mask in the bias's place (its slot: shapes, strides) */
         in[3] = in[4];
@@ -220,9 +238,14 @@ static OrtStatus *layout(const Kernel *kn, const float *in[5], size_t rank[5], i
         memcpy(d[3], d[4], sizeof d[3]);
     }
     for (int i = 0; i < 3; ++i) {
-        if (!in[i] || rank[i] < 2) return error("AttentionCore: Q, K and V need two axes at least");
-        if (kn->perm_rank[i] && (size_t)kn->perm_rank[i] != rank[i]) return error("AttentionCore: a perm of another rank");
-        viewed(d[i], rank[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
+        const size_t kept = rank[i] - (kn->select[i][0] >= 0 ? 1 : 0);
+        if (!in[i] || kept < 2) return error("AttentionCore: Q, K and V need two axes at least");
+        if (kept > 4) return error("AttentionCore: an input has rank > 4");
+        if (kn->select[i][0] >= (int64_t)rank[i] || kn->select[i][1] >= (kn->select[i][0] >= 0 ? d[i][kn->select[i][0]] : 1))
+            return error("AttentionCore: a select outside its input");
+        if (kn->perm_rank[i] && (size_t)kn->perm_rank[i] != kept) return error("AttentionCore: a perm of another rank");
+        offset[i] = viewed(d[i], rank[i], kn->select[i], kn->perm_rank[i] ? kn->perm[i] : NULL, a[i], st[i]);
+        rank[i] = kept;
     }
     align(d[3], rank[3], 4, a[3]);
     const int64_t S = a[0][2] == 1 && in[3] ? a[3][2] : a[0][2], dk = a[0][3], L = a[1][2], dv = a[2][3];
@@ -231,7 +254,8 @@ static OrtStatus *layout(const Kernel *kn, const float *in[5], size_t rank[5], i
     if (S > MAX_DIM || L > MAX_DIM || dk > MAX_DIM || dv > MAX_DIM) return error("AttentionCore: an axis is too long");
     *out_rank = 2;
     for (int i = 0; i < 4; ++i) *out_rank = rank[i] > *out_rank ? rank[i] : *out_rank;
-    *j = (Job){.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0], .kk = in[1], .v = in[2],
+    *j = (Job){.k = kn, .S = S, .L = L, .dk = dk, .dv = dv, .q = in[0] + offset[0], .kk = in[1] + offset[1],
+               .v = in[2] + offset[2],
                .bias = in[4] ? NULL : in[3], .mask = in[4] ? (const uint8_t *)in[4] : NULL};
     if (j->mask) {
         int64_t bytes = 1;
@@ -274,12 +298,12 @@ static OrtStatus *output_layout(const Kernel *kn, Job *j, size_t out_rank, int64
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     size_t n_in, rank[5], out_rank = 2;
-    int64_t d[5][4], written[4];
+    int64_t d[5][5], written[4];
     const float *in[5];
     Job j;
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
     for (size_t i = 0; i < 5; ++i)
-        TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "AttentionCore: an input has rank > 4"));
+        TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], i < 3 ? 5 : 4, "AttentionCore: an input has rank > 4"));
     TRY(layout(kernel, in, rank, d, &j, &out_rank));
     TRY(output_layout(kernel, &j, out_rank, written));
     OrtValue *out;
@@ -313,6 +337,20 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     if (absent) ort->ReleaseStatus(absent);
     absent = s ? NULL : ort->KernelInfoGetAttribute_int64(info, "mask_on", &k->mask_on);
     if (absent) ort->ReleaseStatus(absent);
+    static const char *selects[3] = {"q_select", "k_select", "v_select"};
+    for (int i = 0; i < 3 && !s; ++i) {
+        size_t n = 0;
+        k->select[i][0] = -1;
+        OrtStatus *absent = ort->KernelInfoGetAttributeArray_int64(info, selects[i], NULL, &n);
+        if (absent) {
+            ort->ReleaseStatus(absent);
+            continue;
+        }
+        s = n == 2 ? ort->KernelInfoGetAttributeArray_int64(info, selects[i], k->select[i], &n)
+                   : error("AttentionCore: a select is [axis, index]");
+        if (!s && (k->select[i][0] < 0 || k->select[i][0] > 4 || k->select[i][1] < 0))
+            s = error("AttentionCore: a select's axis or index is negative");
+    }
     static const char *perms[4] = {"q_perm", "k_perm", "v_perm", "y_perm"};
     for (int i = 0; i < 4 && !s; ++i) {
         size_t n = 0;

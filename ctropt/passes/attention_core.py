@@ -14,7 +14,9 @@ scales both by √s), the bias any float value of rank 4 at most (a key-padding,
 export; the kernel broadcasts it as the Add does). A bias that is Where(mask, c, 0), or c times the mask as 0/1
 floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c), is read from the boolean mask itself (the Where,
 or the Cast and Mul, passes over [B·H, L, L], are not run). Heads that tf splits off the last axis and stacks on
-the batch axis, concat(split(x, H, -1), 0), are read from x in place, and the kernel writes them merged back. A
+the batch axis, concat(split(x, H, -1), 0), are read from x in place, and the kernel writes them merged back; so
+are Q, K and V that torch's nn.MultiheadAttention selects out of one packed projection (a Gather of index 0, 1, 2,
+then the heads split into the batch: the kernel reads the projection with a select). A
 Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts) is read by the kernel
 through strides instead of being run, and so is one that merges the heads back after it (the kernel writes that
 layout). Float32 only, ranks 2–4.
@@ -84,7 +86,48 @@ def _stacked(t: gs.Tensor, graph: gs.Graph) -> Stacked | None:
     return Stacked(split.inputs[0], len(node.inputs))
 
 
-def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor | Stacked, list[int] | None, float]:
+@dataclass
+class Packed:
+    """Q, K or V selected out of one packed projection and its heads split, torch nn.MultiheadAttention's
+    Reshape(Gather(p, c, axis), [.., n·H, d]): p read with its last axis split into (H, d) and index c of `axis`
+    selected (the kernel reads it in place), the heads an axis of their own."""
+    p: gs.Tensor
+    axis: int
+    index: int
+    heads: int
+    depth: int
+
+
+def _packed(t: gs.Tensor, graph: gs.Graph) -> tuple[Packed, dict] | None:
+    """t = Reshape(Gather(p, c, axis), ...) that splits the gathered value's last axis into (H, d) and merges H into
+    the axis before it; with the map from t's axes to those of the value the kernel reads (p split, c selected)."""
+    node = t.inputs[0] if t.inputs and read_once(t, graph) else None
+    gather = node.inputs[0].inputs[0] if node is not None and node.op == "Reshape" and node.inputs[0].inputs else None
+    if gather is None or gather.op != "Gather" or not read_once(node.inputs[0], graph):
+        return None
+    c, p = const_value(gather.inputs[1]), gather.inputs[0]
+    g, out, rank = shape_of(node.inputs[0]), shape_of(t), rank_of(p)
+    if c is None or c.ndim != 0 or g is None or out is None or rank is None or len(out) != len(g) or len(g) != 3:
+        return None
+    axis, k, index = int(gather.attrs.get("axis", 0)) % rank, len(g), int(c)
+    if index < 0:
+        index += (shape_of(p) or [None] * rank)[axis] if isinstance((shape_of(p) or [None] * rank)[axis], int) else 0
+    if index < 0:
+        return None
+    width, depth = g[-1], out[-1]
+    if not isinstance(width, (int, np.integer)) or not isinstance(depth, (int, np.integer)) or width % depth or \
+            width == depth or axis == rank - 1 or any(a != b for a, b in zip(g[:k - 2], out[:k - 2])):
+        return None
+    heads = width // depth
+    if isinstance(g[k - 2], (int, np.integer)) and out[k - 2] != g[k - 2] * heads:
+        return None
+    axes = {i: [i] for i in range(k - 2)}
+    axes.update({k - 2: [k - 2, k - 1], k - 1: [k]})
+    return Packed(p, axis, index, int(heads), int(depth)), axes
+
+
+def _source(t: gs.Tensor, graph: gs.Graph, packed: bool = True) -> tuple[gs.Tensor | Stacked | Packed, list[int] | None,
+                                                                       float]:
     """`t` as (value, perm, scale): t = scale · Transpose(value, perm), the Transpose (perm None: none) and the scalar
     Mul/Div it strips each read only here; heads stacked on the batch axis as Stacked, with the rank-4 perm that
     reads them."""
@@ -97,10 +140,13 @@ def _source(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor | Stacked, list[in
         t, inner = _unscaled(node.inputs[0], graph)
         scale *= inner
     stacked = _stacked(t, graph) if rank_of(t) == 3 else None
-    if stacked is None:
-        return t, perm, scale
-    axes = {0: [2, 0], 1: [1], 2: [3]}   # [H·B, L, d] in the axes of [B, L, H, d]
-    return stacked, [a for p in (perm or [0, 1, 2]) for a in axes[p]], scale
+    if stacked is not None:
+        axes = {0: [2, 0], 1: [1], 2: [3]}   # [H·B, L, d] in the axes of [B, L, H, d]
+        return stacked, [a for p in (perm or [0, 1, 2]) for a in axes[p]], scale
+    found = _packed(t, graph) if packed else None
+    if found is not None:
+        return found[0], [a for p in (perm or range(rank_of(t))) for a in found[1][p]], scale
+    return t, perm, scale
 
 
 def _merged_heads(out: gs.Tensor, graph: gs.Graph, heads: int) -> gs.Tensor | None:
@@ -194,6 +240,10 @@ def read_core(m: Match) -> dict | str:
     q, q_perm, sq = _source(mm.inputs[0], g)
     k, kt_perm, sk = _source(mm.inputs[1], g)
     v, v_perm, sv = _source(m["v"], g)
+    packed = [isinstance(x, Packed) for x in (q, k, v)]
+    if any(packed) and (not all(packed) or len({x.heads for x in (q, k, v)}) != 1):   # read them as they are
+        (q, q_perm, sq), (k, kt_perm, sk), (v, v_perm, sv) = (_source(x, g, packed=False)
+                                                             for x in (mm.inputs[0], mm.inputs[1], m["v"]))
     if sv != 1.0 or rank_of(mm.inputs[1]) is None:
         return "V scaled, or Kᵀ of unknown rank"
     stacked = [isinstance(x, Stacked) for x in (q, k, v)]
@@ -203,7 +253,7 @@ def read_core(m: Match) -> dict | str:
     swap = list(range(r - 2)) + [r - 1, r - 2]   # K is Kᵀ with its last two axes swapped
     k_perm = [kt_perm[a] for a in swap] if kt_perm else swap
     core.update(q=q, k=k, v=v, scale=outer * inner * sq * sk, q_perm=q_perm, k_perm=k_perm, v_perm=v_perm)
-    values = [x.x if isinstance(x, Stacked) else x for x in (q, k, v)] + \
+    values = [x.x if isinstance(x, Stacked) else x.p if isinstance(x, Packed) else x for x in (q, k, v)] + \
         ([core["bias"]] if core["bias"] is not None else [])
     if any(v.dtype != np.float32 for v in values):
         return "not float32"
@@ -214,7 +264,24 @@ def read_core(m: Match) -> dict | str:
     mask = _as_mask(core["bias"], g) if core["bias"] is not None else None
     if mask is not None and rank_of(mask[0]) <= 4:
         core.update(bias=None, mask=mask[0], mask_value=mask[1] * core["bias_scale"], mask_on=mask[2])
-    return _with_stacked_heads(core, m) if all(stacked) else core
+    if all(stacked):
+        return _with_stacked_heads(core, m)
+    return _with_packed_heads(core, m.root.outputs[0]) if isinstance(q, Packed) else core
+
+
+def _with_packed_heads(core: dict, out: gs.Tensor) -> dict | str:
+    """Packed Q, K and V: the [n·H, S, L] bias or mask regrouped as [n, H, S, L], as the kernel reads the heads;
+    the output's [S, dv] known (the kernel's [n, H, S, dv] is reshaped back to it)."""
+    if any(not isinstance(d, int) for d in (shape_of(out) or [None])[-2:]):
+        return "Q, K and V packed in one projection, the output's size unknown"
+    extra = core["mask"] if "mask" in core else core["bias"]
+    shape = shape_of(extra) if extra is not None else []
+    if shape is None or len(shape) == 4 or (len(shape) == 3 and shape[0] != 1 and
+                                            not all(isinstance(d, int) for d in shape[1:])):
+        return "Q, K and V packed in one projection, with a bias of unknown size"
+    if len(shape) == 3 and shape[0] != 1:
+        core["regroup"] = [-1, core["q"].heads, *shape[1:]]
+    return core
 
 
 def _with_stacked_heads(core: dict, m: Match) -> dict | str:
@@ -256,16 +323,45 @@ def _to_kernel(m: Match) -> list:
     if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
             len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
         core["y_perm"] = [int(a) for a in reader.attrs["perm"]]
+    written = reader.outputs[0] if core.get("y_perm") is not None else out
+    if isinstance(core["q"], Packed):
+        y_perm = _packed_inputs(m, core, inputs, attrs)
     for key in ("q_perm", "k_perm", "v_perm", "y_perm"):
         if core.get(key) is not None and core[key] != list(range(len(core[key]))):
             attrs[key] = core[key]
-    written = reader.outputs[0] if "y_perm" in attrs else out
     (y,) = m.op("AttentionCore", inputs, attrs, name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN,
-                dtype=written.dtype, shape=written.shape)
-    if "y_perm" not in attrs:
+                dtype=written.dtype, shape=None if isinstance(core["q"], Packed) else written.shape)
+    if isinstance(core["q"], Packed):   # [.., n, H, ..] → the written [.., n·H, ..]
+        dims = [d for d in np.array(shape_of(out), dtype=object)[y_perm]]
+        merged = (attrs.get("y_perm") or [0, 1, 2, 3]).index(0)
+        target = add_constant(m.graph, f"{m.root.name}/merge", np.array(
+            [-1 if i == merged else int(d) if i > merged else 0 for i, d in enumerate(dims)], np.int64))
+        (y,) = m.op("Reshape", [y, target], name=f"{m.root.name}/merge", dtype=written.dtype, shape=written.shape)
+    if core.get("y_perm") is None:
         return [y]
     replace_outputs(m.graph, reader, [y])   # the Transpose is dead now, and so is the MatMul it read
     return [None]
+
+
+def _packed_inputs(m: Match, core: dict, inputs: list, attrs: dict) -> list[int]:
+    """Packed Q, K and V: each the projection p with its last axis split into (H, d) (a Reshape, no copy) and its
+    index selected by the kernel; the bias or mask regrouped; y_perm over the kernel's [n, H, S, dv]. Returns the
+    written value's axes in the terms of the output before the heads were split (to size the merge)."""
+    for i, key in enumerate(("q", "k", "v")):
+        x = core[key]
+        split = add_constant(m.graph, f"{m.root.name}/heads", np.array([0] * (rank_of(x.p) - 1) + [x.heads, x.depth],
+                                                                         np.int64))
+        (inputs[i],) = m.op("Reshape", [x.p, split], name=f"{m.root.name}/heads_{key}", dtype=np.float32)
+        attrs[f"{key}_select"] = [x.axis, x.index]
+    if "regroup" in core:
+        extra = 4 if "mask" in core else 3
+        regroup = add_constant(m.graph, f"{m.root.name}/regroup", np.array(core["regroup"], np.int64))
+        (inputs[extra],) = m.op("Reshape", [inputs[extra], regroup], name=f"{m.root.name}/regroup",
+                                dtype=inputs[extra].dtype)
+    before = core.get("y_perm") or [0, 1, 2]
+    axes = {0: [0, 1], 1: [2], 2: [3]}   # the output [n·H, S, dv] in the axes of [n, H, S, dv]
+    core["y_perm"] = [a for p in before for a in axes[p]]
+    return before
 
 
 def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
