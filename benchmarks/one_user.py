@@ -1,4 +1,4 @@
-"""One user × many candidates: dense rankers optimized with and without `--user-inputs`, against the raw export.
+"""One user × many candidates: rankers optimized with and without `--user-inputs`, against the raw export.
 
     python benchmarks/one_user.py [--only fuxictr,...] [--seconds 3] [--write]
 
@@ -29,7 +29,11 @@ CASES = [(f"fuxictr_{m}_{e}", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", 
         [(f"deepctr_torch_{m}_{e}", TORCH_COLUMNS) for m in ("WDL", "DeepFM", "DCN", "MMOE") for e in ("dynamo", "legacy")] + \
         [(f"paddlerec_{m}_paddle2onnx", HALF_C) for m in ("WideDeep", "DeepFM", "DCN")] + \
         [(f"deeprec_{m}_tf2onnx", "C1:0,C2:0,C3:0") for m in ("WDL", "DeepFM", "DCNv2")] + \
-        [("deeprec_MMoE_tf2onnx", "user_id:0,age_level:0,tag_category_list:0")]   # 3 of 6 in each
+        [("deeprec_MMoE_tf2onnx", "user_id:0,age_level:0,tag_category_list:0")] + \
+        [(f"fuxictr_BST_{e}", PROFILE) for e in ("dynamo", "legacy")] + \
+        [(f"torch_rechub_BST_{e}", "user_id,gender") for e in ("dynamo", "legacy")] + \
+        [("paddlerec_BST_paddle2onnx", "userid"), ("deeprec_BST_tf2onnx", "user_id:0,age_level:0")]   # BST: the
+# behaviour-sequence transformers, whose histories are the user's (#26's one-user measure)
 
 
 def _cell(raw, model, feeds, seconds: float) -> str:

@@ -269,36 +269,35 @@ def read_core(m: Match) -> dict | str:
     return _with_packed_heads(core, m.root.outputs[0]) if isinstance(q, Packed) else core
 
 
-def _with_packed_heads(core: dict, out: gs.Tensor) -> dict | str:
-    """Packed Q, K and V: the [n·H, S, L] bias or mask regrouped as [n, H, S, L], as the kernel reads the heads;
-    the output's [S, dv] known (the kernel's [n, H, S, dv] is reshaped back to it)."""
-    if any(not isinstance(d, int) for d in (shape_of(out) or [None])[-2:]):
-        return "Q, K and V packed in one projection, the output's size unknown"
+def _regrouped(core: dict, lead: list[int], form: str) -> dict | str:
+    """The kernel reads the heads as an axis of their own: a [n·H, S, L] bias or mask (the heads merged into its
+    first axis as Q, K and V had them) regrouped as `lead` + [S, L] (a Reshape, no copy)."""
     extra = core["mask"] if "mask" in core else core["bias"]
     shape = shape_of(extra) if extra is not None else []
     if shape is None or len(shape) == 4 or (len(shape) == 3 and shape[0] != 1 and
                                             not all(isinstance(d, int) for d in shape[1:])):
-        return "Q, K and V packed in one projection, with a bias of unknown size"
+        return f"{form}, with a bias of unknown size"
     if len(shape) == 3 and shape[0] != 1:
-        core["regroup"] = [-1, core["q"].heads, *shape[1:]]
+        core["regroup"] = [*lead, *shape[1:]]
     return core
 
 
+def _with_packed_heads(core: dict, out: gs.Tensor) -> dict | str:
+    """Packed Q, K and V: the bias regrouped as [n, H, S, L]; the output's [S, dv] known (the kernel's
+    [n, H, S, dv] is reshaped back to it)."""
+    if any(not isinstance(d, int) for d in (shape_of(out) or [None])[-2:]):
+        return "Q, K and V packed in one projection, the output's size unknown"
+    return _regrouped(core, [-1, core["q"].heads], "Q, K and V packed in one projection")
+
+
 def _with_stacked_heads(core: dict, m: Match) -> dict | str:
-    """Stacked heads: the value that merges them back (the kernel writes it), and the [H·B, S, L] bias or mask
-    regrouped as [H, B, S, L]."""
+    """Stacked heads: the value that merges them back (the kernel writes it), and the bias regrouped as
+    [H, B, S, L]."""
     heads = core["q"].heads
     core["merged"] = _merged_heads(m.root.outputs[0], m.graph, heads)
     if core["merged"] is None:
         return "heads stacked on the batch axis, not merged back by a Split and a Concat"
-    extra = core["mask"] if "mask" in core else core["bias"]
-    shape = shape_of(extra) if extra is not None else []
-    if shape is None or len(shape) == 4 or (len(shape) == 3 and shape[0] != 1 and
-                                            not all(isinstance(d, int) for d in shape[1:])):
-        return "heads stacked on the batch axis, with a bias of unknown size"
-    if len(shape) == 3 and shape[0] != 1:
-        core["regroup"] = [heads, -1, *shape[1:]]
-    return core
+    return _regrouped(core, [heads, -1], "heads stacked on the batch axis")
 
 
 def _is_core(m: Match) -> bool | str:
