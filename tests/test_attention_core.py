@@ -283,6 +283,50 @@ def test_q_k_and_v_packed_in_one_projection_are_read_in_place(masked):
     assert attrs["y_perm"] == [2, 0, 1, 3] and ops(done).count("Reshape") == 3 + masked + 1
 
 
+def deepctr_attention():
+    """deepctr's Transformer through tf2onnx (its BST): heads stacked on the batch axis; the key mask as tf's
+    where(m, s, pad) written Cast(m)·s + Cast(Not(m))·pad (pad = ConstantOfShape(Shape(s))·-2³²); the row's max
+    subtracted (GlobalMaxPool) before the softmax; the probabilities times a query mask per row, [H·B, L, 1]."""
+    nodes = []
+    for x in "qkv":
+        nodes += [node("Split", [x, "sizes"], [f"{x}{h}" for h in range(H)], axis=-1),
+                  node("Concat", [f"{x}{h}" for h in range(H)], [f"{x}s"], axis=0)]
+    nodes += [node("Transpose", ["ks"], ["kt"], perm=[0, 2, 1]), node("MatMul", ["qs", "kt"], ["qk"]),
+              node("Mul", ["qk", "s"], ["sc"]), node("Tile", ["m", "reps"], ["mt"]),
+              node("Cast", ["mt"], ["keep"], to=onnx.TensorProto.FLOAT), node("Not", ["mt"], ["nm"]),
+              node("Cast", ["nm"], ["drop"], to=onnx.TensorProto.FLOAT), node("Shape", ["sc"], ["shape"]),
+              node("ConstantOfShape", ["shape"], ["ones"], value=onnx.helper.make_tensor("v", F, [1], [1.0])),
+              node("Mul", ["ones", "c"], ["pad"]), node("Mul", ["keep", "sc"], ["a"]), node("Mul", ["drop", "pad"], ["b"]),
+              node("Add", ["a", "b"], ["x"]), node("GlobalMaxPool", ["x"], ["top"]), node("Sub", ["x", "top"], ["xs"]),
+              node("Softmax", ["xs"], ["p"], axis=-1), node("Tile", ["rows", "reps2"], ["rt"]),
+              node("Unsqueeze", ["rt", "last"], ["r3"]), node("Mul", ["p", "r3"], ["pr"]),
+              node("MatMul", ["pr", "vs"], ["ys"]), node("Split", ["ys", "parts"], [f"y{h}" for h in range(H)], axis=0),
+              node("Concat", [f"y{h}" for h in range(H)], ["y"], axis=-1)]
+    inputs = [vi(x, F, ["b", L, H * DK]) for x in "qkv"] + [vi("m", onnx.TensorProto.BOOL, ["b", L, L]),
+                                                            vi("rows", F, ["b", L])]
+    inits = [init("sizes", np.array([DK] * H, np.int64)), init("s", np.array(0.5, np.float32)),
+             init("reps", np.array([H, 1, 1], np.int64)), init("c", np.array(-4294967296.0, np.float32)),
+             init("parts", np.array([B] * H, np.int64)), init("last", np.array([-1], np.int64)),
+             init("reps2", np.array([H, 1], np.int64))]
+    return make_model(nodes, inputs, [vi("y", F, ["b", L, H * DK])], inits)
+
+
+def test_deepctrs_attention_selected_mask_max_and_query_rows():
+    """deepctr's dialect: the where(m, s, pad) read as the mask with mask_replace (the score is pad where masked), the
+    max the softmax subtracts dropped (the kernel subtracts it), the query rows' mask applied to the output; an
+    empty history (every key masked) is a uniform softmax, as in the export."""
+    f = {k: RNG.normal(size=(B, L, H * DK)).astype(np.float32) for k in "qkv"}
+    lengths = np.array([L, 4, 0])
+    f["m"] = np.broadcast_to(np.arange(L)[None, None] < lengths[:, None, None], (B, L, L)).copy()
+    f["rows"] = (np.arange(L)[None] < lengths[:, None]).astype(np.float32)
+    model, _ = run_pass(deepctr_attention(), "infer-shapes")
+    done = _check(model, f, k_perm=[2, 0, 1, 3])
+    core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in core.attribute}
+    assert attrs["mask_replace"] == 1 and attrs["mask_on"] == 0 and core.input[4] != ""
+    assert not {"GlobalMaxPool", "Split", "Concat", "ConstantOfShape", "Not"} & set(ops(done)), ops(done)
+
+
 def test_torch_sequence_first_layout_read_through_strides():
     f = {n: RNG.normal(size=(L, B * H, d)).astype(np.float32) for n, d in (("q", DK), ("k", DK), ("v", DV))}
     f["bias"] = np.where(RNG.random((B * H, L, L)) < 0.3, -np.inf, 0).astype(np.float32)

@@ -5,12 +5,13 @@
  *            1 K [..., L, dk]
  *            2 V [..., L, dv]
  *            3 bias, broadcastable to [..., S, L]                                                    optional
- *            4 mask (bool), broadcastable to [..., S, L]: adds mask_value where mask == mask_on        optional
+ *            4 mask (bool), broadcastable to [..., S, L]: adds mask_value where mask == mask_on (or, with
+ *              mask_replace, the score there is mask_value: tf's Cast(m)·s + Cast(Not(m))·c)        optional
  *              (the Where(mask, -inf, 0) an export builds as the bias, without running it); not with a bias
  *   outputs  0 Y [..., S, dv]
  *   "...": up to two leading axes. Q, K, V and the bias broadcast as the decomposed graph does (numpy's rules: the
  *            bias may widen the leading axes, and the query rows when Q has one).
- *   attributes scale, bias_scale, mask_value (floats), mask_on (int); q_perm, k_perm, v_perm (ints, optional): the
+ *   attributes scale, bias_scale, mask_value (floats), mask_on, mask_replace (ints); q_perm, k_perm, v_perm (ints, optional): the
  *            input is read as Transpose(input, perm) (a layout the export made with a Transpose, or Kᵀ given: K = Kᵀ
  *            with its last two axes swapped), by strides, without copying it; q_select, k_select, v_select (ints
  *            [axis, index], optional): the input (rank 5 at most) is read as Gather(input, index, axis) first (Q, K
@@ -35,7 +36,7 @@
 
 typedef struct {
     float scale, bias_scale, mask_value;
-    int64_t mask_on, perm[4][4], perm_rank[4];   /* perms of Q, K, V, Y; rank 0: none */
+    int64_t mask_on, mask_replace, perm[4][4], perm_rank[4];   /* perms of Q, K, V, Y; rank 0: none */
     int64_t select[3][2];                        /* axis and index of Q, K, V read first; axis -1: none */
 } Kernel;
 
@@ -85,8 +86,9 @@ static inline __attribute__((always_inline)) void weigh_values(const Job *j, con
 }
 
 /* Column l of the bias for a block's rows (at: their offsets from bias or mask, the block's first row's):
- * bias_scale · bias, or mask_value where the mask is mask_on. */
-static inline vec bias_column(const Job *j, const float *bias, const uint8_t *flags, int64_t l, const int64_t *at) {
+ * bias_scale · bias, or mask_value where the mask is mask_on (`on`: those lanes). */
+static inline vec bias_column(const Job *j, const float *bias, const uint8_t *flags, int64_t l, const int64_t *at,
+                              mask *on) {
     if (bias) return j->k->bias_scale * gather(bias + l * j->bs[3], at);
     const uint8_t *m = flags + l * j->bs[3];
     mask set;
@@ -102,6 +104,7 @@ static inline vec bias_column(const Job *j, const float *bias, const uint8_t *fl
         for (int i = 0; i < LANES; ++i) set[i] = m[at[i]] != 0 ? -1 : 0;
     }
     if (!j->k->mask_on) set = ~set;
+    *on = set;
     return pick(set, splat(j->k->mask_value), splat(0.0f));
 }
 
@@ -117,8 +120,9 @@ static vec scores(const Job *j, const float *qt, const float *k, const float *bi
     *kept = 0;
     for (int64_t l = 0; l < j->L; ++l) {
         vec b = {0};
+        mask on = {0};
         if (bias || flags) {
-            b = bias_column(j, bias, flags, l, at);
+            b = bias_column(j, bias, flags, l, at, &on);
             mask masked = b == none;
             int all = 1;
             for (int i = 0; i < LANES; ++i) all &= masked[i] != 0;
@@ -132,7 +136,8 @@ static vec scores(const Job *j, const float *qt, const float *k, const float *bi
             x2 += load(qt + (d + 1) * LANES) * kl[(d + 1) * k_step];
         }
         if (d < dk) x += load(qt + d * LANES) * kl[d * k_step];
-        x = (x + x2) * j->k->scale + b;
+        x = (x + x2) * j->k->scale;
+        x = j->k->mask_replace ? pick(on, b, x) : x + b;
         store(e + *kept * LANES, x);
         keys[(*kept)++] = l;
         top = pick(x > top, x, top);
@@ -337,6 +342,7 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     if (absent) ort->ReleaseStatus(absent);
     absent = s ? NULL : ort->KernelInfoGetAttribute_int64(info, "mask_on", &k->mask_on);
     if (absent) ort->ReleaseStatus(absent);
+    k->mask_replace = s ? 0 : int_attribute(info, "mask_replace", 0);
     static const char *selects[3] = {"q_select", "k_select", "v_select"};
     for (int i = 0; i < 3 && !s; ++i) {
         size_t n = 0;

@@ -16,7 +16,10 @@ floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c), is read from 
 or the Cast and Mul, passes over [B·H, L, L], are not run). Heads that tf splits off the last axis and stacks on
 the batch axis, concat(split(x, H, -1), 0), are read from x in place, and the kernel writes them merged back; so
 are Q, K and V that torch's nn.MultiheadAttention selects out of one packed projection (a Gather of index 0, 1, 2,
-then the heads split into the batch: the kernel reads the projection with a select). A
+then the heads split into the batch: the kernel reads the projection with a select). deepctr's dialect (tf2onnx):
+the key mask as tf's where(m, s, pad), written Cast(m)·s + Cast(Not(m))·pad, is read as the mask (the score is pad
+where masked: mask_replace; the same where the scores are finite); the max a softmax subtracts first is dropped (the
+kernel subtracts it); a value per query row that multiplies the probabilities multiplies the output instead. A
 Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts) is read by the kernel
 through strides instead of being run, and so is one that merges the heads back after it (the kernel writes that
 layout). Float32 only, ranks 2–4.
@@ -32,7 +35,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from ..graph import CtroptError, annotate_shapes_if_bare
-from ..graph.edit import add_constant, const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
+from ..graph.edit import add_constant, axes_of, const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .registry import PassContext, register_pass
 
@@ -47,10 +50,11 @@ def _scalar(t: gs.Tensor, of: gs.Tensor) -> float | None:
     return float(v.reshape(-1)[0])
 
 
-def _unscaled(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float]:
-    """`t` without the Mul/Div by scalar constants that made it (each read only here), and their product."""
+def _unscaled(t: gs.Tensor, graph: gs.Graph, alone: bool = True) -> tuple[gs.Tensor, float]:
+    """`t` without the Mul/Div by scalar constants that made it (each read only here, unless not `alone`), and their
+    product."""
     scale = 1.0
-    while t.inputs and t.inputs[0].op in ("Mul", "Div") and read_once(t, graph):
+    while t.inputs and t.inputs[0].op in ("Mul", "Div") and (read_once(t, graph) or not alone):
         node = t.inputs[0]
         c, x = _scalar(node.inputs[1], node.inputs[0]), node.inputs[0]
         if node.op == "Mul" and c is None:
@@ -179,7 +183,7 @@ def _where_mask(node: gs.Node) -> tuple[gs.Tensor, float, int] | None:
 
 def _flag(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, int] | None:
     """t as 0/1 floats of a boolean mask: Cast(mask) (mask, 1), Cast(Not(mask)) or 1 - Cast(mask) (mask, 0)."""
-    node = t.inputs[0] if t.inputs and read_once(t, graph) else None
+    node = t.inputs[0] if t.inputs else None
     if node is not None and node.op == "Sub" and _scalar(node.inputs[0], node.inputs[1]) == 1.0:
         inner = _flag(node.inputs[1], graph)
         return (inner[0], 1 - inner[1]) if inner else None
@@ -210,6 +214,74 @@ def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] |
     return None
 
 
+def _fill_of(t: gs.Tensor, like: gs.Tensor) -> float | None:
+    """The one value t holds, where it is no larger than `like`: a constant of size 1, ConstantOfShape(Shape(like)),
+    or a product of those."""
+    v = const_value(t)
+    if v is not None:
+        return float(v.reshape(-1)[0]) if v.size == 1 and v.ndim <= (rank_of(like) or 0) else None
+    node = t.inputs[0] if t.inputs else None
+    if node is not None and node.op == "Mul":
+        a, b = (_fill_of(x, like) for x in node.inputs)
+        return None if a is None or b is None else a * b
+    shape = node.inputs[0].inputs[0] if node is not None and node.op == "ConstantOfShape" and node.inputs[0].inputs \
+        else None
+    if shape is None or shape.op != "Shape" or shape.inputs[0] is not like or shape.attrs.get("start", 0) or \
+            shape.attrs.get("end") is not None:
+        return None
+    value = node.attrs.get("value")
+    return float(np.ravel(value.values)[0]) if value is not None else 0.0
+
+
+def _selected(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, gs.Tensor, float] | None:
+    """t = Cast(m)·s + Cast(Not(m))·c, tf's where(m, s, c) as tf2onnx writes it (deepctr's attention), c one finite
+    float: (s, m, c)."""
+    node = t.inputs[0] if t.inputs else None   # read also by the max a softmax subtracts (_without_max)
+    if node is None or node.op != "Add":
+        return None
+    for a, b in (node.inputs, node.inputs[::-1]):
+        keep, drop = (x.inputs[0] if x.inputs and read_once(x, graph) and x.inputs[0].op == "Mul" else None
+                      for x in (a, b))
+        for (score, flag), (c, other) in ((p, q) for p in _pairs(keep) for q in _pairs(drop)):
+            kept, dropped = _flag(flag, graph), _flag(other, graph)
+            value = _fill_of(c, score)
+            if kept and dropped and kept[0] is dropped[0] and (kept[1], dropped[1]) == (1, 0) and \
+                    value is not None and np.isfinite(value):
+                return score, kept[0], value
+    return None
+
+
+def _pairs(node: gs.Node | None) -> list[tuple[gs.Tensor, gs.Tensor]]:
+    return [] if node is None else [tuple(node.inputs), tuple(node.inputs[::-1])]
+
+
+def _without_max(t: gs.Tensor, graph: gs.Graph) -> gs.Tensor:
+    """Softmax(x - max(x)) is Softmax(x): x, where the max over the last axis (GlobalMaxPool of a rank-3 value,
+    ReduceMax keeping its axis) is subtracted before the softmax, read only there."""
+    node = t.inputs[0] if t.inputs and read_once(t, graph) else None
+    top = node.inputs[1].inputs[0] if node is not None and node.op == "Sub" and node.inputs[1].inputs and \
+        read_once(node.inputs[1], graph) else None
+    if top is None or top.inputs[0] is not node.inputs[0]:
+        return t
+    rank = rank_of(node.inputs[0])
+    if (top.op == "GlobalMaxPool" and rank == 3) or (top.op == "ReduceMax" and top.attrs.get("keepdims", 1) and
+                                                     rank and axes_of(top) in ([-1], [rank - 1])):
+        return node.inputs[0]
+    return t
+
+
+def _per_row(t: gs.Tensor) -> gs.Tensor | None:
+    """t as a value per query row, [.., S, 1]: t itself, or u where t = Tile(u, [1, .., 1, L])."""
+    shape = shape_of(t)
+    if shape is not None and shape[-1:] == [1]:
+        return t
+    node = t.inputs[0] if t.inputs else None
+    reps = const_value(node.inputs[1]) if node is not None and node.op == "Tile" else None
+    if reps is None or any(int(r) != 1 for r in np.ravel(reps)[:-1]) or (shape_of(node.inputs[0]) or [None])[-1] != 1:
+        return None
+    return node.inputs[0]
+
+
 def read_core(m: Match) -> dict | str:
     """The attention core at the matched MatMul(Softmax(x), V): its Q, K (and whether given as Kᵀ), V, bias, scale
     and bias sign; a reason when it is not one."""
@@ -220,7 +292,15 @@ def read_core(m: Match) -> dict | str:
     if rank is None or rank < 2 or rank > 4 or axis not in (-1, rank - 1):
         return "not a softmax over the last axis of a rank 2-4 value"
     core = {"bias": None, "bias_scale": 1.0}
-    t, outer = _unscaled(scores, g)
+    if "rowmul" in m.named_nodes:   # a value per query row times the probabilities: times the output instead
+        core["rows"] = _per_row(m["rows"]) if read_once(m.node("softmax").outputs[0], g) else None
+        if core["rows"] is None:
+            return "a Mul after the softmax that is not a value per query row"
+    t, outer = _unscaled(_without_max(scores, g), g)
+    selected = _selected(t, g)
+    if selected is not None:
+        t, outer = _unscaled(selected[0], g, alone=False)   # its Shape read by the constant selected (dead then)
+        core.update(mask=selected[1], mask_value=selected[2], mask_on=0, mask_replace=1)
     node = t.inputs[0] if t.inputs and read_once(t, g) else None
     if node is not None and node.op in ("Add", "Sub"):
         for i in (0,) if node.op == "Sub" else (0, 1):   # a Sub's bias is what it subtracts
@@ -261,6 +341,8 @@ def read_core(m: Match) -> dict | str:
         return "Q, K or V of unknown rank or rank above 4"
     if core["bias"] is not None and (rank_of(core["bias"]) is None or rank_of(core["bias"]) > 4):
         return "a bias of unknown rank or rank above 4"
+    if "mask" in core and core["bias"] is not None:
+        return "a bias and a mask"
     mask = _as_mask(core["bias"], g) if core["bias"] is not None else None
     if mask is not None and rank_of(mask[0]) <= 4:
         core.update(bias=None, mask=mask[0], mask_value=mask[1] * core["bias_scale"], mask_on=mask[2])
@@ -285,8 +367,8 @@ def _regrouped(core: dict, lead: list[int], form: str) -> dict | str:
 def _with_packed_heads(core: dict, out: gs.Tensor) -> dict | str:
     """Packed Q, K and V: the bias regrouped as [n, H, S, L]; the output's [S, dv] known (the kernel's
     [n, H, S, dv] is reshaped back to it)."""
-    if any(not isinstance(d, int) for d in (shape_of(out) or [None])[-2:]):
-        return "Q, K and V packed in one projection, the output's size unknown"
+    if any(not isinstance(d, int) for d in (shape_of(out) or [None])[-2:]) or "rows" in core:
+        return "Q, K and V packed in one projection, the output's size unknown or a value per query row after it"
     return _regrouped(core, [-1, core["q"].heads], "Q, K and V packed in one projection")
 
 
@@ -294,6 +376,9 @@ def _with_stacked_heads(core: dict, m: Match) -> dict | str:
     """Stacked heads: the value that merges them back (the kernel writes it), and the bias regrouped as
     [H, B, S, L]."""
     heads = core["q"].heads
+    rows = shape_of(core["rows"]) if "rows" in core else [1, 1, 1]
+    if rows is None or len(rows) != 3 or not isinstance(rows[1], int):
+        return "heads stacked on the batch axis, with a value per query row of unknown size"
     core["merged"] = _merged_heads(m.root.outputs[0], m.graph, heads)
     if core["merged"] is None:
         return "heads stacked on the batch axis, not merged back by a Split and a Concat"
@@ -314,11 +399,13 @@ def _to_kernel(m: Match) -> list:
     if "mask" in core:
         inputs.append(core["mask"])
         attrs.update(mask_value=float(core["mask_value"]), mask_on=core["mask_on"])
+        if core.get("mask_replace"):
+            attrs["mask_replace"] = 1
     while inputs[-1] is empty:
         inputs.pop()
     if "merged" in core:
         return _stacked_kernel(m, core, inputs, attrs)
-    reader = out.outputs[0] if read_once(out, m.graph) else None
+    reader = out.outputs[0] if read_once(out, m.graph) and "rows" not in core else None
     if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
             len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
         core["y_perm"] = [int(a) for a in reader.attrs["perm"]]
@@ -336,6 +423,8 @@ def _to_kernel(m: Match) -> list:
         target = add_constant(m.graph, f"{m.root.name}/merge", np.array(
             [-1 if i == merged else int(d) if i > merged else 0 for i, d in enumerate(dims)], np.int64))
         (y,) = m.op("Reshape", [y, target], name=f"{m.root.name}/merge", dtype=written.dtype, shape=written.shape)
+    if "rows" in core:
+        (y,) = m.op("Mul", [y, core["rows"]], name=f"{m.root.name}/rows", dtype=out.dtype, shape=out.shape)
     if core.get("y_perm") is None:
         return [y]
     replace_outputs(m.graph, reader, [y])   # the Transpose is dead now, and so is the MatMul it read
@@ -381,6 +470,14 @@ def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
     attrs["y_perm"] = [1, 2, 0, 3]
     (y,) = m.op("AttentionCore", inputs, attrs, name=f"{m.root.name}/AttentionCore", domain=kernels.DOMAIN,
                 dtype=np.float32)
+    if "rows" in core:   # [H·B, S, 1] → [B, S, H, 1], as the kernel writes the heads
+        lead = [heads, -1] if (shape_of(core["rows"]) or [1])[0] != 1 else [1, 1]
+        regroup = add_constant(m.graph, f"{m.root.name}/rows_by_head", np.array(
+            [*lead, int(shape_of(core["rows"])[1]), 1], np.int64))
+        (rows,) = m.op("Reshape", [core["rows"], regroup], name=f"{m.root.name}/rows_by_head", dtype=np.float32)
+        (rows,) = m.op("Transpose", [rows], {"perm": [1, 2, 0, 3]}, name=f"{m.root.name}/rows_first",
+                       dtype=np.float32)
+        (y,) = m.op("Mul", [y, rows], name=f"{m.root.name}/rows", dtype=np.float32)
     merge = add_constant(m.graph, f"{m.root.name}/merge", np.array([0, 0, -1], np.int64))
     merged = core["merged"]
     (out,) = m.op("Reshape", [y, merge], name=f"{m.root.name}/merge", dtype=merged.dtype, shape=merged.shape)
@@ -391,6 +488,9 @@ def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
 CORE_RULES = (
     Rewrite("attention-core", P.MatMul(P.Softmax(Var("scores"), _name="softmax"), Var("v")), _to_kernel, _is_core,
             subgraphs=False),
+    Rewrite("attention-core-rows", P.MatMul(P.Mul(P.Softmax(Var("scores"), _name="softmax"), Var("rows"),
+                                                  _name="rowmul"), Var("v")),
+            _to_kernel, _is_core, subgraphs=False),
 )
 
 

@@ -57,7 +57,8 @@ TORCH_MODELS = ["WDL", "DeepFM", "DCN", "MMOE", "DIN",
 TF_MODELS = ["WDL", "DeepFM", "DCN", "MMOE", "DIN",
              "DIEN_GRU", "DIEN_AUGRU", "DIEN_AGRU", "DIEN_AIGRU",
              # + rnn_v2's v1-style row Select rewritten as broadcasting SelectV2 (patch_rnn_where)
-             "DIEN_GRU_where", "DIEN_AUGRU_where", "DIEN_AGRU_where", "DIEN_AIGRU_where"]
+             "DIEN_GRU_where", "DIEN_AUGRU_where", "DIEN_AGRU_where", "DIEN_AIGRU_where",
+             "BST"]
 
 # ----------------------------------------------------------------------------- feature spec
 # (name, kind, vocab/dim, embedding_name)
@@ -319,7 +320,7 @@ def torch_run(model_name):
                                           maxlen=MAXLEN, length_name=LENGTH_NAME))
         return c
 
-    seq = model_name.startswith("DI")
+    seq = model_name.startswith("DI") or model_name == "BST"
     spec = BASE_FEATS + (SEQ_FEATS if seq else [])
     fc = cols(spec)
     hid = (32, 16)
@@ -497,7 +498,7 @@ def tf_run(model_name):
     from deepctr.feature_column import SparseFeat, DenseFeat, VarLenSparseFeat
     from deepctr import models as M
 
-    seq = model_name.startswith("DI")
+    seq = model_name.startswith("DI") or model_name == "BST"
     spec = BASE_FEATS + (SEQ_FEATS if seq else [])
     fc = []
     for name, kind, v, emb_name in spec:
@@ -531,6 +532,11 @@ def tf_run(model_name):
         elif model_name.startswith("DIEN_"):
             model = M.DIEN(fc, ["item_id", "cate_id"], gru_type=model_name.split("_")[1],
                            dnn_hidden_units=hid, att_hidden_units=(16, 8), seed=1)
+        elif model_name == "BST":
+            # history = concat(hist_item_id, hist_cate_id) embeddings -> 2*EMB = 16 wide; 2 heads of 8.
+            # BST reads features["seq_length"] (LENGTH_NAME) for both of its masks.
+            model = M.BST(fc, ["item_id", "cate_id"], transformer_num=1, att_head_num=2,
+                          dnn_hidden_units=hid, seed=1)
         else:
             raise ValueError(model_name)
     except Exception as e:  # noqa
