@@ -32,8 +32,8 @@ CASES = [(f"fuxictr_{m}_{e}", PROFILE) for m in ("WideDeep", "DeepFM", "DCNv2", 
         [("deeprec_MMoE_tf2onnx", "user_id:0,age_level:0,tag_category_list:0")] + \
         [(f"fuxictr_BST_{e}", PROFILE) for e in ("dynamo", "legacy")] + \
         [(f"torch_rechub_BST_{e}", "user_id,gender") for e in ("dynamo", "legacy")] + \
-        [("paddlerec_BST_paddle2onnx", "userid"), ("deeprec_BST_tf2onnx", "user_id:0,age_level:0")]   # BST: the
-# behaviour-sequence transformers, whose histories are the user's (#26's one-user measure)
+        [("paddlerec_BST_paddle2onnx", "userid"), ("deeprec_BST_tf2onnx", "user_id:0,age_level:0"),
+         ("deepctr_BST_tf2onnx", PROFILE)]   # the behaviour-sequence transformers (#26's one-user measure)
 
 
 def _cell(raw, model, feeds, seconds: float) -> str:

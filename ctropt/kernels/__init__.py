@@ -34,7 +34,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
            HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c",
            HERE / "gather_fields.c", HERE / "dot_sum.c",
-           HERE / "fm_interaction.c", HERE / "gated_sum.c"]  # and kernels.h, which they share
+           HERE / "fm_interaction.c", HERE / "gated_sum.c", HERE / "token_attention.c"]  # and kernels.h, which they share
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)

@@ -384,12 +384,6 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "AttentionCore"; }
-static size_t ORT_API_CALL n_inputs(const OrtCustomOp *op) { (void)op; return 5; }
-
-static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
-    (void)op;
-    return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-}
 
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -397,5 +391,5 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCus
 }
 
 
-OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, input_type, n_inputs, float_type, one_count, input_kind, required, create,
+OrtCustomOp ctropt_attention_core = CUSTOM_OP(name, float_then_mask, five_inputs, float_type, one_count, input_kind, required, create,
                                                compute);

@@ -16,7 +16,7 @@ extern const OrtApi *ort;
 extern OrtCustomOp ctropt_gru_scan, ctropt_attention_core, ctropt_sum_axes, ctropt_small_matmul,
     ctropt_gather_rows, ctropt_gather_rows_int64, ctropt_unique_rows, ctropt_unique_rows_float, ctropt_layer_norm,
     ctropt_mul_add, ctropt_gather_fields,
-    ctropt_dot_sum, ctropt_fm_interaction, ctropt_gated_sum;
+    ctropt_dot_sum, ctropt_fm_interaction, ctropt_gated_sum, ctropt_token_attention;
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t mask __attribute__((vector_size(LANES * sizeof(float))));
@@ -140,6 +140,12 @@ static inline ONNXTensorElementDataType ORT_API_CALL int64_type(const OrtCustomO
     (void)op;
     (void)i;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+}
+/* The attention kernels' five inputs, the last a boolean mask. */
+static inline size_t ORT_API_CALL five_inputs(const OrtCustomOp *op) { (void)op; return 5; }
+static inline ONNXTensorElementDataType ORT_API_CALL float_then_mask(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static inline void ORT_API_CALL destroy(void *kernel) { free(kernel); }
 static inline const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }

@@ -22,5 +22,6 @@ ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_dot_sum));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_fm_interaction));
     TRY(ort->CustomOpDomain_Add(domain, &ctropt_gated_sum));
+    TRY(ort->CustomOpDomain_Add(domain, &ctropt_token_attention));
     return ort->AddCustomOpDomain(options, domain);
 }

@@ -1,0 +1,253 @@
+"""`token-attention`: self-attention whose Q, K and V are linear projections of the tokens → ctropt's
+``TokenAttention`` kernel, which projects in the kernel and does a row's work once for the rows that share it.
+
+In one ranking request every candidate row holds the same user history, and in BST-style models only the
+candidate's own token differs: the history tokens' projections and their scores among themselves are the same in
+every row, and the rows after the first only add their own token (one projection, one key per query row, one
+query row over every key: the kernel merges two partial softmaxes as flash attention does). Runs where user inputs
+are declared (`--user-inputs`: one user per request); the speed guard times it on such requests.
+
+Found from an AttentionCore (attention-core-kernel's, in any dialect it reads) by what feeds it: each of Q, K and V
+is a Gemm or MatMul by a constant (with its bias) of a token tensor [B, T, D], through Reshape, Transpose and
+(un)squeezes only, Q's tokens and the keys' possibly two tensors (deepctr adds a position to each apart). Which
+columns of the projections each head reads, and how the kernel's heads are laid out (batch then heads, or heads
+then batch as tf stacks them), is read off a run of that part of the graph on two random rows, and the rewrite is
+made only where the projections reproduce it. A boolean mask is kept as AttentionCore reads it; a float
+bias (not a mask) is not handled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .. import kernels
+from ..graph import annotate_shapes_if_bare
+from ..graph.edit import add_constant, add_node, const_value, replace_outputs, shape_of
+from ..runtime.subgraph import Subgraph
+from .registry import PassContext, register_pass
+
+LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+PROBE_ROWS, PROBE_TOKENS = 2, 7
+
+
+def _layout(node: gs.Node | None) -> bool:
+    """Whether node only moves values: a Reshape, Transpose, (un)squeeze, or a Gather of one constant index."""
+    if node is None:
+        return False
+    if node.op == "Gather":
+        index = const_value(node.inputs[1])
+        return index is not None and index.ndim == 0
+    return node.op in LAYOUT_OPS
+
+
+def _through_layout(t: gs.Tensor, stop) -> gs.Tensor | None:
+    """The first value from t back through layout ops (their first input) for which stop(value) holds."""
+    for _ in range(16):
+        if stop(t):
+            return t
+        node = t.inputs[0] if t.inputs else None
+        if not _layout(node):
+            return None
+        t = node.inputs[0]
+    return None
+
+
+def _projection(t: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray] | None:
+    """t = x·W + b (a Gemm without transA, a MatMul by a constant [D, C], its Add of a constant [C]): (x, W, b)."""
+    node = t.inputs[0] if t.inputs else None
+    bias = None
+    if node is not None and node.op == "Add":
+        for i in (0, 1):
+            c = const_value(node.inputs[1 - i])
+            if c is not None and c.ndim <= 1 and node.inputs[i].inputs and node.inputs[i].inputs[0].op == "MatMul":
+                bias, node = c.reshape(-1), node.inputs[i].inputs[0]
+                break
+    if node is None or node.op not in ("Gemm", "MatMul"):
+        return None
+    w = const_value(node.inputs[1])
+    if w is None or w.ndim != 2 or w.dtype != np.float32:
+        return None
+    if node.op == "Gemm":
+        if node.attrs.get("transA", 0):
+            return None
+        w = (w.T if node.attrs.get("transB", 0) else w) * float(node.attrs.get("alpha", 1.0))
+        c = const_value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else None
+        if len(node.inputs) > 2 and node.inputs[2].name and (c is None or c.size not in (1, w.shape[1])):
+            return None
+        bias = None if c is None else np.broadcast_to(c.reshape(-1) * float(node.attrs.get("beta", 1.0)),
+                                                      (w.shape[1],))
+    if bias is not None and bias.size != w.shape[1]:
+        return None
+    return node.inputs[0], w, np.zeros(w.shape[1], np.float32) if bias is None else bias.astype(np.float32)
+
+
+def _tokens(x: gs.Tensor, width: int) -> gs.Tensor | None:
+    """The token tensor [B, T, D] the projection's input x is a layout of (B the batch: not a fixed size)."""
+    def fits(t):
+        shape = shape_of(t)
+        return shape is not None and len(shape) == 3 and not isinstance(shape[0], int) and \
+            (shape[2] == width or not isinstance(shape[2], int))
+    return _through_layout(x, fits)
+
+
+def _view(value: np.ndarray, attrs: dict, key: str) -> np.ndarray:
+    """A kernel input as AttentionCore reads it: select, then perm, right-aligned to 4 axes."""
+    sel = attrs.get(f"{key}_select")
+    if sel is not None:
+        value = np.take(value, sel[1], axis=sel[0])
+    perm = attrs.get(f"{key}_perm")
+    if perm is not None:
+        value = np.transpose(value, perm)
+    return value.reshape((1,) * (4 - value.ndim) + value.shape)
+
+
+def _heads(view: np.ndarray, projected: np.ndarray, width: int) -> tuple[str, list[int], bool] | None:
+    """How the kernel's units [l0, l1] lay out (batch, head) — "bh" or "hb", the two merged into one axis or not —
+    and each head's first column in the projections, read off the probe: view[unit] == projected[b][:, col :
+    col + width] (up to rounding: random values, so no other column comes near); None otherwise."""
+    rows = projected.shape[0]
+    merged = view.shape[0] == 1 and view.shape[1] % rows == 0 and view.shape[1] > rows
+    for order in ("bh", "hb"):
+        heads = view.shape[1] // rows if merged else view.shape[1] if order == "bh" else view.shape[0]
+        if merged:
+            view = view.reshape(((rows, heads) if order == "bh" else (heads, rows)) + view.shape[2:])
+        l0, l1 = view.shape[:2]
+        if (l0, l1) != ((rows, heads) if order == "bh" else (heads, rows)):
+            continue
+        cols = []
+        for h in range(heads):
+            found = None
+            for col in range(projected.shape[2] - width + 1):
+                if all(np.allclose(view[(b, h) if order == "bh" else (h, b)], projected[b][:, col:col + width],
+                                   rtol=1e-4, atol=1e-5) for b in range(rows)):
+                    found = col
+                    break
+            if found is None:
+                break
+            cols.append(found)
+        if len(cols) == heads:
+            return order, cols, merged
+        if merged:
+            view = view.reshape((1, rows * heads) + view.shape[2:])
+    return None
+
+
+def _read(core: gs.Node, graph: gs.Graph) -> dict | str:
+    """The tokens, weights, head columns and layout of an AttentionCore fed by projections; a reason otherwise."""
+    ins = core.inputs
+    if len(ins) > 3 and ins[3].name:
+        return "a float bias"
+    found = []
+    for t in ins[:3]:
+        src = _through_layout(t, lambda v: _projection(v) is not None)
+        proj = _projection(src) if src is not None else None
+        if proj is None:
+            return "Q, K or V is not a projection of tokens"
+        found.append(proj)
+    probe = [_tokens(x, w.shape[0]) for x, w, _ in found]
+    if any(p is None for p in probe) or probe[1] is not probe[2]:
+        return "the projections' inputs are not one token tensor [B, T, D] for the keys and values"
+    return {"found": found, "xq": probe[0], "xkv": probe[1], "width": found[0][1].shape[0]}
+
+
+def _columns(core: gs.Node, read: dict, opset: int) -> dict | str:
+    """Runs the part of the graph from the tokens to Q, K and V on random rows: the weights of every projection side
+    by side, each head's columns, and the layout of the kernel's heads."""
+    xq, xkv, found = read["xq"], read["xkv"], read["found"]
+    leaves = [xq] if xq is xkv else [xq, xkv]
+    sub = Subgraph(list(core.inputs[:3]), leaves, opset)
+    if sub.unresolved:
+        return "Q, K or V reads values besides the tokens"
+    tokens, width = shape_of(xq)[1], read["width"]
+    tokens = tokens if isinstance(tokens, int) else PROBE_TOKENS   # a history of any length: probed at one
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=(PROBE_ROWS, tokens, width)).astype(np.float32) for _ in leaves]
+    try:
+        q, k, v = sub.run(values)
+    except Exception as e:   # noqa: BLE001  (onnxruntime's own errors: not this form)
+        return f"the part from the tokens to Q, K and V does not run alone ({str(e).splitlines()[0][:80]})"
+    weights, biases = [], []
+    for _, w, b in found:   # each distinct projection once, side by side
+        if not any(np.array_equal(w, o) and np.array_equal(b, ob) for o, ob in zip(weights, biases)):
+            weights.append(w)
+            biases.append(b)
+    w_all, b_all = np.concatenate(weights, 1).astype(np.float32), np.concatenate(biases).astype(np.float32)
+    projected = [values[0] @ w_all + b_all, values[-1] @ w_all + b_all]
+    layout, cols = None, []
+    for key, value, source in (("q", q, projected[0]), ("k", k, projected[1]), ("v", v, projected[1])):
+        view = _view(value, core.attrs, key)
+        got = _heads(view, source.astype(np.float32), view.shape[3])
+        if got is None or (layout is not None and got[::2] != layout):
+            return "the projections do not reproduce the kernel's Q, K and V"
+        layout = got[::2]
+        cols.append(got[1])
+    perm = core.attrs.get("y_perm") or [0, 1, 2]
+    if layout[1] and (len(shape_of(core.outputs[0]) or []) != 3 or
+                      (perm.index(0) < perm.index(1) and not isinstance(shape_of(xq)[1], int))):
+        return "heads merged into the batch, the output not of rank 3 or its tokens' count unknown"
+    return {"w": w_all, "b": b_all, "cols": cols, "order": layout[0], "merged": layout[1],
+            "dk": _view(q, core.attrs, "q").shape[3], "dv": _view(v, core.attrs, "v").shape[3]}
+
+
+def _rewrite(core: gs.Node, read: dict, cols: dict, graph: gs.Graph) -> None:
+    """TokenAttention in the AttentionCore's place, writing its output's layout (heads merged into the batch: the
+    kernel's [B, H, T, dv] written so that a Reshape merges them, the mask regrouped likewise)."""
+    attrs, name, out = core.attrs, core.name or "attention", core.outputs[0]
+    heads, hb, merged = len(cols["cols"][0]), cols["order"] == "hb", cols["merged"]
+    mask = core.inputs[4] if len(core.inputs) > 4 and core.inputs[4].name else gs.Variable.empty()
+    new = {"heads": heads, "dk": int(cols["dk"]), "dv": int(cols["dv"]), "q_cols": cols["cols"][0],
+           "k_cols": cols["cols"][1], "v_cols": cols["cols"][2], "scale": float(attrs["scale"])}
+    if mask.name:
+        new.update(mask_value=float(attrs.get("mask_value", 0.0)), mask_on=int(attrs.get("mask_on", 1)),
+                   mask_replace=int(attrs.get("mask_replace", 0)), mask_hb=int(hb))
+        shape = shape_of(mask) or []
+        if merged and len(shape) >= 3 and shape[-3] != 1:   # [.., B·H, S, L] → [B, H, S, L] (or [H, B, ..])
+            regroup = add_constant(graph, f"{name}/mask_by_head", np.array([heads, -1] if hb else [-1, heads], np.int64))
+            tail = add_constant(graph, f"{name}/mask_rows", np.array(shape[-2:], np.int64))
+            (target,) = _op(graph, "Concat", [regroup, tail], {"axis": 0}, f"{name}/mask_shape", np.int64)
+            (mask,) = _op(graph, "Reshape", [mask, target], {}, f"{name}/mask_by_head", np.bool_)
+    perm = attrs.get("y_perm") or list(range(3 if merged else 4))
+    if merged:   # the output's B·H axis → the kernel's (B, H) or (H, B)
+        axes = {0: [1, 0] if hb else [0, 1], 1: [2], 2: [3]}
+        y_perm = [a for p in perm for a in axes[p]]
+    else:
+        y_perm = [{0: 1, 1: 0}.get(p, p) for p in perm] if hb else list(perm)
+    if y_perm != [0, 1, 2, 3]:
+        new["y_perm"] = y_perm
+    xkv = gs.Variable.empty() if read["xkv"] is read["xq"] else read["xkv"]
+    w = add_constant(graph, f"{name}/projections", cols["w"])
+    b = add_constant(graph, f"{name}/bias", cols["b"])
+    (y,) = _op(graph, "TokenAttention", [read["xq"], xkv, w, b, mask], new, f"{name}/TokenAttention", np.float32,
+               domain=kernels.DOMAIN, shape=None if merged else out.shape)
+    if merged:   # written [.., B, H, ..] → the output's [.., B·H, ..] (its T and dv as the tokens' and V's)
+        at, sizes = perm.index(0), {1: (shape_of(read["xq"]) or [0, 0])[1], 2: int(cols["dv"])}
+        target = add_constant(graph, f"{name}/merge", np.array(
+            [0 if i < at else -1 if i == at else int(sizes[perm[i]]) for i in range(3)], np.int64))
+        (y,) = _op(graph, "Reshape", [y, target], {}, f"{name}/merge", np.float32, shape=out.shape)
+    replace_outputs(graph, core, [y])
+    graph.nodes.remove(core)
+
+
+def _op(graph: gs.Graph, op: str, inputs: list, attrs: dict, name: str, dtype, domain: str | None = None,
+        shape=None) -> list[gs.Variable]:
+    return add_node(graph, op, inputs, attrs, name=name, domain=domain, dtype=dtype, shape=shape)
+
+
+@register_pass("token-attention", group="lower", targets=("ort",))
+def token_attention(ctx: PassContext) -> None:
+    """Attention whose Q, K and V project the tokens → ctropt's TokenAttention kernel (the projections in it, a row's
+    work shared with the rows holding the same history), where user inputs are declared and its library loads."""
+    if not ctx.options.get("user_inputs") or not kernels.ready(ctx, "token attention"):
+        return
+    annotate_shapes_if_bare(ctx.graph)
+    for core in [n for n in ctx.graph.nodes if n.op == "AttentionCore" and n.domain == kernels.DOMAIN]:
+        read = _read(core, ctx.graph)
+        cols = _columns(core, read, int(ctx.graph.opset or 17)) if isinstance(read, dict) else read
+        if isinstance(cols, str):
+            ctx.note(f"{core.name}: left as AttentionCore ({cols})")
+            continue
+        _rewrite(core, read, cols, ctx.graph)
+        ctx.count(1)
+    if ctx.rewrites:
+        ctx.graph.cleanup().toposort()   # the projections and their layouts, read by nothing now
