@@ -70,6 +70,11 @@ static void project(const Job *j, int64_t b, int64_t t, float *q, float *k, floa
                 for (int r = 0; r < 4; ++r) acc[r] += load(j->w + d * j->C + c0 + r * LANES) * x[d];
             for (int r = 0; r < 4; ++r) store(tmp + c0 + r * LANES, acc[r]);
         }
+        for (; c0 + LANES <= j->C; c0 += LANES) {
+            vec acc = j->b ? load(j->b + c0) : splat(0.0f);
+            for (int64_t d = 0; d < j->D; ++d) acc += load(j->w + d * j->C + c0) * x[d];
+            store(tmp + c0, acc);
+        }
         for (int64_t c = c0; c < j->C; ++c) tmp[c] = j->b ? j->b[c] : 0.0f;
         for (int64_t d = 0; d < j->D; ++d) {
             const float xd = x[d], *wd = j->w + d * j->C;
@@ -212,18 +217,17 @@ static void merge_lanes(const Job *j, int64_t b, const Anchor *a, int64_t h, int
     float *y = j->y + b * j->ys[0] + h * j->ys[1] + i0 * j->ys[2];
     for (int i = 0; i < LANES; ++i) {   /* a query row at a time: its dv values contiguous, in the partials too */
         if (!(lanes >> i & 1)) continue;
-        const float *acc = old + i * dv;
+        const float *acc = old + i * dv, wo = w_old[i] * inv[i];
         float *yi = y + i * j->ys[2];
-        int64_t c = 0;
-        for (; c + LANES <= dv && j->ys[3] == 1; c += LANES) {
-            vec x = load(acc + c) * w_old[i];
-            for (int t = 0; t < n; ++t) x += load(ov + (own[t] * H + h) * dv + c) * e[t][i];
-            store(yi + c, x * inv[i]);
+        if (n == 1 && j->ys[3] == 1) {   /* the common case, one token of its own: a loop the compiler vectorizes */
+            const float *v = ov + (own[0] * H + h) * dv, en = e[0][i] * inv[i];
+            for (int64_t c = 0; c < dv; ++c) yi[c] = acc[c] * wo + en * v[c];
+            continue;
         }
-        for (; c < dv; ++c) {
-            float x = acc[c] * w_old[i];
-            for (int t = 0; t < n; ++t) x += e[t][i] * ov[(own[t] * H + h) * dv + c];
-            yi[c * j->ys[3]] = x * inv[i];
+        for (int64_t c = 0; c < dv; ++c) {
+            float x = acc[c] * wo;
+            for (int t = 0; t < n; ++t) x += e[t][i] * inv[i] * ov[(own[t] * H + h) * dv + c];
+            yi[c * j->ys[3]] = x;
         }
     }
 }
@@ -252,7 +256,8 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64
         for (int64_t d = 0; d < dk; ++d) x += q[d] * k[d];
         s[own[t]] = x * j->k->scale;
     }
-    for (int64_t l = 0; l < Tp; ++l) s[l] = l < j->T ? masked(j, s[l], mask_at(j, b, h, i, l)) : -__builtin_inff();
+    const int64_t row = j->mask ? mask_at(j, b, h, i, 0) : 0;
+    for (int64_t l = 0; l < Tp; ++l) s[l] = l < j->T ? masked(j, s[l], row + l * j->ms[3]) : -__builtin_inff();
     for (int64_t l0 = 0; l0 < Tp; l0 += LANES) top = pick(load(s + l0) > top, load(s + l0), top);
     float m = top[0], e_own[MAX_OWN];
     for (int k = 1; k < LANES; ++k) m = top[k] > m ? top[k] : m;
