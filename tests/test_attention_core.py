@@ -247,7 +247,7 @@ def test_heads_stacked_on_the_batch_axis_are_read_in_place(mask_rows):
     assert ops(done).count("Reshape") == 5   # Q, K and V split into heads, the mask regrouped, Y merged
 
 
-def packed_projection(masked):
+def packed_projection(masked, merged_back=True):
     """torch nn.MultiheadAttention (FuxiCTR BST, dynamo): one projection [L, B, 3, D], Q, K and V each a Gather of
     index 0, 1, 2 on its axis 2 and the heads split into the batch, Reshape [L, B·H, d]; sequence-first, so each is
     transposed; optionally a [B·H, L, L] boolean mask; the heads merged back by a Transpose."""
@@ -258,13 +258,22 @@ def packed_projection(masked):
          node("Mul", ["qk", "s"], ["x0"])]
     if masked:
         nodes += [node("Where", ["m", "minf", "zero"], ["bias"]), node("Add", ["x0", "bias"], ["x"])]
-    nodes += [node("Softmax", ["x" if masked else "x0"], ["pr"], axis=-1), node("MatMul", ["pr", "v"], ["yh"]),
-              node("Transpose", ["yh"], ["y"], perm=[1, 0, 2])]
+    nodes += [node("Softmax", ["x" if masked else "x0"], ["pr"], axis=-1), node("MatMul", ["pr", "v"], ["yh"])]
+    nodes += [node("Transpose", ["yh"], ["y"], perm=[1, 0, 2])] if merged_back else \
+        [node("Relu", ["yh"], ["y"])]   # read by another op: the kernel writes [B·H, L, d] itself
     inputs = [vi("p", F, [L, "b", 3, H * DK])] + ([vi("m", onnx.TensorProto.BOOL, ["bh", L, L])] if masked else [])
     inits = [init(f"i{c}", np.array(c, np.int64)) for c in range(3)] + \
         [init("heads", np.array([L, -1, DK], np.int64)), init("s", np.array(DK ** -0.5, np.float32)),
          init("minf", np.array(-np.inf, np.float32)), init("zero", np.array(0.0, np.float32))]
-    return make_model(nodes, inputs, [vi("y", F, [L, "bh", DK])], inits)
+    return make_model(nodes, inputs, [vi("y", F, [L, "bh", DK] if merged_back else ["bh", L, DK])], inits)
+
+
+def test_packed_q_k_and_v_whose_output_another_op_reads():
+    """No Transpose after the attention: the kernel's [B, H, L, d] is reshaped to the [B·H, L, d] the Relu reads."""
+    f = {"p": RNG.normal(size=(L, B, 3, H * DK)).astype(np.float32)}
+    model, _ = run_pass(packed_projection(False, merged_back=False), "infer-shapes")
+    done = _check(model, f, k_perm=[1, 2, 0, 3])
+    assert "Relu" in ops(done) and "Gather" not in ops(done)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -283,10 +292,11 @@ def test_q_k_and_v_packed_in_one_projection_are_read_in_place(masked):
     assert attrs["y_perm"] == [2, 0, 1, 3] and ops(done).count("Reshape") == 3 + masked + 1
 
 
-def deepctr_attention():
+def deepctr_attention(scale_after=False):
     """deepctr's Transformer through tf2onnx (its BST): heads stacked on the batch axis; the key mask as tf's
     where(m, s, pad) written Cast(m)·s + Cast(Not(m))·pad (pad = ConstantOfShape(Shape(s))·-2³²); the row's max
-    subtracted (GlobalMaxPool) before the softmax; the probabilities times a query mask per row, [H·B, L, 1]."""
+    subtracted (GlobalMaxPool) before the softmax (or, scale_after, the selected scores scaled); the probabilities
+    times a query mask per row, [H·B, L, 1]."""
     nodes = []
     for x in "qkv":
         nodes += [node("Split", [x, "sizes"], [f"{x}{h}" for h in range(H)], axis=-1),
@@ -297,8 +307,10 @@ def deepctr_attention():
               node("Cast", ["nm"], ["drop"], to=onnx.TensorProto.FLOAT), node("Shape", ["sc"], ["shape"]),
               node("ConstantOfShape", ["shape"], ["ones"], value=onnx.helper.make_tensor("v", F, [1], [1.0])),
               node("Mul", ["ones", "c"], ["pad"]), node("Mul", ["keep", "sc"], ["a"]), node("Mul", ["drop", "pad"], ["b"]),
-              node("Add", ["a", "b"], ["x"]), node("GlobalMaxPool", ["x"], ["top"]), node("Sub", ["x", "top"], ["xs"]),
-              node("Softmax", ["xs"], ["p"], axis=-1), node("Tile", ["rows", "reps2"], ["rt"]),
+              node("Add", ["a", "b"], ["x"])]
+    nodes += [node("Mul", ["x", "s2"], ["xs"])] if scale_after else \
+        [node("GlobalMaxPool", ["x"], ["top"]), node("Sub", ["x", "top"], ["xs"])]   # a scale, or the max off
+    nodes += [node("Softmax", ["xs"], ["p"], axis=-1), node("Tile", ["rows", "reps2"], ["rt"]),
               node("Unsqueeze", ["rt", "last"], ["r3"]), node("Mul", ["p", "r3"], ["pr"]),
               node("MatMul", ["pr", "vs"], ["ys"]), node("Split", ["ys", "parts"], [f"y{h}" for h in range(H)], axis=0),
               node("Concat", [f"y{h}" for h in range(H)], ["y"], axis=-1)]
@@ -307,11 +319,12 @@ def deepctr_attention():
     inits = [init("sizes", np.array([DK] * H, np.int64)), init("s", np.array(0.5, np.float32)),
              init("reps", np.array([H, 1, 1], np.int64)), init("c", np.array(-4294967296.0, np.float32)),
              init("parts", np.array([B] * H, np.int64)), init("last", np.array([-1], np.int64)),
-             init("reps2", np.array([H, 1], np.int64))]
+             init("reps2", np.array([H, 1], np.int64)), init("s2", np.array(0.25, np.float32))]
     return make_model(nodes, inputs, [vi("y", F, ["b", L, H * DK])], inits)
 
 
-def test_deepctrs_attention_selected_mask_max_and_query_rows():
+@pytest.mark.parametrize("scale_after", [False, True])
+def test_deepctrs_attention_selected_mask_max_and_query_rows(scale_after):
     """deepctr's dialect: the where(m, s, pad) read as the mask with mask_replace (the score is pad where masked), the
     max the softmax subtracts dropped (the kernel subtracts it), the query rows' mask applied to the output; an
     empty history (every key masked) is a uniform softmax, as in the export."""
@@ -319,7 +332,7 @@ def test_deepctrs_attention_selected_mask_max_and_query_rows():
     lengths = np.array([L, 4, 0])
     f["m"] = np.broadcast_to(np.arange(L)[None, None] < lengths[:, None, None], (B, L, L)).copy()
     f["rows"] = (np.arange(L)[None] < lengths[:, None]).astype(np.float32)
-    model, _ = run_pass(deepctr_attention(), "infer-shapes")
+    model, _ = run_pass(deepctr_attention(scale_after), "infer-shapes")
     done = _check(model, f, k_perm=[2, 0, 1, 3])
     core = next(n for n in done.graph.node if n.op_type == "AttentionCore")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in core.attribute}

@@ -203,6 +203,20 @@ def tf_two_token_tensors():
     return make_model(nodes, [vi("x", F, ["b", TOK, WIDTH])], [vi("y", F, ["b", TOK, WIDTH])], inits)
 
 
+def one_head_residual():
+    """One head on rank-3 values (AutoInt-like, or a 1-head transformer): Q, K, V = x·W + b of [B, T, D], the
+    output added to x (its rank must stay 3)."""
+    nodes = []
+    for x in "qkv":
+        nodes += [node("MatMul", ["x", f"w{x}"], [f"{x}p"]), node("Add", [f"{x}p", f"b{x}"], [x])]
+    nodes += [node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), node("MatMul", ["q", "kt"], ["s"]),
+              node("Mul", ["s", "scale"], ["ss"]), node("Softmax", ["ss"], ["p"], axis=-1),
+              node("MatMul", ["p", "v"], ["o"]), node("Add", ["o", "x"], ["y"])]
+    inits = [init(f"w{x}", _w((WIDTH, WIDTH), i)) for i, x in enumerate("qkv")] + \
+        [init(f"b{x}", _w((WIDTH,), 9 + i)) for i, x in enumerate("qkv")] + [init("scale", np.array(0.3, np.float32))]
+    return make_model(nodes, [vi("x", F, ["b", TOK, WIDTH])], [vi("y", F, ["b", TOK, WIDTH])], inits)
+
+
 def _feeds(model, rows, one_user):
     x = RNG.normal(size=(rows, TOK, WIDTH)).astype(np.float32)
     if one_user:   # one user's history, each row's own last token
@@ -216,7 +230,7 @@ def _feeds(model, rows, one_user):
 
 
 @pytest.mark.parametrize("dialect", [paddle_three_projections, torch_packed_sequence_first,
-                                     torch_heads_merged_into_batch, tf_two_token_tensors])
+                                     torch_heads_merged_into_batch, tf_two_token_tensors, one_head_residual])
 def test_attention_of_projected_tokens_becomes_token_attention(dialect):
     """Each dialect's attention → one TokenAttention reading the tokens (no projection left), the same outputs on
     one-user rows and on rows all different, and a second run changes nothing."""

@@ -13,10 +13,10 @@
  *
  * Head h of row b: q_t = xq[b, t]·w[:, q_cols[h] : + dk] + b[..] (k and v from xkv), softmax(scale · q·kᵀ, the mask
  * applied as AttentionCore applies it) · v. A row computed in full keeps its projections (an anchor); a later row
- * whose tokens have the anchor's bits on all but a quarter of the positions, and whose mask agrees among those,
+ * whose tokens have the anchor's bits on all but at most a quarter of the positions, and whose mask agrees among those,
  * projects only its own tokens and merges them into the anchor's softmax partials over the shared keys (max, sum,
  * Σ e·v: two partial softmaxes merged, as flash attention does). Equal tokens give equal projections and scores, so
- * the result is the decomposed graph's up to the order of sums.
+ * the result is the decomposed graph's up to rounding (the order of sums, the merge's rescaling).
  */
 #include <math.h>
 
@@ -134,7 +134,7 @@ static uint64_t shared_tokens(const Job *j, int64_t b, int64_t a) {
         if (!memcmp(j->xq + (b * j->T + t) * j->D, j->xq + (a * j->T + t) * j->D, bytes) &&
             (j->xkv == j->xq || !memcmp(j->xkv + (b * j->T + t) * j->D, j->xkv + (a * j->T + t) * j->D, bytes)))
             same |= (uint64_t)1 << t;
-        else if (++differ >= MAX_OWN)
+        else if (++differ >= (j->T / 4 + 1 < MAX_OWN ? j->T / 4 + 1 : MAX_OWN))   /* at most a quarter differ */
             return 0;
     }
     return same;

@@ -12,14 +12,14 @@ Found by what it computes, in whichever dialect: a MatMul reading a Softmax over
 ``[MatMul(Q, Kᵀ) scaled by constants] [+ bias | - bias]``, the scale on Q, on Kᵀ or on the scores (a torch export
 scales both by √s), the bias any float value of rank 4 at most (a key-padding, causal or additive mask made by the
 export; the kernel broadcasts it as the Add does). A bias that is Where(mask, c, 0), or c times the mask as 0/1
-floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c), is read from the boolean mask itself (the Where,
+floats (tf2onnx's c·Cast(Not(mask)), or (1 - Cast(mask))·c), is read from the boolean mask itself (the Where,
 or the Cast and Mul, passes over [B·H, L, L], are not run). Heads that tf splits off the last axis and stacks on
 the batch axis, concat(split(x, H, -1), 0), are read from x in place, and the kernel writes them merged back; so
 are Q, K and V that torch's nn.MultiheadAttention selects out of one packed projection (a Gather of index 0, 1, 2,
 then the heads split into the batch: the kernel reads the projection with a select). deepctr's dialect (tf2onnx):
 the key mask as tf's where(m, s, pad), written Cast(m)·s + Cast(Not(m))·pad, is read as the mask (the score is pad
-where masked: mask_replace; the same where the scores are finite); the max a softmax subtracts first is dropped (the
-kernel subtracts it); a value per query row that multiplies the probabilities multiplies the output instead. A
+where masked: mask_replace; the same where the scores are finite), and the max its softmax subtracts first is
+dropped (the kernel subtracts it); a value per query row that multiplies the probabilities multiplies the output instead. A
 Transpose that makes Q, Kᵀ or V (heads split out of a projection, sequence-first layouts) is read by the kernel
 through strides instead of being run, and so is one that merges the heads back after it (the kernel writes that
 layout). Float32 only, ranks 2–4.
@@ -81,13 +81,20 @@ def _stacked(t: gs.Tensor, graph: gs.Graph) -> Stacked | None:
     split = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
     if split is None or split.op != "Split" or list(split.outputs) != list(node.inputs) or rank_of(split.inputs[0]) != 3:
         return None
-    sizes = const_value(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1].name else split.attrs.get("split")
     width = (shape_of(split.inputs[0]) or [None])[-1]
     if split.attrs.get("axis", 0) not in (-1, 2) or not isinstance(width, int) or width % len(node.inputs) or \
-            (sizes is not None and len({int(x) for x in np.ravel(sizes)}) != 1) or \
-            any(not read_once(o, graph) for o in split.outputs):
+            not _equal_parts(split) or any(not read_once(o, graph) for o in split.outputs):
         return None
     return Stacked(split.inputs[0], len(node.inputs))
+
+
+def _equal_parts(split: gs.Node) -> bool:
+    """Whether a Split cuts equal parts: its sizes constant and all one, or none given (num_outputs, even)."""
+    if len(split.inputs) > 1 and split.inputs[1].name:
+        sizes = const_value(split.inputs[1])
+        return sizes is not None and len({int(x) for x in np.ravel(sizes)}) == 1
+    sizes = split.attrs.get("split")
+    return sizes is None or len(set(sizes)) == 1
 
 
 @dataclass
@@ -120,7 +127,7 @@ def _packed(t: gs.Tensor, graph: gs.Graph) -> tuple[Packed, dict] | None:
         return None
     width, depth = g[-1], out[-1]
     if not isinstance(width, (int, np.integer)) or not isinstance(depth, (int, np.integer)) or width % depth or \
-            width == depth or axis == rank - 1 or any(a != b for a, b in zip(g[:k - 2], out[:k - 2])):
+            width == depth or axis == rank - 1 or any(a != b or a is None for a, b in zip(g[:k - 2], out[:k - 2])):
         return None
     heads = width // depth
     if isinstance(g[k - 2], (int, np.integer)) and out[k - 2] != g[k - 2] * heads:
@@ -157,7 +164,8 @@ def _merged_heads(out: gs.Tensor, graph: gs.Graph, heads: int) -> gs.Tensor | No
     """The value that merges stacked heads back, Concat(Split(out, H, axis 0), last axis), when it is all that reads
     out."""
     split = out.outputs[0] if read_once(out, graph) else None
-    if split is None or split.op != "Split" or split.attrs.get("axis", 0) != 0 or len(split.outputs) != heads:
+    if split is None or split.op != "Split" or split.attrs.get("axis", 0) != 0 or len(split.outputs) != heads or \
+            not _equal_parts(split):
         return None
     concat = split.outputs[0].outputs[0] if read_once(split.outputs[0], graph) else None
     if concat is None or concat.op != "Concat" or list(concat.inputs) != list(split.outputs) or \
@@ -198,7 +206,7 @@ def _flag(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, int] | None:
 
 def _as_mask(bias: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, float, int] | None:
     """A bias (read only here) that is a boolean mask's constant: Where(mask, c, 0) or Where(mask, 0, c), or c times
-    the mask as 0/1 floats (tf2onnx's c·Cast(Not(mask)), BERT's (1 - Cast(mask))·c; c finite: ∞·0 is NaN), as (mask,
+    the mask as 0/1 floats (tf2onnx's c·Cast(Not(mask)), (1 - Cast(mask))·c; c finite: ∞·0 is NaN), as (mask,
     c, the mask's value where c is added); None otherwise."""
     node = bias.inputs[0] if bias.inputs and read_once(bias, graph) else None
     if node is None:
@@ -298,9 +306,12 @@ def read_core(m: Match) -> dict | str:
             return "a Mul after the softmax that is not a value per query row"
     t, outer = _unscaled(_without_max(scores, g), g)
     selected = _selected(t, g)
-    if selected is not None:
-        t, outer = _unscaled(selected[0], g, alone=False)   # its Shape read by the constant selected (dead then)
-        core.update(mask=selected[1], mask_value=selected[2], mask_on=0, mask_replace=1)
+    if selected is not None:   # a scale outside the select scales the scores and the value they are replaced by
+        if rank_of(selected[1]) is None or rank_of(selected[1]) > 4:
+            return "a mask of unknown rank or rank above 4"
+        core.update(mask=selected[1], mask_value=selected[2] * outer, mask_on=0, mask_replace=1)
+        t, inner = _unscaled(selected[0], g, alone=False)   # its Shape read by the constant selected (dead then)
+        outer *= inner
     node = t.inputs[0] if t.inputs and read_once(t, g) else None
     if node is not None and node.op in ("Add", "Sub"):
         for i in (0,) if node.op == "Sub" else (0, 1):   # a Sub's bias is what it subtracts
@@ -409,7 +420,8 @@ def _to_kernel(m: Match) -> list:
     if reader is not None and reader.op == "Transpose" and "perm" in reader.attrs and \
             len(reader.attrs["perm"]) == rank_of(out):   # heads merged back: the kernel writes that layout
         core["y_perm"] = [int(a) for a in reader.attrs["perm"]]
-    written = reader.outputs[0] if core.get("y_perm") is not None else out
+    absorbed = core.get("y_perm") is not None   # the Transpose after it: the kernel writes its layout
+    written = reader.outputs[0] if absorbed else out
     if isinstance(core["q"], Packed):
         y_perm = _packed_inputs(m, core, inputs, attrs)
     for key in ("q_perm", "k_perm", "v_perm", "y_perm"):
@@ -425,7 +437,7 @@ def _to_kernel(m: Match) -> list:
         (y,) = m.op("Reshape", [y, target], name=f"{m.root.name}/merge", dtype=written.dtype, shape=written.shape)
     if "rows" in core:
         (y,) = m.op("Mul", [y, core["rows"]], name=f"{m.root.name}/rows", dtype=out.dtype, shape=out.shape)
-    if core.get("y_perm") is None:
+    if not absorbed:
         return [y]
     replace_outputs(m.graph, reader, [y])   # the Transpose is dead now, and so is the MatMul it read
     return [None]

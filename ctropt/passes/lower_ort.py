@@ -174,9 +174,10 @@ def _batchnorm_norm(m: Match) -> dict | None:
     sub = _made(sum_sq.inputs[0], "Sub") if sum_sq else None
     rows = ([0, 2, 3], [2, 3], [2])
     if mean is None or sub is None or mean.inputs[0] is not x4 or list(sub.inputs) != [x4, mean.outputs[0]] or \
-            axes_of(mean) not in rows or axes_of(sum_sq) not in rows or not mean.attrs.get("keepdims", 1) or \
+            axes_of(mean) not in rows or axes_of(sum_sq) != [0, 2, 3] or sum_sq.attrs.get("keepdims", 1) or \
+            not mean.attrs.get("keepdims", 1) or axes_of(squeeze) != [0, 2, 3] or \
             _fill(div.inputs[1]) != float(shape[-1]):
-        return None
+        return None   # the statistics of each row ([1, N, D, 1] → [N]), the variance over D
     return {"x": x, "eps": float(bn.attrs.get("epsilon", 1e-5))}
 
 

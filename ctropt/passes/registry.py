@@ -145,7 +145,7 @@ PIPELINE_ORDER = {
     "project-query-once": 42, "weighted-sum-as-matmul": 45, "lookup-selected-rows": 46, "fuse-parallel-embeddings": 50,
     "fuse-fc": 60, "fold-fc-affine": 62, "static-reshape-targets": 63,
     # lower: the fused ops for the target first, then the forms OpenVINO cannot load or runs wrong
-    "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "token-attention": 2, "fm-interaction-kernel": 2, "small-products-kernel": 3, "gather-rows-kernel": 4, "gated-sum-kernel": 4, "unique-rows-kernel": 4, "residual-add-as-sum": 5, "layer-norm-kernel": 6, "mul-add-kernel": 7, "dot-sum-kernel": 8, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
+    "lower-rnn-ort": 1, "lower-rnn-openvino": 1, "attention-core-kernel": 2, "token-attention": 2.5, "fm-interaction-kernel": 2, "small-products-kernel": 3, "gather-rows-kernel": 4, "gated-sum-kernel": 4, "unique-rows-kernel": 4, "residual-add-as-sum": 5, "layer-norm-kernel": 6, "mul-add-kernel": 7, "dot-sum-kernel": 8, "squeeze-explicit-axes": 10, "compress-explicit-axis": 11,
     "body-inputs-own-names": 19, "scan-outer-scope-as-state": 20, "loop-inline-invariant-constants": 21,
     "body-passthrough-identity": 22, "concat-into-if-branches": 23, "gru-sequence-lens-as-mask": 30,
     "split-cast-bool-as-compare": 40, "topk-ties-by-index": 41,

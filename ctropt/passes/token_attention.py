@@ -107,7 +107,7 @@ def _heads(view: np.ndarray, projected: np.ndarray, width: int) -> tuple[str, li
     and each head's first column in the projections, read off the probe: view[unit] == projected[b][:, col :
     col + width] (up to rounding: random values, so no other column comes near); None otherwise."""
     rows = projected.shape[0]
-    merged = view.shape[0] == 1 and view.shape[1] % rows == 0 and view.shape[1] > rows
+    merged = view.shape[0] == 1 and view.shape[1] % rows == 0   # one head: [1, B] read as [B, 1] merged
     for order in ("bh", "hb"):
         heads = view.shape[1] // rows if merged else view.shape[1] if order == "bh" else view.shape[0]
         if merged:
@@ -133,7 +133,7 @@ def _heads(view: np.ndarray, projected: np.ndarray, width: int) -> tuple[str, li
     return None
 
 
-def _read(core: gs.Node, graph: gs.Graph) -> dict | str:
+def _read(core: gs.Node) -> dict | str:
     """The tokens, weights, head columns and layout of an AttentionCore fed by projections; a reason otherwise."""
     ins = core.inputs
     if len(ins) > 3 and ins[3].name:
@@ -182,10 +182,20 @@ def _columns(core: gs.Node, read: dict, opset: int) -> dict | str:
             return "the projections do not reproduce the kernel's Q, K and V"
         layout = got[::2]
         cols.append(got[1])
+    if len({len(c) for c in cols}) != 1:
+        return "Q, K and V with different head counts"
+    mask = core.inputs[4] if len(core.inputs) > 4 and core.inputs[4].name else None
+    rank = max([2, len(shape_of(mask) or []) if mask is not None else 0] +   # AttentionCore's output rank
+               [x.ndim - (1 if core.attrs.get(f"{key}_select") else 0) for key, x in zip("qkv", (q, k, v))])
     perm = core.attrs.get("y_perm") or [0, 1, 2]
-    if layout[1] and (len(shape_of(core.outputs[0]) or []) != 3 or
-                      (perm.index(0) < perm.index(1) and not isinstance(shape_of(xq)[1], int))):
+    if not layout[1] and rank != 4:
+        return "the output not of rank 4"
+    if layout[1] and (rank != 3 or (perm.index(0) < perm.index(1) and not isinstance(shape_of(xq)[1], int))):
         return "heads merged into the batch, the output not of rank 3 or its tokens' count unknown"
+    shape = shape_of(mask) if mask is not None else []
+    if layout[1] and (shape is None or (len(shape) >= 3 and shape[-3] != 1 and
+                                        not all(isinstance(d, int) for d in shape[-2:]))):
+        return "heads merged into the batch, with a mask of unknown size"
     return {"w": w_all, "b": b_all, "cols": cols, "order": layout[0], "merged": layout[1],
             "dk": _view(q, core.attrs, "q").shape[3], "dv": _view(v, core.attrs, "v").shape[3]}
 
@@ -242,7 +252,7 @@ def token_attention(ctx: PassContext) -> None:
         return
     annotate_shapes_if_bare(ctx.graph)
     for core in [n for n in ctx.graph.nodes if n.op == "AttentionCore" and n.domain == kernels.DOMAIN]:
-        read = _read(core, ctx.graph)
+        read = _read(core)
         cols = _columns(core, read, int(ctx.graph.opset or 17)) if isinstance(read, dict) else read
         if isinstance(cols, str):
             ctx.note(f"{core.name}: left as AttentionCore ({cols})")
