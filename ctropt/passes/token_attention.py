@@ -25,6 +25,8 @@ from .. import kernels
 from ..graph import annotate_shapes_if_bare
 from ..graph.edit import add_constant, add_node, const_value, replace_outputs, shape_of
 from ..runtime.subgraph import Subgraph
+from .fc import per_column
+from .query_once import layer_weights
 from .registry import PassContext, register_pass
 
 LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
@@ -54,32 +56,21 @@ def _through_layout(t: gs.Tensor, stop) -> gs.Tensor | None:
 
 
 def _projection(t: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray] | None:
-    """t = x·W + b (a Gemm without transA, a MatMul by a constant [D, C], its Add of a constant [C]): (x, W, b)."""
+    """t = x·W + b: a MatMul or a plain Gemm by constants (`query_once.layer_weights`), then an Add of a constant per
+    column or none: (x, W [D, C] float32, b [C])."""
     node = t.inputs[0] if t.inputs else None
-    bias = None
+    added = None
     if node is not None and node.op == "Add":
-        for i in (0, 1):
-            c = const_value(node.inputs[1 - i])
-            if c is not None and c.ndim <= 1 and node.inputs[i].inputs and node.inputs[i].inputs[0].op == "MatMul":
-                bias, node = c.reshape(-1), node.inputs[i].inputs[0]
-                break
-    if node is None or node.op not in ("Gemm", "MatMul"):
-        return None
-    w = const_value(node.inputs[1])
+        k = next((i for i in (0, 1) if const_value(node.inputs[i]) is not None), None)
+        if k is None or not node.inputs[1 - k].inputs:
+            return None
+        added, node = node.inputs[k], node.inputs[1 - k].inputs[0]
+    w, b = layer_weights(node)
     if w is None or w.ndim != 2 or w.dtype != np.float32:
         return None
-    if node.op == "Gemm":
-        if node.attrs.get("transA", 0):
-            return None
-        w = (w.T if node.attrs.get("transB", 0) else w) * float(node.attrs.get("alpha", 1.0))
-        c = const_value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else None
-        if len(node.inputs) > 2 and node.inputs[2].name and (c is None or c.size not in (1, w.shape[1])):
-            return None
-        bias = None if c is None else np.broadcast_to(c.reshape(-1) * float(node.attrs.get("beta", 1.0)),
-                                                      (w.shape[1],))
-    if bias is not None and bias.size != w.shape[1]:
-        return None
-    return node.inputs[0], w, np.zeros(w.shape[1], np.float32) if bias is None else bias.astype(np.float32)
+    bias = np.zeros(w.shape[1]) if b is None else np.broadcast_to(np.reshape(b, -1), (w.shape[1],))
+    c = per_column(added, w.shape[1]) if added is not None else 0.0
+    return None if c is None else (node.inputs[0], w, (bias + c).astype(np.float32))
 
 
 def _tokens(x: gs.Tensor, width: int) -> gs.Tensor | None:
