@@ -385,6 +385,93 @@ def test_user_side_runs_once_per_distinct_user():
     assert ctropt.graph.interface(once) == ctropt.graph.interface(model)
 
 
+def stacked_user_tower(layout: str):
+    """user_tower's MatMul on the history's rows stacked on the batch axis, then unstacked: "heads" is tf's
+    multi-head layout (Concat(Split(x, 2, -1), 0): [2B, T, C/2]), "flat" tensordot's [B·T, C]; "paired" unstacks
+    the heads by a Reshape straight to [B, T, C], which makes row b of stacked rows 2b and 2b + 1: it mixes rows."""
+    model = user_tower()
+    g = model.graph
+    first = next(i for i, n in enumerate(g.node) if n.op_type == "MatMul")
+    half = init("w_half", np.random.default_rng(5).normal(size=(C // 2, C // 2)).astype(np.float32))
+    if layout == "flat":
+        body = [node("Shape", ["hist_emb"], ["emb_shape"]),
+                node("Reshape", ["hist_emb", "to_rows"], ["rows"]),
+                node("MatMul", ["rows", "w_user"], ["rows_u"]),
+                node("Reshape", ["rows_u", "emb_shape"], ["hu"])]
+        extra = [init("to_rows", np.array([-1, C], np.int64))]
+    else:
+        body = [node("Split", ["hist_emb"], ["h0", "h1"], axis=-1),
+                node("Concat", ["h0", "h1"], ["stacked"], axis=0),
+                node("MatMul", ["stacked", "w_half"], ["stacked_u"])]
+        if layout == "heads":
+            body += [node("Split", ["stacked_u"], ["u0", "u1"], axis=0),
+                     node("Concat", ["u0", "u1"], ["hu"], axis=-1)]
+        else:
+            body += [node("Shape", ["hist_emb"], ["emb_shape"]),
+                     node("Reshape", ["stacked_u", "emb_shape"], ["hu"])]
+        extra = [half]
+    nodes = list(g.node[:first]) + body + list(g.node[first + 1:])
+    del g.node[:]
+    g.node.extend(nodes)
+    g.initializer.extend(extra)
+    return model
+
+
+@pytest.mark.parametrize("layout", ["heads", "flat", "paired"])
+def test_rows_stacked_on_the_batch_axis_run_once_per_user_when_no_row_mixes(layout):
+    model = stacked_user_tower(layout)
+    once, ctx = run_pass(model, "dedup-user-side")
+    for users in ([0, 0, 0, 0], [0, 1, 0, 2, 1], [3], [0, 1, 2, 3]):
+        assert_same_outputs(model, once, _user_feeds(users), atol=1e-12, rtol=0)
+    mm = next(n for n in once.graph.node if n.op_type == "MatMul" and "w_" in n.input[1] and n.input[1] != "w_out")
+    if layout == "paired":   # measured: the reshape mixes rows, so it and what follows stay per row
+        assert any("mixes rows" in n for n in ctx.notes), ctx.notes
+        assert not any(n.op_type == "Gather" and n.output[0] == mm.input[0] for n in once.graph.node)
+        return
+    assert ctx.rewrites == 1, ctx.notes
+    # The stacked values stay inside: the history is read on the distinct rows, the user vector gathered back.
+    assert sorted(ops(once)) == sorted(ops(model) + ["Unique", "Gather", "Gather"]), ops(once)
+    twice, ctx2 = run_pass(once, "dedup-user-side")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
+def user_mask_tower():
+    """A light user side: hist ids [B, 5] → a padding mask, broadcast to [B, 5, 5], and-ed with a constant pattern,
+    tiled over 2 heads ([B, 2, 5, 5]); no matmul. Each row's item scales it: out = Σ mask · item."""
+    T = 5
+    nodes = [node("Equal", ["hist_ids", "zero"], ["pad"]), node("Unsqueeze", ["pad", "ax1"], ["pad1"]),
+             node("Expand", ["pad1", "square"], ["pads"]), node("Not", ["pads"], ["valid"]),
+             node("And", ["valid", "pattern"], ["allowed"]), node("Unsqueeze", ["allowed", "ax1"], ["allowed1"]),
+             node("Tile", ["allowed1", "heads"], ["mask"]), node("Cast", ["mask"], ["maskf"], to=F),
+             node("Gather", ["table", "item_id"], ["item"]), node("Reshape", ["item", "col4"], ["item4"]),
+             node("Mul", ["maskf", "item4"], ["scaled"]), node("ReduceSum", ["scaled", "axes"], ["out"], keepdims=0)]
+    inits = [init("zero", np.array(0, np.int64)), init("ax1", np.array([1], np.int64)),
+             init("square", np.array([1, T, 1], np.int64)), init("pattern", ~np.eye(T, dtype=bool)),
+             init("heads", np.array([1, 2, 1, 1], np.int64)), init("table", np.arange(50, dtype=np.float32)[:, None]),
+             init("col4", np.array([-1, 1, 1, 1], np.int64)), init("axes", np.array([1, 2, 3], np.int64))]
+    inputs = [vi("hist_ids", I64, ["batch", T]), vi("item_id", I64, ["batch"])]
+    return make_model(nodes, inputs, [vi("out", F, ["batch"])], inits)
+
+
+def test_a_light_user_side_runs_once_where_requests_hold_one_user():
+    """No matmul on the user side: left per row, unless user inputs are declared (one user per request), where a
+    chain that writes more than twice what comes back (the mask tiled over heads and tokens) runs once per user."""
+    model = user_mask_tower()
+    plain, ctx = run_pass(model, "dedup-user-side")
+    assert ctx.rewrites == 0 and any("too light" in n for n in ctx.notes), ctx.notes
+    once, ctx = run_pass(model, "dedup-user-side", user_inputs="hist_ids")
+    assert ctx.rewrites == 1, ctx.notes
+    assert ops(once).count("Unique") == 1 and ops(once).count("Tile") == 1
+    cast = next(n for n in once.graph.node if n.op_type == "Cast")   # the mask's float, which reads it alone, too
+    assert any(n.op_type == "Gather" and n.input[0] == cast.output[0] for n in once.graph.node)  # gathered back
+    for users in ([0, 0, 0, 0], [0, 1, 0, 2, 1], [3]):
+        f = _user_feeds(users)
+        f["hist_ids"][:, ::2] = 0   # padding
+        assert_same_outputs(model, once, f, atol=0, rtol=0)
+    twice, ctx2 = run_pass(once, "dedup-user-side", user_inputs="hist_ids")
+    assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
 @pytest.mark.parametrize("stats,op,why", [("mean", "ReduceMean", "reduces over the batch"),
                                           ("softmax", "Softmax", "mixes rows")])
 def test_batch_statistics_block_dedup_and_say_why(stats, op, why):

@@ -131,3 +131,22 @@ def test_ids_of_a_sharded_table_stay_below_all_shards_rows_and_an_id_check_is_no
     ids = generate_inputs(model, batch=64)["ids"]
     assert ids.min() >= 0 and ids.max() < 10 and ids.max() >= 5  # both shards are exercised
     run_model(model, {"ids": ids})
+
+
+def test_ids_read_by_ctropt_gather_kernels_stay_in_their_tables():
+    """After lowering, a lookup is ctropt's GatherRows (table, ids, per-field offsets) and dedup-user-side's Gather of
+    the distinct users' ids a GatherRowsInt64: generated ids stay below the table's rows less the largest offset, so
+    a probe of a lowered graph runs."""
+    from ctropt import kernels
+
+    nodes = [helper.make_node("Unique", ["user"], ["u", "first", "inverse", "counts"], axis=0, sorted=0),
+             helper.make_node("GatherRowsInt64", ["user", "first"], ["distinct"], domain=kernels.DOMAIN),
+             helper.make_node("GatherRows", ["table", "distinct"], ["user_emb"], domain=kernels.DOMAIN),
+             helper.make_node("GatherRows", ["table", "fields", "offsets"], ["emb"], domain=kernels.DOMAIN)]
+    inits = [init("table", np.zeros((10, 4), np.float32)), init("offsets", np.array([0, 4, 7], np.int64))]
+    model = make_model(nodes, [vi("user", I64, ["B", 1]), vi("fields", I64, ["B", 3])],
+                       [vi("user_emb", F, None), vi("emb", F, None)], inits)
+    model.opset_import.append(helper.make_opsetid(kernels.DOMAIN, 1))
+    feeds = generate_inputs(model, batch=200)
+    assert 0 <= feeds["user"].min() and feeds["user"].max() < 10
+    assert 0 <= feeds["fields"].min() and feeds["fields"].max() < 3 and feeds["fields"].max() == 2

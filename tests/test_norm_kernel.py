@@ -51,6 +51,20 @@ def test_a_residual_add_a_norm_without_bias_and_one_without_residual():
     assert list(next(n for n in out.graph.node if n.op_type == "LayerNorm").input) == ["a", "g", "beta"]
 
 
+@pytest.mark.parametrize("b_dims", [["N", 7, 16], ["B", 7, 1]])
+def test_a_residual_whose_sizes_are_named_apart_is_taken_where_a_run_shows_one_shape(b_dims):
+    """The residual's two values with sizes the annotations name differently ('N' and 'B', as a Transpose's 'unk__10'
+    and a Concat's 'batch' in FuxiCTR's legacy BST): a run of the graph at two sizes shows them of one shape, so
+    the Sum goes into the kernel. A value broadcast over the width ([B, 7, 1]) keeps its Sum."""
+    model = block_norm(16)
+    model.graph.input[1].CopyFrom(vi("b", F, b_dims))
+    feeds = {"a": _feeds(16)["a"], "b": _feeds(16)["b"][..., :b_dims[-1]]}
+    folded = b_dims[-1] == 16
+    out, ctx = check_pass(model, "layer-norm-kernel", ["LayerNorm", "Relu"] + ([] if folded else ["Sum"]), feeds)
+    kernel = next(n for n in out.graph.node if n.op_type == "LayerNorm")
+    assert list(kernel.input) == (["a", "g", "beta", "b"] if folded else ["s", "g", "beta"])
+
+
 def test_a_sum_read_elsewhere_stays_apart():
     model = block_norm(32)
     model.graph.node.append(node("Neg", ["s"], ["y2"]))

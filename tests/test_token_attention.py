@@ -250,6 +250,56 @@ def test_attention_of_projected_tokens_becomes_token_attention(dialect):
     assert ctropt.graph.interface(done) == ctropt.graph.interface(model)
 
 
+def projected(dialect, form):
+    """The dialect's attention followed by its output projection as exporters write it: "paddle" a MatMul, the bias
+    added, then the residual x added; "torch" (nn.MultiheadAttention, sequence first) [T, B, D] → Reshape [T·B, D]
+    → Gemm → Reshape [T, B, D] → Transpose to [B, T, D]; "tf" a MatMul without bias."""
+    model = dialect()
+    g = model.graph
+    g.output[0].name = "z"
+    del g.output[0].type.tensor_type.shape.dim[:]
+    if form == "paddle":
+        nodes = [node("MatMul", ["y", "wo"], ["yo"]), node("Add", ["yo", "bo"], ["yb"]), node("Add", ["yb", "x"], ["z"])]
+        inits = [init("wo", _w((WIDTH, WIDTH), 20)), init("bo", _w((WIDTH,), 21))]
+    elif form == "torch":
+        nodes = [node("Reshape", ["y", "rows"], ["yr"]), node("Gemm", ["yr", "wo", "bo"], ["yo"], transB=1),
+                 node("Reshape", ["yo", "tbd"], ["yt"]), node("Transpose", ["yt"], ["z"], perm=[1, 0, 2])]
+        inits = [init("wo", _w((WIDTH, WIDTH), 20)), init("bo", _w((WIDTH,), 21)),
+                 init("rows", np.array([-1, WIDTH], np.int64)), init("tbd", np.array([TOK, -1, WIDTH], np.int64))]
+    else:
+        nodes, inits = [node("MatMul", ["y", "wo"], ["z"])], [init("wo", _w((WIDTH, WIDTH), 20))]
+    g.node.extend(nodes)
+    g.initializer.extend(inits)
+    return model
+
+
+@pytest.mark.parametrize("dialect,form", [(paddle_three_projections, "paddle"), (torch_packed_sequence_first, "torch"),
+                                          (torch_heads_merged_into_batch, "torch"), (tf_two_token_tensors, "tf")])
+def test_the_kernel_writes_rows_in_the_order_the_output_projection_is_read(dialect, form):
+    """torch's sequence-first attention: its output projection is read through Transposes to [B, T, D]; the kernel
+    writes [B, T, H, dv] instead, then Reshape, one Gemm (W_o's rows in the kernel's head order), Reshape: no
+    Transpose left. Where no Transpose is on the way (paddle, tf) the projection stays as the exporter wrote it.
+    Same outputs; idempotent."""
+    model = projected(dialect, form)
+    core, _ = run_pass(model, "attention-core-kernel")
+    done, ctx = run_pass(core, "token-attention", user_inputs="x")
+    assert ctx.rewrites == 1 and not any("Transposes kept" in n for n in ctx.notes), ctx.notes
+    if form == "torch":
+        assert "Transpose" not in ops(done) and ops(done).count("Gemm") == 1, ops(done)
+        ta = next(n for n in done.graph.node if n.op_type == "TokenAttention")
+        assert list(next(a for a in ta.attribute if a.name == "y_perm").ints) == [0, 2, 1, 3]
+    else:
+        assert ops(done).count("MatMul") == 1 and "Gemm" not in ops(done), ops(done)
+    rows = 3 if dialect is tf_two_token_tensors else 6
+    for one_user in (True, False):
+        f = _feeds(model, rows, one_user)
+        want, got = run_model(model, f), run_model(done, f)
+        np.testing.assert_allclose(got["z"], want["z"], atol=5e-5, rtol=1e-4)
+    again, ctx2 = run_pass(done, "token-attention", user_inputs="x")
+    assert ctx2.rewrites == 0 and ops(again) == ops(done)
+    assert ctropt.graph.interface(done) == ctropt.graph.interface(model)
+
+
 def test_only_where_user_inputs_are_declared():
     """Without --user-inputs the requests are not one user's: the AttentionCore stays."""
     core, _ = run_pass(paddle_three_projections(), "attention-core-kernel")

@@ -40,9 +40,10 @@ static void sum_narrow(const float *x, int64_t R, int64_t C, float *y) {
         for (int u = 0; u < 4; ++u) acc[u] += load(x + i + u * LANES);
     for (; i < full; i += LANES) acc[0] += load(x + i);
     vec total = acc[0] + acc[1] + acc[2] + acc[3];
-    for (int64_t c = 0; c < C; ++c) y[c] = 0.0f;
-    for (int l = 0; l < LANES; ++l) y[l & (C - 1)] += total[l];   /* C divides LANES: a power of 2 */
-    for (; i < n; ++i) y[i & (C - 1)] += x[i];
+    float s[LANES] = {0};   /* the columns' sums in registers: y written once (a chain of adds through y stalls) */
+    for (int l = 0; l < LANES; ++l) s[l & (C - 1)] += total[l];   /* C divides LANES: a power of 2 */
+    for (; i < n; ++i) s[i & (C - 1)] += x[i];
+    for (int64_t c = 0; c < C; ++c) y[c] = s[c];
 }
 
 /* y[0..C) = the sum over r < R of x[r·C + c]: LANES columns at a time, four rows in flight. */

@@ -48,13 +48,33 @@ typedef struct {   /* a row's projections, and its softmax partials over a set o
     float *q, *k, *v;   /* [T][H][dk], [T][H][dk], [T][H][dv] */
     float *qt, *part;   /* per head, queries in lanes: Q [H][dk][Tp], the partials over `keys`: max and sum
                          * [H][2][Tp], then Σ e·v [H][Tp][dv] */
-    float *kt, *vt;     /* per head, keys in lanes: K [H][dk][Tp], V [H][dv][Tp] */
+    float *kt;          /* per head, keys in lanes: K [H][dk][Tp] */
 } Anchor;
 
 /* The floats an anchor takes. */
 static int64_t anchor_floats(const Job *j) {
-    return j->T * j->H * (2 * j->dk + j->dv) + j->H * j->Tp * (2 * j->dk + 2 + 2 * j->dv);
+    return j->T * j->H * (2 * j->dk + j->dv) + j->H * j->Tp * (2 * j->dk + 2 + j->dv);
 }
+
+/* y = a·x + b·z and y += b·z over n floats. The head sizes common in rankers are constants the compiler sees
+ * (BY_HEAD_SIZE: the loop unrolled and vectorized, no remainder loop per call), others a plain loop. */
+static inline void mix_n(float *restrict y, float a, const float *restrict x, float b, const float *restrict z,
+                         int64_t n) {
+    for (int64_t c = 0; c < n; ++c) y[c] = a * x[c] + b * z[c];
+}
+static inline void add_n(float *restrict y, float b, const float *restrict z, int64_t n) {
+    for (int64_t c = 0; c < n; ++c) y[c] += b * z[c];
+}
+#define BY_HEAD_SIZE(n, CALL)                              \
+    switch (n) {                                          \
+    case 4: CALL(4); break;                               \
+    case 6: CALL(6); break;                               \
+    case 8: CALL(8); break;                               \
+    case 12: CALL(12); break;                             \
+    case 16: CALL(16); break;                             \
+    case 32: CALL(32); break;                             \
+    default: CALL(n);                                     \
+    }
 
 /* Token t of row b projected: each head's Q into q, K into k, V into v ([H][dk], [H][dk], [H][dv]), from one pass
  * over w's columns (tmp: C floats; xkv read too where it is another tensor). */
@@ -158,17 +178,16 @@ static int same_mask(const Job *j, int64_t b, int64_t a, uint64_t shared) {
     return 1;
 }
 
-/* The anchor's Q, K and V by head with the tokens in lanes (zeros past T). */
+/* The anchor's Q and K by head with the tokens in lanes (zeros past T). */
 static void transpose_anchor(const Job *j, Anchor *a) {
-    const int64_t H = j->H, dk = j->dk, dv = j->dv, Tp = j->Tp;
+    const int64_t H = j->H, dk = j->dk, Tp = j->Tp;
     for (int64_t h = 0; h < H; ++h) {
-        float *qt = a->qt + h * dk * Tp, *kt = a->kt + h * dk * Tp, *vt = a->vt + h * dv * Tp;
+        float *qt = a->qt + h * dk * Tp, *kt = a->kt + h * dk * Tp;
         for (int64_t i = 0; i < Tp; ++i) {
             for (int64_t d = 0; d < dk; ++d) {
                 qt[d * Tp + i] = i < j->T ? a->q[(i * H + h) * dk + d] : 0.0f;
                 kt[d * Tp + i] = i < j->T ? a->k[(i * H + h) * dk + d] : 0.0f;
             }
-            for (int64_t c = 0; c < dv; ++c) vt[c * Tp + i] = i < j->T ? a->v[(i * H + h) * dv + c] : 0.0f;
         }
     }
 }
@@ -221,7 +240,9 @@ static void merge_lanes(const Job *j, int64_t b, const Anchor *a, int64_t h, int
         float *yi = y + i * j->ys[2];
         if (n == 1 && j->ys[3] == 1) {   /* the common case, one token of its own: a loop the compiler vectorizes */
             const float *v = ov + (own[0] * H + h) * dv, en = e[0][i] * inv[i];
-            for (int64_t c = 0; c < dv; ++c) yi[c] = acc[c] * wo + en * v[c];
+#define MIX(k) mix_n(yi, wo, acc, en, v, k)
+            BY_HEAD_SIZE(dv, MIX)
+#undef MIX
             continue;
         }
         for (int64_t c = 0; c < dv; ++c) {
@@ -243,7 +264,7 @@ static inline float hsum(vec v) {
 static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64_t i, const float *q,
                       const int64_t *own, int n, const float *ok, const float *ov, float *s) {
     const int64_t H = j->H, dk = j->dk, dv = j->dv, Tp = j->Tp;
-    const float *kt = a->kt + h * dk * Tp, *vt = a->vt + h * dv * Tp;
+    const float *kt = a->kt + h * dk * Tp;
     vec top = splat(-__builtin_inff()), sum = {0};
     for (int64_t l0 = 0; l0 < Tp; l0 += LANES) {
         vec x = {0};
@@ -259,7 +280,7 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64
     const int64_t row = j->mask ? mask_at(j, b, h, i, 0) : 0;
     for (int64_t l = 0; l < Tp; ++l) s[l] = l < j->T ? masked(j, s[l], row + l * j->ms[3]) : -__builtin_inff();
     for (int64_t l0 = 0; l0 < Tp; l0 += LANES) top = pick(load(s + l0) > top, load(s + l0), top);
-    float m = top[0], e_own[MAX_OWN];
+    float m = top[0];
     for (int k = 1; k < LANES; ++k) m = top[k] > m ? top[k] : m;
     for (int64_t l0 = 0; l0 < Tp; l0 += LANES) {   /* every key masked (-inf - -inf): NaN, as onnxruntime gives */
         const vec e = exp_vec(load(s + l0) - m);
@@ -267,16 +288,17 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64
         sum += e;
     }
     const float inv = 1.0f / hsum(sum);
-    for (int t = 0; t < n; ++t) e_own[t] = s[own[t]], s[own[t]] = 0.0f;
-    float *y = j->y + b * j->ys[0] + h * j->ys[1] + i * j->ys[2];
-    for (int64_t c = 0; c < dv; ++c) {
-        vec acc = {0};
-        for (int64_t l0 = 0; l0 < Tp; l0 += LANES) acc += load(s + l0) * load(vt + c * Tp + l0);
-        float x = hsum(acc);
-        for (int t = 0; t < n; ++t) x += e_own[t] * ov[(own[t] * H + h) * dv + c];
-        y[c * j->ys[3]] = x * inv;
+    uint64_t mine = 0;   /* the keys whose V is the row's own (fewer than 64 tokens when there are any) */
+    for (int t = 0; t < n; ++t) mine |= (uint64_t)1 << own[t];
+    float acc[dv], *y = j->y + b * j->ys[0] + h * j->ys[1] + i * j->ys[2];
+    memset(acc, 0, sizeof acc);
+    for (int64_t l = 0; l < j->T; ++l) {   /* Σ e·v over the keys, a V row at a time */
+        const float *v = (n && (mine >> l & 1) ? ov : a->v) + (l * H + h) * dv;
+#define ADD(k) add_n(acc, s[l], v, k)
+        BY_HEAD_SIZE(dv, ADD)
+#undef ADD
     }
-    for (int t = 0; t < n; ++t) s[own[t]] = e_own[t];
+    for (int64_t c = 0; c < dv; ++c) y[c * j->ys[3]] = acc[c] * inv;
 }
 
 /* Row b in full: its projections into anchor a (and by head, tokens in lanes), then every head's queries over
@@ -326,7 +348,6 @@ static void run_block(void *data, size_t n) {
                          .qt = at + T * H * (2 * j->dk + j->dv), .part = at + T * H * (2 * j->dk + j->dv) +
                                                                           H * j->Tp * j->dk};
         an[i].kt = an[i].part + H * j->Tp * (2 + j->dv);   /* after max, sum and Σ e·v */
-        an[i].vt = an[i].kt + H * j->Tp * j->dk;
     }
     float *oq = room + ANCHORS * each, *ok = oq + T * H * j->dk, *ov = ok + T * H * j->dk, *p = ov + T * H * j->dv;
     float *tmp = p + 2 + j->dv + j->Tp;   /* p: a partial, or a row of scores */

@@ -42,6 +42,14 @@ def _per_row(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
     return shapes is not None and all(len(s) >= 1 and s[0] == b for s, b in zip(shapes, batches))
 
 
+def _rows_stacked(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
+    """Rows of the batch stacked on the first axis: heads concatenated over the batch (tf's multi-head attention),
+    [B, T, D] flattened to [B·T, D]. Such a value may run once per user inside the user side, never leave it."""
+    shapes = probe.shapes(t)
+    return shapes is not None and all(len(s) >= 1 and b > 0 and s[0] > b and s[0] % b == 0
+                                      for s, b in zip(shapes, batches))
+
+
 def user_seeds(graph: gs.Graph, probe: Probe, named: set[str], columns: dict[str, set[int]] | None = None) -> list[gs.Tensor]:
     """The values that describe the user: history ids, lengths, masks (inputs or packed columns), named inputs and
     declared columns of packed inputs."""
@@ -72,7 +80,8 @@ def _closure(graph: gs.Graph, seeds: list[gs.Tensor], probe: Probe, excluded: se
         values = [u for u in n.inputs if u.name and const_value(u) is None]
         if id(n) in excluded or n.op in OPAQUE_OPS or not values or not all(id(u) in inside for u in values):
             continue
-        if not all(_per_row(o, probe, batches) or probe.shape_like(o) for o in n.outputs if o.name):
+        if not all(_per_row(o, probe, batches) or _rows_stacked(o, probe, batches) or probe.shape_like(o)
+                   for o in n.outputs if o.name):
             reasons.append(f"{n.op} {n.name} reduces over the batch (its value is not one per row)")
             continue
         nodes.append(n)
@@ -200,6 +209,8 @@ def _dedup(ctx: PassContext, named: set[str], columns: dict[str, set[int]]) -> s
             break
         excluded |= drop
     heavy = [n for n in nodes if _heavy(n)]
+    if named or columns:   # one user per request: a light chain pays as well when it writes more than comes back
+        heavy += [n for n in _worth_once(nodes, probe, batches) if n not in heavy]
     reachable = len(nodes)
     nodes = _around(nodes, heavy, seeds)
     read = {id(u) for n in nodes for u in n.inputs}
@@ -238,6 +249,31 @@ def _heavy(node: gs.Node) -> bool:
         return False
     weights = [w for w in (const_value(x) for x in node.inputs[:2]) if w is not None]
     return not any(w.size and np.isin(w, (0, 1)).all() for w in weights)
+
+
+def _worth_once(nodes: list[gs.Node], probe: Probe, batches: list[int]) -> list[gs.Node]:
+    """Light nodes whose per-row value costs more to compute than to gather back once per row: the bytes written by
+    the ops it needs at least twice its own (a mask tiled over heads and tokens, embeddings concatenated), measured
+    on the probe. Worth it only where requests hold one user."""
+    producer = {id(o): n for n in nodes for o in n.outputs}
+
+    def size(t: gs.Tensor) -> int:
+        v = probe.value(t)
+        return 0 if v is None else v.nbytes
+
+    found = []
+    for n in nodes:
+        own = sum(size(o) for o in n.outputs if o.name and _per_row(o, probe, batches))
+        seen, stack, cost = set(), [n], 0
+        while stack and own and cost < 2 * own:   # the ops the value needs, each counted once, until it pays
+            m = stack.pop()
+            if id(m) not in seen:
+                seen.add(id(m))
+                cost += sum(size(o) for o in m.outputs if o.name)
+                stack += [producer[id(u)] for u in m.inputs if id(u) in producer]
+        if own and cost >= 2 * own:
+            found.append(n)
+    return found
 
 
 def _around(nodes: list[gs.Node], heavy: list[gs.Node], seeds: list[gs.Tensor]) -> list[gs.Node]:

@@ -24,6 +24,7 @@ import onnx_graphsurgeon as gs
 from .. import kernels
 from ..graph.edit import axes_of, const_value, dtype_of, read_once, shape_of
 from ..patterns import Const, Match, P, Rewrite, Var
+from ..runtime.probe import try_probe
 from .registry import PassContext, register_pass
 
 
@@ -214,4 +215,34 @@ def layer_norm_kernel(ctx: PassContext) -> None:
     elementwise ops (paddle2onnx before opset 17) or as a BatchNormalization over rows (tf2onnx's Keras
     LayerNormalization) → ctropt's LayerNorm kernel, where its library loads."""
     if any(n.op in ("LayerNormalization", "ReduceMean", "BatchNormalization") for n in ctx.graph.nodes):
-        kernels.apply_rules(ctx, NORM_RULES, "layer norms")
+        if kernels.apply_rules(ctx, NORM_RULES, "layer norms"):
+            ctx.count(_residuals_measured(ctx.graph))
+
+
+def _residuals_measured(graph: gs.Graph) -> int:
+    """The residual Sum or Add before a LayerNorm kernel whose two values the annotations cannot tell of one shape
+    (sizes named apart: a Transpose's 'unk__10' and a Concat's 'batch'), taken into it where a run of the graph at
+    two sizes gives them the same shape in both. Returns how many."""
+    found = []
+    for n in graph.nodes:
+        x = n.inputs[0] if n.op == "LayerNorm" and n.domain == kernels.DOMAIN and len(n.inputs) < 4 else None
+        add = x.inputs[0] if x is not None and x.inputs and read_once(x, graph) else None
+        if add is not None and add.op in ("Sum", "Add") and len(add.inputs) == 2 and \
+                all(const_value(u) is None for u in add.inputs):
+            found.append((n, add))
+    probe = try_probe(graph)[0] if found else None
+    if probe is None:
+        return 0
+    done = 0
+    for norm, add in found:
+        a, b = (probe.shapes(u) for u in add.inputs)
+        if a is None or a != b:
+            continue
+        rest = list(norm.inputs[1:3]) + [gs.Variable.empty()] * (3 - len(norm.inputs))
+        inputs = [add.inputs[0], *rest, add.inputs[1]]
+        norm.inputs.clear()
+        norm.inputs.extend(inputs)
+        add.outputs.clear()
+        done += 1
+    graph.cleanup()
+    return done

@@ -14,6 +14,11 @@ columns of the projections each head reads, and how the kernel's heads are laid 
 then batch as tf stacks them), is read off a run of that part of the graph on two random rows, and the rewrite is
 made only where the projections reproduce it. A boolean mask is kept as AttentionCore reads it; a float
 bias (not a mask) is not handled.
+
+Where the output projection that follows (the heads merged by layout ops, a Gemm or MatMul by a constant, its bias,
+then layout ops to the first other op) reaches that op through a Transpose (torch's sequence-first attention), the
+kernel writes its rows in the order that op reads them, and the Transposes go. Which rows and columns land where is
+read off a run of those layout ops on numbered values.
 """
 
 from __future__ import annotations
@@ -191,7 +196,7 @@ def _columns(core: gs.Node, read: dict, opset: int) -> dict | str:
             "dk": _view(q, core.attrs, "q").shape[3], "dv": _view(v, core.attrs, "v").shape[3]}
 
 
-def _rewrite(core: gs.Node, read: dict, cols: dict, graph: gs.Graph) -> None:
+def _rewrite(core: gs.Node, read: dict, cols: dict, graph: gs.Graph) -> gs.Node:
     """TokenAttention in the AttentionCore's place, writing its output's layout (heads merged into the batch: the
     kernel's [B, H, T, dv] written so that a Reshape merges them, the mask regrouped likewise)."""
     attrs, name, out = core.attrs, core.name or "attention", core.outputs[0]
@@ -221,6 +226,7 @@ def _rewrite(core: gs.Node, read: dict, cols: dict, graph: gs.Graph) -> None:
     b = add_constant(graph, f"{name}/bias", cols["b"])
     (y,) = _op(graph, "TokenAttention", [read["xq"], xkv, w, b, mask], new, f"{name}/TokenAttention", np.float32,
                domain=kernels.DOMAIN, shape=None if merged else out.shape)
+    ta = y.inputs[0]
     if merged:   # written [.., B, H, ..] → the output's [.., B·H, ..] (its T and dv as the tokens' and V's)
         at, sizes = perm.index(0), {1: (shape_of(read["xq"]) or [0, 0])[1], 2: int(cols["dv"])}
         target = add_constant(graph, f"{name}/merge", np.array(
@@ -228,6 +234,131 @@ def _rewrite(core: gs.Node, read: dict, cols: dict, graph: gs.Graph) -> None:
         (y,) = _op(graph, "Reshape", [y, target], {}, f"{name}/merge", np.float32, shape=out.shape)
     replace_outputs(graph, core, [y])
     graph.nodes.remove(core)
+    return ta
+
+
+def _only_reader(t: gs.Tensor, graph: gs.Graph) -> gs.Node | None:
+    """The one node reading t besides Shape nodes (None: another reader, or t an output of the graph)."""
+    readers = [n for n in t.outputs if n.op != "Shape"]
+    return readers[0] if len(readers) == 1 and not any(t is o for o in graph.outputs) else None
+
+
+def _forward_layout(t: gs.Tensor, graph: gs.Graph) -> tuple[gs.Tensor, list[gs.Tensor]]:
+    """From t forward through layout ops that are the only readers: the last value, and the values on the way."""
+    passed = [t]
+    for _ in range(16):
+        n = _only_reader(t, graph)
+        if not _layout(n) or n.inputs[0] is not t:
+            break
+        t = n.outputs[0]
+        passed.append(t)
+    return t, passed
+
+
+def _output_projection(y: gs.Tensor, graph: gs.Graph, width: int):
+    """What follows the attention's output y: the projection's input p, W_o [width, E], its bias, the value u the
+    projected rows end in (after layout ops), and the values between whose shapes Shape nodes may read."""
+    p, passed = _forward_layout(y, graph)
+    proj = _only_reader(p, graph)
+    w, b = layer_weights(proj) if proj is not None and proj.inputs[0] is p else (None, None)
+    if w is None or w.ndim != 2 or w.dtype != np.float32 or w.shape[0] != width:
+        return None
+    bias, z = np.zeros(w.shape[1]) if b is None else np.broadcast_to(np.reshape(b, -1), (w.shape[1],)), proj.outputs[0]
+    add = _only_reader(z, graph)
+    if add is not None and add.op == "Add" and not any(n.op == "Shape" for n in z.outputs):
+        k = next((i for i in (0, 1) if const_value(add.inputs[i]) is not None), None)
+        c = per_column(add.inputs[k], w.shape[1]) if k is not None and add.inputs[1 - k] is z else None
+        if c is not None:
+            bias, z = bias + c, add.outputs[0]
+    u, after = _forward_layout(z, graph)
+    return p, w, bias.astype(np.float32), z, u, passed + after
+
+
+def _row_order(rows: np.ndarray, B: int, T: int) -> str | None:
+    """"bt" or "tb": the order of the (b, t) pairs `rows` [B·T, 2] lists."""
+    b, t = np.meshgrid(np.arange(B), np.arange(T), indexing="ij")
+    for order, pairs in (("bt", np.stack([b.ravel(), t.ravel()], 1)), ("tb", np.stack([b.T.ravel(), t.T.ravel()], 1))):
+        if np.array_equal(rows, pairs):
+            return order
+    return None
+
+
+def _projection_layout(ta: gs.Node, found, opset: int) -> dict | str:
+    """Runs the layout ops from the kernel's output to W_o's input, and from W_o's output to u, on numbered values:
+    W_o's rows by (head, column), the rows' order (b, t) or (t, b) and u's rank."""
+    p, w, _, z, u, passed = found
+    H, dv = ta.attrs["heads"], ta.attrs["dv"]
+    perm = ta.attrs.get("y_perm") or [0, 1, 2, 3]
+    inputs = [t for t in ta.inputs[:2] if t.name]   # the tokens: what shapes on the way may be read from
+    B, T, width = 3, (shape_of(inputs[0]) or [0, 0])[1], const_value(ta.inputs[2]).shape[0]
+    T = T if isinstance(T, int) else PROBE_TOKENS
+    values = [np.random.default_rng(1).normal(size=(B, T, width)).astype(np.float32) for _ in inputs]
+    code = np.transpose(np.arange(B * H * T * dv, dtype=np.float32).reshape(B, H, T, dv), perm)
+    try:
+        chain, after = Subgraph([p], [ta.outputs[0]] + inputs, opset), Subgraph([u], [z] + inputs, opset)
+        if chain.unresolved or after.unresolved:
+            return "the layout ops around the projection read values besides the tokens"
+        pv = chain.run([code] + values)[0]
+        if pv.shape[-1] != H * dv or pv.size != code.size:
+            return "the heads are not merged into W_o's rows"
+        idx = pv.reshape(-1, H * dv).astype(np.int64)
+        b, h, t, c = idx // (H * T * dv), idx // (T * dv) % H, idx // dv % T, idx % dv
+        if (b != b[:, :1]).any() or (t != t[:, :1]).any() or (h != h[:1]).any() or (c != c[:1]).any() or \
+                len(set(zip(h[0], c[0]))) != H * dv:
+            return "a row of W_o's input mixes tokens"
+        zc = np.arange(pv.size // (H * dv) * w.shape[1], dtype=np.float32).reshape(pv.shape[:-1] + (w.shape[1],))
+        uv = zc if u is z else after.run([zc] + values)[0]
+        shaped = [v for v in passed if any(n.op == "Shape" for n in v.outputs)]
+        if shaped and any(x.shape != uv.shape for x in Subgraph(shaped, [ta.outputs[0]] + inputs, opset).run(
+                [code] + values)):
+            return "a Shape node reads a value of another shape on the way"
+    except Exception as e:   # noqa: BLE001  (onnxruntime's own errors: not this form)
+        return f"the layout ops around the projection do not run alone ({str(e).splitlines()[0][:80]})"
+    E = w.shape[1]
+    first = uv.reshape(-1, E).astype(np.int64)
+    if uv.shape[-1] != E or (first != first[:, :1] + np.arange(E)).any() or (first[:, 0] % E).any():
+        return "the projected rows are not kept whole"
+    order = _row_order(np.stack([b[:, 0], t[:, 0]], 1)[first[:, 0] // E], B, T)
+    if order is None or uv.shape not in (((B, T) if order == "bt" else (T, B)) + (E,), (B * T, E)):
+        return "the projected rows are not in (batch, token) or (token, batch) order"
+    wo = np.zeros((H, dv, E), np.float32)
+    wo[h[0], c[0]] = w
+    return {"wo": wo.reshape(H * dv, E), "tb": order == "tb", "rank": uv.ndim}
+
+
+def _project_in_order(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
+    """Where the output projection's rows reach the graph's next op through a Transpose: the kernel writes the
+    heads' rows in that order instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's rows in the
+    kernel's head order) and a Reshape lead to the same value, and the Transposes go. Why not, or ""."""
+    found = _output_projection(ta.outputs[0], graph, ta.attrs["heads"] * ta.attrs["dv"])
+    if found is None:
+        return ""
+    _, _, bias, _, u, passed = found
+    if not any(v.inputs and v.inputs[0].op == "Transpose" for v in passed):
+        return ""
+    layout = _projection_layout(ta, found, opset)
+    if isinstance(layout, str):
+        return layout
+    name, E, xq = ta.name, layout["wo"].shape[1], ta.inputs[0]
+    ta.attrs["y_perm"] = [2, 0, 1, 3] if layout["tb"] else [0, 2, 1, 3]
+    rows = add_constant(graph, f"{name}/rows", np.array([-1, layout["wo"].shape[0]], np.int64))
+    (flat,) = _op(graph, "Reshape", [ta.outputs[0], rows], {}, f"{name}/rows", np.float32)
+    weights, b = add_constant(graph, f"{name}/out_weights", layout["wo"]), add_constant(graph, f"{name}/out_bias", bias)
+    (out,) = _op(graph, "Gemm", [flat, weights, b], {}, f"{name}/out_projection", np.float32)
+    if layout["rank"] == 3:
+        (dims,) = _op(graph, "Shape", [xq], {}, f"{name}/token_dims", np.int64)
+        pick = add_constant(graph, f"{name}/lead", np.array([1, 0] if layout["tb"] else [0, 1], np.int64))
+        (lead,) = _op(graph, "Gather", [dims, pick], {"axis": 0}, f"{name}/lead", np.int64)
+        width = add_constant(graph, f"{name}/width", np.array([E], np.int64))
+        (target,) = _op(graph, "Concat", [lead, width], {"axis": 0}, f"{name}/out_shape", np.int64)
+        (out,) = _op(graph, "Reshape", [out, target], {}, f"{name}/out_rows", np.float32)
+    for v in passed:   # Shape nodes on the way read the same shape off u (measured)
+        for n in [n for n in v.outputs if n.op == "Shape"]:
+            n.inputs[0] = u
+    last = out.inputs[0]
+    u.inputs.clear()
+    last.outputs[0] = u
+    return ""
 
 
 def _op(graph: gs.Graph, op: str, inputs: list, attrs: dict, name: str, dtype, domain: str | None = None,
@@ -248,7 +379,10 @@ def token_attention(ctx: PassContext) -> None:
         if isinstance(cols, str):
             ctx.note(f"{core.name}: left as AttentionCore ({cols})")
             continue
-        _rewrite(core, read, cols, ctx.graph)
+        ta = _rewrite(core, read, cols, ctx.graph)
         ctx.count(1)
+        why = _project_in_order(ta, ctx.graph, int(ctx.graph.opset or 17))
+        if why:
+            ctx.note(f"{core.name}: the output projection's Transposes kept ({why})")
     if ctx.rewrites:
         ctx.graph.cleanup().toposort()   # the projections and their layouts, read by nothing now

@@ -27,7 +27,8 @@ from ..graph.edit import const_value
 # Ops an id passes through unchanged in value (shape may change).
 _PASS_THROUGH = {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Tile",
                  "Transpose", "Concat", "Floor", "Round", "Abs", "Clip", "Max", "Relu", "Split", "Gather",
-                 "GatherElements", "GatherND", "Slice", "Where", "Ceil"}
+                 "GatherElements", "GatherND", "Slice", "Where", "Ceil",
+                 "GatherRowsInt64"}   # ctropt's kernel: dedup-user-side's Gather of the distinct users' ids
 _COMPARE = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
 DEFAULT_SEQ_LEN = 10
 # Odd and prime, so a batch axis is never mistaken for a model axis of the same size (exporters do mix
@@ -188,11 +189,13 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
     for node in list(t.outputs):
         pos = [i for i, x in enumerate(node.inputs) if x is t]
         op = node.op
-        if op == "Gather" and 1 in pos:
+        if op in ("Gather", "GatherRows") and 1 in pos:   # GatherRows: ctropt's kernel, axis 0, offsets per field
             table = const_value(node.inputs[0])
             if table is not None and table.ndim >= 1:
                 axis = node.attrs.get("axis", 0)
-                facts.bound(table.shape[axis] - offset, region)
+                shift = const_value(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else None
+                facts.bound(table.shape[axis] - offset - (int(shift.max()) if shift is not None and shift.size else 0),
+                            region)
                 if axis == 0 and region is None and offset == 0 and table.ndim == 2 and table.shape[0] > 1 and \
                         not table[0].any():
                     facts.zero_row = True  # row 0 is all zeros: padding_idx=0
