@@ -393,7 +393,7 @@ def stacked_user_tower(layout: str):
     g = model.graph
     first = next(i for i, n in enumerate(g.node) if n.op_type == "MatMul")
     half = init("w_half", np.random.default_rng(5).normal(size=(C // 2, C // 2)).astype(np.float32))
-    if layout == "flat":
+    if layout.startswith("flat"):
         body = [node("Shape", ["hist_emb"], ["emb_shape"]),
                 node("Reshape", ["hist_emb", "to_rows"], ["rows"]),
                 node("MatMul", ["rows", "w_user"], ["rows_u"]),
@@ -411,10 +411,41 @@ def stacked_user_tower(layout: str):
                      node("Reshape", ["stacked_u", "emb_shape"], ["hu"])]
         extra = [half]
     nodes = list(g.node[:first]) + body + list(g.node[first + 1:])
+    if layout == "flat-masked":   # the stacked rows also read by a light branch of their own: ids ≠ 0 as a column
+        nodes[nodes.index(next(n for n in nodes if n.op_type == "ReduceSum")) + 1:1] = []
+        nodes += [node("Equal", ["hist_ids", "zero"], ["pad"]), node("Not", ["pad"], ["valid"]),
+                  node("Cast", ["valid"], ["validf"], to=F), node("Reshape", ["validf", "column"], ["vcol"]),
+                  node("Mul", ["rows", "vcol"], ["kept_rows"]), node("Reshape", ["kept_rows", "emb_shape"], ["kept"]),
+                  node("ReduceSum", ["kept", "ax1"], ["user2"], keepdims=0)]
+        concat = next(n for n in nodes if n.op_type == "Concat" and "item" in n.input)
+        concat.input[0] = "user_sum"
+        nodes.insert(nodes.index(concat), node("Add", ["user", "user2"], ["user_sum"]))
+        extra += [init("zero", np.array(0, np.int64)), init("column", np.array([-1, 1], np.int64))]
     del g.node[:]
     g.node.extend(nodes)
     g.initializer.extend(extra)
+    if layout == "flat-output":   # the stacked rows are an output of the graph too
+        g.output.append(vi("rows", F, None))
     return model
+
+
+@pytest.mark.parametrize("layout", ["flat-masked", "flat-output"])
+def test_stacked_rows_never_leave_the_user_side(layout):
+    """Stacked rows read by a light branch the heavy nodes do not need ("flat-masked": a mask column of the ids): that
+    branch runs on the distinct rows too, since only per-row values are gathered back. Stacked rows that are a graph
+    output ("flat-output") keep their producer, and what reads them, per row."""
+    model = stacked_user_tower(layout)
+    once, ctx = run_pass(model, "dedup-user-side")
+    for users in ([0, 0, 0, 0], [0, 1, 0, 2, 1], [3], [0, 1, 2, 3]):
+        f = _user_feeds(users)
+        f["hist_ids"][:, 1] = 0   # some padding
+        assert_same_outputs(model, once, f, atol=1e-5, rtol=1e-6)
+    mul = next((n for n in once.graph.node if n.op_type == "Mul"), None)
+    if layout == "flat-masked":
+        assert ctx.rewrites == 1, ctx.notes
+        assert not any(n.op_type == "Gather" and n.output[0] in mul.input for n in once.graph.node)
+    else:
+        assert ctx.rewrites == 0 and "Unique" not in ops(once), ctx.notes
 
 
 @pytest.mark.parametrize("layout", ["heads", "flat", "paired"])
@@ -470,6 +501,19 @@ def test_a_light_user_side_runs_once_where_requests_hold_one_user():
         assert_same_outputs(model, once, f, atol=0, rtol=0)
     twice, ctx2 = run_pass(once, "dedup-user-side", user_inputs="hist_ids")
     assert ctx2.rewrites == 0 and sorted(ops(twice)) == sorted(ops(once))
+
+
+def test_a_lookup_alone_is_too_light_even_for_one_user():
+    """A user's lookup and a Reshape (a view) gathered back would cost what they save: left per row."""
+    nodes = [node("Gather", ["table", "user_id"], ["u"]), node("Reshape", ["u", "flat"], ["uv"]),
+             node("Gather", ["table", "item_id"], ["i"]), node("Mul", ["uv", "i"], ["ui"]),
+             node("ReduceSum", ["ui", "ax1"], ["out"], keepdims=0)]
+    inits = [init("table", np.random.default_rng(3).normal(size=(50, C)).astype(np.float32)),
+             init("flat", np.array([-1, C], np.int64)), init("ax1", np.array([1], np.int64))]
+    model = make_model(nodes, [vi("user_id", I64, ["batch"]), vi("item_id", I64, ["batch"])],
+                       [vi("out", F, ["batch"])], inits)
+    once, ctx = run_pass(model, "dedup-user-side", user_inputs="user_id")
+    assert ctx.rewrites == 0 and sorted(ops(once)) == sorted(ops(model)), ctx.notes
 
 
 @pytest.mark.parametrize("stats,op,why", [("mean", "ReduceMean", "reduces over the batch"),

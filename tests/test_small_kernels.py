@@ -232,6 +232,21 @@ def test_unique_rows_of_the_dedup_key():
     assert ctx.rewrites == 0
 
 
+@pytest.mark.parametrize("one_user", [False, True])
+def test_unique_rows_reads_the_parts_of_a_concatenated_key(one_user):
+    """dedup-user-side's key is a Concat of the user's ids and histories ([B, 1], [B, 3], [B, 2]): UniqueRows reads
+    the parts in place, the Concat goes; the four outputs as onnxruntime's Unique (Y the concatenated rows)."""
+    nodes = [node("Concat", ["a", "b", "c"], ["key"], axis=1),
+             node("Unique", ["key"], ["u", "first", "inverse", "counts"], axis=0, sorted=0)]
+    model = make_model(nodes, [vi("a", I64, ["batch", 1]), vi("b", I64, ["batch", 3]), vi("c", I64, ["batch", 2])],
+                       [vi(x, I64, None) for x in ("u", "first", "inverse", "counts")])
+    f = {k: RNG.integers(0, 2, (11, w)) for k, w in (("a", 1), ("b", 3), ("c", 2))}
+    if one_user:
+        f = {k: np.repeat(v[:1], 11, axis=0) for k, v in f.items()}
+    out, _ = check_pass(model, "unique-rows-kernel", ["UniqueRows"], feeds=f)
+    assert len(out.graph.node[0].input) == 3
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.float32])   # float32: UniqueRowsFloat (integral values: no -0, NaN)
 @pytest.mark.parametrize("rows", ["distinct", "repeated", "one user", "empty"])   # no columns: onnxruntime aborts
 def test_unique_rows_matches_onnxruntime(rows, dtype):

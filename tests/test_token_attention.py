@@ -266,6 +266,16 @@ def projected(dialect, form):
                  node("Reshape", ["yo", "tbd"], ["yt"]), node("Transpose", ["yt"], ["z"], perm=[1, 0, 2])]
         inits = [init("wo", _w((WIDTH, WIDTH), 20)), init("bo", _w((WIDTH,), 21)),
                  init("rows", np.array([-1, WIDTH], np.int64)), init("tbd", np.array([TOK, -1, WIDTH], np.int64))]
+    elif form == "torch-rows":   # the projected rows [T·B, D] are the graph's output: (t, b) order, rank 2
+        nodes = [node("Reshape", ["y", "rows"], ["yr"]), node("Gemm", ["yr", "wo", "bo"], ["z"], transB=1)]
+        inits = [init("wo", _w((WIDTH, WIDTH), 20)), init("bo", _w((WIDTH,), 21)),
+                 init("rows", np.array([-1, WIDTH], np.int64))]
+    elif form == "paddle-shape":   # a Transpose to [T, B, D] whose shape, read by a Shape node, is the target after
+        nodes = [node("Transpose", ["y"], ["yt"], perm=[1, 0, 2]), node("Shape", ["yt"], ["dims"]),
+                 node("Reshape", ["yt", "rows"], ["yr"]), node("Gemm", ["yr", "wo", "bo"], ["yo"]),
+                 node("Reshape", ["yo", "dims"], ["z"])]
+        inits = [init("wo", _w((WIDTH, WIDTH), 20)), init("bo", _w((WIDTH,), 21)),
+                 init("rows", np.array([-1, WIDTH], np.int64))]
     else:
         nodes, inits = [node("MatMul", ["y", "wo"], ["z"])], [init("wo", _w((WIDTH, WIDTH), 20))]
     g.node.extend(nodes)
@@ -274,7 +284,9 @@ def projected(dialect, form):
 
 
 @pytest.mark.parametrize("dialect,form", [(paddle_three_projections, "paddle"), (torch_packed_sequence_first, "torch"),
-                                          (torch_heads_merged_into_batch, "torch"), (tf_two_token_tensors, "tf")])
+                                          (torch_heads_merged_into_batch, "torch"), (tf_two_token_tensors, "tf"),
+                                          (torch_packed_sequence_first, "torch-rows"),
+                                          (paddle_three_projections, "paddle-shape")])
 def test_the_kernel_writes_rows_in_the_order_the_output_projection_is_read(dialect, form):
     """torch's sequence-first attention: its output projection is read through Transposes to [B, T, D]; the kernel
     writes [B, T, H, dv] instead, then Reshape, one Gemm (W_o's rows in the kernel's head order), Reshape: no
@@ -284,10 +296,11 @@ def test_the_kernel_writes_rows_in_the_order_the_output_projection_is_read(diale
     core, _ = run_pass(model, "attention-core-kernel")
     done, ctx = run_pass(core, "token-attention", user_inputs="x")
     assert ctx.rewrites == 1 and not any("Transposes kept" in n for n in ctx.notes), ctx.notes
-    if form == "torch":
+    if form != "paddle" and form != "tf":
         assert "Transpose" not in ops(done) and ops(done).count("Gemm") == 1, ops(done)
         ta = next(n for n in done.graph.node if n.op_type == "TokenAttention")
-        assert list(next(a for a in ta.attribute if a.name == "y_perm").ints) == [0, 2, 1, 3]
+        tb = form != "torch"   # the rows the graph reads: (t, b) for the rank-2 rows and the [T, B, D] target
+        assert list(next(a for a in ta.attribute if a.name == "y_perm").ints) == ([2, 0, 1, 3] if tb else [0, 2, 1, 3])
     else:
         assert ops(done).count("MatMul") == 1 and "Gemm" not in ops(done), ops(done)
     rows = 3 if dialect is tf_two_token_tensors else 6

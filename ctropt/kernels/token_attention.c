@@ -288,7 +288,7 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64
         sum += e;
     }
     const float inv = 1.0f / hsum(sum);
-    uint64_t mine = 0;   /* the keys whose V is the row's own (fewer than 64 tokens when there are any) */
+    uint64_t mine = 0;   /* the keys whose V is the row's own (a row has some only where T ≤ 64) */
     for (int t = 0; t < n; ++t) mine |= (uint64_t)1 << own[t];
     float acc[dv], *y = j->y + b * j->ys[0] + h * j->ys[1] + i * j->ys[2];
     memset(acc, 0, sizeof acc);

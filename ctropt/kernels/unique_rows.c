@@ -7,8 +7,9 @@
  * candidates, one user) is not hashed.
  *
  * Node (domain "ai.ctropt.kernels", made by unique-rows-kernel):
- *   input    0 X [B, K] (int64; UniqueRowsFloat: float32, rows compared as their bits)
- *   outputs  0 Y [U, K]: the distinct rows in the order of their first occurrence   1 indices [U]: where each first
+ *   inputs   X_1 … X_n [B, K_i] (int64, n ≥ 1: the parts of the key, read as their Concat on axis 1, which is not
+ *            made; UniqueRowsFloat: one float32 X, rows compared as their bits)
+ *   outputs  0 Y [U, K]: the distinct rows (K = Σ K_i) in the order of their first occurrence   1 indices [U]: where each first
  *            occurs   2 inverse_indices [B]: the row of Y each row of X is   3 counts [U] (all int64, as ONNX Unique
  *            with axis=0, sorted=0)
  */
@@ -16,14 +17,25 @@
 
 #include "kernels.h"
 
-/* A row's hash: four independent multiply-xor chains over its columns (so they run in parallel), then mixed. */
-static uint64_t row_hash(const int64_t *row, int64_t K) {
+#define MAX_PARTS 64
+
+typedef struct {   /* the key's rows: n parts side by side, part i [B, k[i]] */
+    const int64_t *x[MAX_PARTS];
+    int64_t k[MAX_PARTS], n, K;
+} Rows;
+
+/* Row b's hash: four independent multiply-xor chains over each part's columns (so they run in parallel), then
+ * mixed. */
+static uint64_t row_hash(const Rows *r, int64_t b) {
     const uint64_t m = 0x9e3779b97f4a7c15ULL;
-    uint64_t h[4] = {(uint64_t)K, 0x632be59bd9b4e019ULL, 0x85ebca6bULL, 0xc2b2ae35ULL};
-    int64_t k = 0;
-    for (; k + 4 <= K; k += 4)
-        for (int u = 0; u < 4; ++u) h[u] = (h[u] ^ (uint64_t)row[k + u]) * m;
-    for (; k < K; ++k) h[0] = (h[0] ^ (uint64_t)row[k]) * m;
+    uint64_t h[4] = {(uint64_t)r->K, 0x632be59bd9b4e019ULL, 0x85ebca6bULL, 0xc2b2ae35ULL};
+    for (int64_t i = 0; i < r->n; ++i) {
+        const int64_t K = r->k[i], *row = r->x[i] + b * K;
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4)
+            for (int u = 0; u < 4; ++u) h[u] = (h[u] ^ (uint64_t)row[k + u]) * m;
+        for (; k < K; ++k) h[0] = (h[0] ^ (uint64_t)row[k]) * m;
+    }
     uint64_t x = h[0] ^ (h[1] << 1 | h[1] >> 63) ^ (h[2] << 7 | h[2] >> 57) ^ (h[3] << 13 | h[3] >> 51);
     x ^= x >> 31;
     x *= 0xff51afd7ed558ccdULL;
@@ -36,8 +48,15 @@ static OrtStatus *output(OrtKernelContext *ctx, size_t i, const int64_t *dims, s
     return ort->GetTensorMutableData(v, (void **)data);
 }
 
+/* Whether rows a and b hold the same values in every part. */
+static int same_rows(const Rows *r, int64_t a, int64_t b) {
+    for (int64_t i = 0; i < r->n; ++i)
+        if (memcmp(r->x[i] + a * r->k[i], r->x[i] + b * r->k[i], (size_t)r->k[i] * sizeof(int64_t))) return 0;
+    return 1;
+}
+
 /* first[u]: the first row of distinct row u; inverse[b]: the distinct row of row b; returns U (-1: out of memory). */
-static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *first, int64_t *inverse) {
+static int64_t distinct_rows(const Rows *r, int64_t B, int64_t *first, int64_t *inverse) {
     int64_t size = 16;
     while (size < 2 * B) size *= 2;
     int64_t *slot = malloc((size_t)size * sizeof(int64_t));   /* a distinct row's number, -1: empty */
@@ -50,12 +69,11 @@ static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *fi
     memset(slot, 0xff, (size_t)size * sizeof(int64_t));
     int64_t U = 0;
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t *row = x + b * K;
-        if (b && !memcmp(row - K, row, (size_t)K * sizeof(int64_t))) {   /* as the row before (one user's rows) */
+        if (b && same_rows(r, b - 1, b)) {   /* as the row before (one user's rows) */
             inverse[b] = inverse[b - 1];
             continue;
         }
-        const uint64_t h = row_hash(row, K);
+        const uint64_t h = row_hash(r, b);
         int64_t at = (int64_t)(h & (uint64_t)(size - 1));
         for (;; at = (at + 1) & (size - 1)) {
             const int64_t u = slot[at];
@@ -66,7 +84,7 @@ static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *fi
                 inverse[b] = U++;
                 break;
             }
-            if (hashes[u] == h && !memcmp(x + first[u] * K, row, (size_t)K * sizeof(int64_t))) {
+            if (hashes[u] == h && same_rows(r, first[u], b)) {
                 inverse[b] = u;
                 break;
             }
@@ -77,14 +95,15 @@ static int64_t distinct_rows(const int64_t *x, int64_t B, int64_t K, int64_t *fi
     return U;
 }
 
-/* The four outputs for the [B, K] rows `x` (int64; `bits`: the same rows as float32, compared as their bits) and
+/* The four outputs for the [B, K] rows `r` (int64; `bits`: one part's rows as float32, compared as their bits) and
  * their distinct rows' numbers; Y is written from the rows as given (float32 where `bits`). */
-static OrtStatus *unique(OrtKernelContext *ctx, const int64_t *x, const float *bits, int64_t B, int64_t K) {
+static OrtStatus *unique(OrtKernelContext *ctx, const Rows *r, const float *bits, int64_t B) {
+    const int64_t K = r->K;
     int64_t *first = malloc((size_t)(B ? B : 1) * sizeof(int64_t)), *inverse;
     if (!first) return ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
     int64_t dims[2] = {B, K};
     OrtStatus *s = output(ctx, 2, &dims[0], 1, &inverse);
-    const int64_t U = s ? 0 : distinct_rows(x, B, K, first, inverse);
+    const int64_t U = s ? 0 : distinct_rows(r, B, first, inverse);
     if (!s && U < 0) s = ort->CreateStatus(ORT_FAIL, "UniqueRows: out of memory");
     int64_t *y, *indices, *counts;
     const int64_t y_dims[2] = {U, K};
@@ -94,7 +113,8 @@ static OrtStatus *unique(OrtKernelContext *ctx, const int64_t *x, const float *b
     if (!s) {
         for (int64_t u = 0; u < U; ++u) {
             if (bits) memcpy((float *)y + u * K, bits + first[u] * K, (size_t)K * sizeof(float));
-            else memcpy(y + u * K, x + first[u] * K, (size_t)K * sizeof(int64_t));
+            for (int64_t i = 0, at = 0; !bits && i < r->n; at += r->k[i++])
+                memcpy(y + u * K + at, r->x[i] + first[u] * r->k[i], (size_t)r->k[i] * sizeof(int64_t));
             indices[u] = first[u];
             counts[u] = 0;
         }
@@ -104,21 +124,31 @@ static OrtStatus *unique(OrtKernelContext *ctx, const int64_t *x, const float *b
     return s;
 }
 
-/* X's data and dims, rank 2 (`op`: the op's name, for the message). */
-static OrtStatus *read_rows(OrtKernelContext *ctx, const char *op, const void **x, int64_t *dims) {
+/* Input i's data and dims, rank 2 (`op`: the op's name, for the message). */
+static OrtStatus *read_rows(OrtKernelContext *ctx, const char *op, size_t i, const void **x, int64_t *dims) {
     size_t rank;
     char msg[64];
     snprintf(msg, sizeof msg, "%s: X must have rank 2", op);
-    TRY(read_typed_input(ctx, 0, x, dims, &rank, 2, msg, NULL));
+    TRY(read_typed_input(ctx, i, x, dims, &rank, 2, msg, NULL));
     return rank == 2 ? NULL : error(msg);
 }
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     (void)kernel;
-    int64_t dims[2];
-    const int64_t *x;
-    TRY(read_rows(ctx, "UniqueRows", (const void **)&x, dims));
-    return unique(ctx, x, NULL, dims[0], dims[1]);
+    size_t n_in;
+    int64_t dims[2], B = 0;
+    Rows r = {.K = 0};
+    TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
+    if (n_in < 1 || n_in > MAX_PARTS) return error("UniqueRows: 1 to 64 parts of the key");
+    for (size_t i = 0; i < n_in; ++i) {
+        TRY(read_rows(ctx, "UniqueRows", i, (const void **)&r.x[i], dims));
+        if (i && dims[0] != B) return error("UniqueRows: the key's parts have different rows");
+        B = dims[0];
+        r.k[i] = dims[1];
+        r.K += dims[1];
+    }
+    r.n = (int64_t)n_in;
+    return unique(ctx, &r, NULL, B);
 }
 
 /* float32 rows: distinct by their bits (-0 and 0 apart, a NaN equal to itself): rows found equal are equal values,
@@ -127,7 +157,7 @@ static OrtStatus *ORT_API_CALL compute_float(void *kernel, OrtKernelContext *ctx
     (void)kernel;
     int64_t dims[2];
     const float *x;
-    TRY(read_rows(ctx, "UniqueRowsFloat", (const void **)&x, dims));
+    TRY(read_rows(ctx, "UniqueRowsFloat", 0, (const void **)&x, dims));
     const int64_t n = dims[0] * dims[1];
     int64_t *words = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (!words) return ort->CreateStatus(ORT_FAIL, "UniqueRowsFloat: out of memory");
@@ -136,7 +166,8 @@ static OrtStatus *ORT_API_CALL compute_float(void *kernel, OrtKernelContext *ctx
         memcpy(&w, x + i, sizeof w);
         words[i] = (int64_t)w;
     }
-    OrtStatus *s = unique(ctx, words, x, dims[0], dims[1]);
+    const Rows r = {.x = {words}, .k = {dims[1]}, .n = 1, .K = dims[1]};
+    OrtStatus *s = unique(ctx, &r, x, dims[0]);
     free(words);
     return s;
 }
@@ -149,7 +180,7 @@ static ONNXTensorElementDataType ORT_API_CALL float_then_int64(const OrtCustomOp
     return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 }
 
-OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, one_count, int64_type, n_outputs, required, required,
+OrtCustomOp ctropt_unique_rows = CUSTOM_OP(name, int64_type, one_count, int64_type, n_outputs, variadic, required,
                                            no_attributes, compute);
 OrtCustomOp ctropt_unique_rows_float = CUSTOM_OP(name_float, float_type, one_count, float_then_int64, n_outputs, required,
                                                  required, no_attributes, compute_float);

@@ -29,6 +29,7 @@ from .registry import PassContext, register_pass
 from .user_layer import column_seeds, is_user_input, split_user_layers
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}
+VIEW_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}   # onnxruntime writes no bytes for these
 OPAQUE_OPS = {"Loop", "Scan", "If"}  # bodies may read outer values the closure does not track
 SUBSET = [3, 0, 0, 7, 5]  # rows of the first probe run, reordered and repeated: a row-wise op maps them alike
 
@@ -202,8 +203,9 @@ def _dedup(ctx: PassContext, named: set[str], columns: dict[str, set[int]]) -> s
         mixed, why = rows_mixed(nodes, seeds, probe, opset, graph.functions)
         reasons += [r for r in blocked + [why] if r and r not in reasons]
         inside = {id(n) for n in nodes}
+        outputs = {id(o) for o in graph.outputs}
         leaked = {id(n) for n in nodes for o in n.outputs if o.name and not _per_row(o, probe, batches)
-                  and any(id(c) not in inside for c in o.outputs)}
+                  and (id(o) in outputs or any(id(c) not in inside for c in o.outputs))}
         drop = _descendants(nodes, mixed | leaked)
         if not drop:
             break
@@ -212,7 +214,7 @@ def _dedup(ctx: PassContext, named: set[str], columns: dict[str, set[int]]) -> s
     if named or columns:   # one user per request: a light chain pays as well when it writes more than comes back
         heavy += [n for n in _worth_once(nodes, probe, batches) if n not in heavy]
     reachable = len(nodes)
-    nodes = _around(nodes, heavy, seeds)
+    nodes = _with_readers(nodes, _around(nodes, heavy, seeds), probe, batches)
     read = {id(u) for n in nodes for u in n.inputs}
     seeds = [s for s in seeds if id(s) in read]
     for why in reasons:
@@ -253,8 +255,9 @@ def _heavy(node: gs.Node) -> bool:
 
 def _worth_once(nodes: list[gs.Node], probe: Probe, batches: list[int]) -> list[gs.Node]:
     """Light nodes whose per-row value costs more to compute than to gather back once per row: the bytes written by
-    the ops it needs at least twice its own (a mask tiled over heads and tokens, embeddings concatenated), measured
-    on the probe. Worth it only where requests hold one user."""
+    the ops it needs, itself included, at least twice its own (a mask tiled over heads and tokens, embeddings
+    concatenated), measured on the probe. Layout ops are views: they neither count nor qualify. Worth it only where
+    requests hold one user."""
     producer = {id(o): n for n in nodes for o in n.outputs}
 
     def size(t: gs.Tensor) -> int:
@@ -265,15 +268,33 @@ def _worth_once(nodes: list[gs.Node], probe: Probe, batches: list[int]) -> list[
     for n in nodes:
         own = sum(size(o) for o in n.outputs if o.name and _per_row(o, probe, batches))
         seen, stack, cost = set(), [n], 0
-        while stack and own and cost < 2 * own:   # the ops the value needs, each counted once, until it pays
+        while stack and own and n.op not in VIEW_OPS and cost < 2 * own:   # each op it needs once, until it pays
             m = stack.pop()
             if id(m) not in seen:
                 seen.add(id(m))
-                cost += sum(size(o) for o in m.outputs if o.name)
+                cost += 0 if m.op in VIEW_OPS else sum(size(o) for o in m.outputs if o.name)
                 stack += [producer[id(u)] for u in m.inputs if id(u) in producer]
-        if own and cost >= 2 * own:
+        if own and n.op not in VIEW_OPS and cost >= 2 * own:
             found.append(n)
     return found
+
+
+def _with_readers(closure: list[gs.Node], kept: list[gs.Node], probe: Probe, batches: list[int]) -> list[gs.Node]:
+    """`kept` grown until each of its values that is not one per row (rows stacked on the first axis, a shape) is
+    read inside it only: such a value's readers join it with what they need (all in the closure, whose values read
+    outside it are per row), since only per-row values are gathered back."""
+    producer = {id(o): n for n in closure for o in n.outputs}
+    keep = {id(n) for n in kept}
+    while True:
+        stack = [c for n in closure if id(n) in keep for o in n.outputs if o.name and not _per_row(o, probe, batches)
+                 for c in o.outputs if id(c) not in keep]
+        if not stack:
+            return [n for n in closure if id(n) in keep]
+        while stack:
+            m = stack.pop()
+            if id(m) not in keep:
+                keep.add(id(m))
+                stack += [producer[id(u)] for u in m.inputs if id(u) in producer]
 
 
 def _around(nodes: list[gs.Node], heavy: list[gs.Node], seeds: list[gs.Tensor]) -> list[gs.Node]:

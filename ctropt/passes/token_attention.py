@@ -15,9 +15,10 @@ then batch as tf stacks them), is read off a run of that part of the graph on tw
 made only where the projections reproduce it. A boolean mask is kept as AttentionCore reads it; a float
 bias (not a mask) is not handled.
 
-Where the output projection that follows (the heads merged by layout ops, a Gemm or MatMul by a constant, its bias,
-then layout ops to the first other op) reaches that op through a Transpose (torch's sequence-first attention), the
-kernel writes its rows in the order that op reads them, and the Transposes go. Which rows and columns land where is
+Where a Transpose is on the way from the kernel through the output projection that follows (the heads merged by
+layout ops, a Gemm or MatMul by a constant, its bias, then layout ops to the first other op: torch's sequence-first
+attention), the kernel writes its rows in the order that op reads them, and the layout ops go (one Reshape to
+rows, the Gemm, a Reshape to that op's rank-3 input where it has one). Which rows and columns land where is
 read off a run of those layout ops on numbered values.
 """
 
@@ -290,8 +291,12 @@ def _projection_layout(ta: gs.Node, found, opset: int) -> dict | str:
     H, dv = ta.attrs["heads"], ta.attrs["dv"]
     perm = ta.attrs.get("y_perm") or [0, 1, 2, 3]
     inputs = [t for t in ta.inputs[:2] if t.name]   # the tokens: what shapes on the way may be read from
-    B, T, width = 3, (shape_of(inputs[0]) or [0, 0])[1], const_value(ta.inputs[2]).shape[0]
+    T, width = (shape_of(inputs[0]) or [0, 0])[1], const_value(ta.inputs[2]).shape[0]
     T = T if isinstance(T, int) else PROBE_TOKENS
+    sizes = {T, H, dv, H * dv, width, w.shape[1]}   # a batch of none of these sizes: no Shape is read as another's
+    B = next((b for b in (5, 7, 11, 13, 17, 19, 23, 29, 31) if b not in sizes), 37)
+    if B * H * T * dv >= 1 << 24:
+        return "too many values to number exactly in float32"
     values = [np.random.default_rng(1).normal(size=(B, T, width)).astype(np.float32) for _ in inputs]
     code = np.transpose(np.arange(B * H * T * dv, dtype=np.float32).reshape(B, H, T, dv), perm)
     try:
@@ -327,8 +332,8 @@ def _projection_layout(ta: gs.Node, found, opset: int) -> dict | str:
 
 
 def _project_in_order(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
-    """Where the output projection's rows reach the graph's next op through a Transpose: the kernel writes the
-    heads' rows in that order instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's rows in the
+    """Where a Transpose is on the way through the output projection to the graph's next op: the kernel writes the
+    heads' rows in the order that op reads instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's rows in the
     kernel's head order) and a Reshape lead to the same value, and the Transposes go. Why not, or ""."""
     found = _output_projection(ta.outputs[0], graph, ta.attrs["heads"] * ta.attrs["dv"])
     if found is None:
@@ -341,6 +346,7 @@ def _project_in_order(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
         return layout
     name, E, xq = ta.name, layout["wo"].shape[1], ta.inputs[0]
     ta.attrs["y_perm"] = [2, 0, 1, 3] if layout["tb"] else [0, 2, 1, 3]
+    ta.outputs[0].shape = None   # written in the new order
     rows = add_constant(graph, f"{name}/rows", np.array([-1, layout["wo"].shape[0]], np.int64))
     (flat,) = _op(graph, "Reshape", [ta.outputs[0], rows], {}, f"{name}/rows", np.float32)
     weights, b = add_constant(graph, f"{name}/out_weights", layout["wo"]), add_constant(graph, f"{name}/out_bias", bias)

@@ -189,7 +189,7 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
     for node in list(t.outputs):
         pos = [i for i, x in enumerate(node.inputs) if x is t]
         op = node.op
-        if op in ("Gather", "GatherRows") and 1 in pos:   # GatherRows: ctropt's kernel, axis 0, offsets per field
+        if op in ("Gather", "GatherRows", "GatherRowsInt64") and 1 in pos:   # ctropt's: axis 0, offsets per field
             table = const_value(node.inputs[0])
             if table is not None and table.ndim >= 1:
                 axis = node.attrs.get("axis", 0)
