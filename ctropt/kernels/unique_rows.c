@@ -9,9 +9,9 @@
  * Node (domain "ai.ctropt.kernels", made by unique-rows-kernel):
  *   inputs   X_1 … X_n [B, K_i] (int64, n ≥ 1: the parts of the key, read as their Concat on axis 1, which is not
  *            made; UniqueRowsFloat: one float32 X, rows compared as their bits)
- *   outputs  0 Y [U, K]: the distinct rows (K = Σ K_i) in the order of their first occurrence   1 indices [U]: where each first
- *            occurs   2 inverse_indices [B]: the row of Y each row of X is   3 counts [U] (all int64, as ONNX Unique
- *            with axis=0, sorted=0)
+ *   outputs  0 Y [U, K]: the distinct rows (K = Σ K_i) in the order of their first occurrence
+ *            1 indices [U]: where each first occurs   2 inverse_indices [B]: the row of Y each row of X is
+ *            3 counts [U] (all int64, as ONNX Unique with axis=0, sorted=0)
  */
 #include <stdio.h>
 

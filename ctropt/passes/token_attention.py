@@ -333,8 +333,8 @@ def _projection_layout(ta: gs.Node, found, opset: int) -> dict | str:
 
 def _project_in_order(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
     """Where a Transpose is on the way through the output projection to the graph's next op: the kernel writes the
-    heads' rows in the order that op reads instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's rows in the
-    kernel's head order) and a Reshape lead to the same value, and the Transposes go. Why not, or ""."""
+    heads' rows in the order that op reads instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's
+    rows in the kernel's head order) and a Reshape lead to the same value, and the Transposes go. Why not, or ""."""
     found = _output_projection(ta.outputs[0], graph, ta.attrs["heads"] * ta.attrs["dv"])
     if found is None:
         return ""
