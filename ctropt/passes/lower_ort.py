@@ -62,12 +62,27 @@ def residual_add_as_sum(ctx: PassContext) -> None:
     ctx.apply(*RESIDUAL_RULES)
 
 
+def _residual_add(x: gs.Tensor, graph: gs.Graph) -> gs.Node | None:
+    """The Sum or Add of two values that makes a norm's input x, when only the norm reads x; else None."""
+    node = x.inputs[0] if x.inputs else None
+    if node is None or node.op not in ("Sum", "Add") or len(node.inputs) != 2 or not read_once(x, graph):
+        return None
+    return node
+
+
+def _norm_inputs(x: gs.Tensor, scale_bias: list, skip: gs.Tensor | None) -> list:
+    """The LayerNorm kernel's inputs: x, scale, bias, the residual; the optional ones empty where there are none,
+    trailing empties dropped."""
+    inputs = [x, *scale_bias, *[gs.Variable.empty()] * (2 - len(scale_bias)), skip or gs.Variable.empty()]
+    while not inputs[-1].name:
+        inputs.pop()
+    return inputs
+
+
 def _residual(m: Match) -> list | None:
     """The two same-shape values a Sum or Add adds (read only by the norm) before the norm, or None."""
-    x = m["x"]
-    node = x.inputs[0] if x.inputs else None
-    if node is None or node.op not in ("Sum", "Add") or len(node.inputs) != 2 or not read_once(x, m.graph) or \
-            any(x is o for o in m.graph.outputs):
+    node = _residual_add(m["x"], m.graph)
+    if node is None:
         return None
     a, b = (shape_of(u) for u in node.inputs)
     return list(node.inputs) if a is not None and a == b and None not in a else None
@@ -91,10 +106,8 @@ def _is_row_norm(m: Match) -> bool | str:
 def _to_norm_kernel(m: Match) -> list:
     """LayerNorm(x or a, scale, bias, b): inputs 2 and 3 (bias, residual) empty where there is none."""
     out, residual = m.root.outputs[0], _residual(m)
-    scale_bias = list(m.root.inputs[1:3]) + [gs.Variable.empty()] * (3 - len(m.root.inputs))
-    inputs = [residual[0] if residual else m["x"], *scale_bias, residual[1] if residual else gs.Variable.empty()]
-    while not inputs[-1].name:
-        inputs.pop()
+    inputs = _norm_inputs(residual[0] if residual else m["x"], list(m.root.inputs[1:3]),
+                          residual[1] if residual else None)
     return [m.op("LayerNorm", inputs, {"epsilon": float(m.root.attrs.get("epsilon", 1e-5))},
                  name=f"{m.root.name}/LayerNorm", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)[0]]
 
@@ -225,10 +238,9 @@ def _residuals_measured(graph: gs.Graph) -> int:
     two sizes gives them the same shape in both. Returns how many."""
     found = []
     for n in graph.nodes:
-        x = n.inputs[0] if n.op == "LayerNorm" and n.domain == kernels.DOMAIN and len(n.inputs) < 4 else None
-        add = x.inputs[0] if x is not None and x.inputs and read_once(x, graph) else None
-        if add is not None and add.op in ("Sum", "Add") and len(add.inputs) == 2 and \
-                all(const_value(u) is None for u in add.inputs):
+        add = _residual_add(n.inputs[0], graph) \
+            if n.op == "LayerNorm" and n.domain == kernels.DOMAIN and len(n.inputs) < 4 else None
+        if add is not None and all(const_value(u) is None for u in add.inputs):
             found.append((n, add))
     probe = try_probe(graph)[0] if found else None
     if probe is None:
@@ -238,8 +250,7 @@ def _residuals_measured(graph: gs.Graph) -> int:
         a, b = (probe.shapes(u) for u in add.inputs)
         if a is None or a != b:
             continue
-        rest = list(norm.inputs[1:3]) + [gs.Variable.empty()] * (3 - len(norm.inputs))
-        inputs = [add.inputs[0], *rest, add.inputs[1]]
+        inputs = _norm_inputs(add.inputs[0], list(norm.inputs[1:3]), add.inputs[1])
         norm.inputs.clear()
         norm.inputs.extend(inputs)
         add.outputs.clear()

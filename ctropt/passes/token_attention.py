@@ -31,11 +31,11 @@ from .. import kernels
 from ..graph import annotate_shapes_if_bare
 from ..graph.edit import add_constant, add_node, const_value, replace_outputs, shape_of
 from ..runtime.subgraph import Subgraph
+from .additive_mask import LAYOUT
 from .fc import per_column
 from .query_once import layer_weights
 from .registry import PassContext, register_pass
 
-LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 PROBE_ROWS, PROBE_TOKENS = 2, 7
 
 
@@ -46,7 +46,7 @@ def _layout(node: gs.Node | None) -> bool:
     if node.op == "Gather":
         index = const_value(node.inputs[1])
         return index is not None and index.ndim == 0
-    return node.op in LAYOUT_OPS
+    return node.op in LAYOUT
 
 
 def _through_layout(t: gs.Tensor, stop) -> gs.Tensor | None:
@@ -74,9 +74,16 @@ def _projection(t: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray] | None
     w, b = layer_weights(node)
     if w is None or w.ndim != 2 or w.dtype != np.float32:
         return None
-    bias = np.zeros(w.shape[1]) if b is None else np.broadcast_to(np.reshape(b, -1), (w.shape[1],))
-    c = per_column(added, w.shape[1]) if added is not None else 0.0
-    return None if c is None else (node.inputs[0], w, (bias + c).astype(np.float32))
+    bias = _bias(b, added, w.shape[1])
+    return None if bias is None else (node.inputs[0], w, bias)
+
+
+def _bias(b: np.ndarray | None, added: gs.Tensor | None, width: int) -> np.ndarray | None:
+    """A layer's bias [width] (float32): its own (`layer_weights`' b) plus the constant Add after it, None when that
+    constant does not act per column."""
+    c = per_column(added, width) if added is not None else 0.0
+    own = np.zeros(width) if b is None else np.broadcast_to(np.reshape(b, -1), (width,))
+    return None if c is None else (own + c).astype(np.float32)
 
 
 def _tokens(x: gs.Tensor, width: int) -> gs.Tensor | None:
@@ -264,15 +271,15 @@ def _output_projection(y: gs.Tensor, graph: gs.Graph, width: int):
     w, b = layer_weights(proj) if proj is not None and proj.inputs[0] is p else (None, None)
     if w is None or w.ndim != 2 or w.dtype != np.float32 or w.shape[0] != width:
         return None
-    bias, z = np.zeros(w.shape[1]) if b is None else np.broadcast_to(np.reshape(b, -1), (w.shape[1],)), proj.outputs[0]
+    bias, z = _bias(b, None, w.shape[1]), proj.outputs[0]
     add = _only_reader(z, graph)
     if add is not None and add.op == "Add" and not any(n.op == "Shape" for n in z.outputs):
         k = next((i for i in (0, 1) if const_value(add.inputs[i]) is not None), None)
-        c = per_column(add.inputs[k], w.shape[1]) if k is not None and add.inputs[1 - k] is z else None
-        if c is not None:
-            bias, z = bias + c, add.outputs[0]
+        added = _bias(b, add.inputs[k], w.shape[1]) if k is not None and add.inputs[1 - k] is z else None
+        if added is not None:
+            bias, z = added, add.outputs[0]
     u, after = _forward_layout(z, graph)
-    return p, w, bias.astype(np.float32), z, u, passed + after
+    return p, w, bias, z, u, passed + after
 
 
 def _row_order(rows: np.ndarray, B: int, T: int) -> str | None:
