@@ -23,12 +23,12 @@ def _library():
         pytest.skip("ctropt's kernel library cannot be built here")
 
 
-def reference(xq, xkv, w, b, cols, scale, mask=None, value=0.0, on=1, replace=0, hb=False):
+def reference(xq, xkv, w, b, cols, scale, mask=None, value=0.0, on=1, replace=0, hb=False, dv=DV):
     """numpy in float64: per row and head, softmax(scale·q·kᵀ, masked) · v."""
     proj = xq.astype(np.float64) @ w + b, xkv.astype(np.float64) @ w + b
     q = np.stack([proj[0][..., c:c + DK] for c in cols[0]], 1)
     k = np.stack([proj[1][..., c:c + DK] for c in cols[1]], 1)
-    v = np.stack([proj[1][..., c:c + DV] for c in cols[2]], 1)
+    v = np.stack([proj[1][..., c:c + dv] for c in cols[2]], 1)
     s = scale * q @ np.swapaxes(k, -1, -2)
     if mask is not None:
         m = np.broadcast_to(np.swapaxes(mask, 0, 1) if hb else mask, s.shape) if mask.ndim == 4 else \
@@ -64,21 +64,27 @@ def one_user(shape, own=(T - 1,), users=1):
     return x
 
 
-@pytest.mark.parametrize("case", ["one-user", "two-users", "first-token", "all-differ", "key-padding", "replace",
-                                  "empty-history", "mask-per-head-hb", "own-kv", "perm"])
+@pytest.mark.parametrize("case", ["one-user", "two-users", "first-token", "two-own", "all-differ", "key-padding",
+                                  "replace", "empty-history", "mask-per-head-hb", "own-kv", "perm", "rows",
+                                  "rows-masked", "many-heads"])
 def test_the_kernel_matches_numpy(case):
-    own = (0,) if case == "first-token" else (T - 1,)
+    """The row-ordered cases write y as [B, T, H, dv] in whole vectors (the heads' values of a query one row);
+    many-heads has more heads than a vector's lanes; the others write through a scratch row."""
+    own = (0,) if case == "first-token" else (T - 2, T - 1) if case == "two-own" else (T - 1,)
     xq = one_user((B, T, D), own, users=2 if case == "two-users" else 1)
     if case == "all-differ":
         xq = RNG.normal(size=(B, T, D)).astype(np.float32)
     xkv = one_user((B, T, D), own) if case == "own-kv" else xq
-    C = 2 * H * DK + H * DV + 2
+    heads, dv = (2, 4) if case.startswith("rows") else (9, 3) if case == "many-heads" else (H, DV)
+    C = 2 * heads * DK + heads * dv + 2
     w, b = RNG.normal(size=(D, C)).astype(np.float32), RNG.normal(size=C).astype(np.float32)
-    cols = [[0, DK], [2 * DK, 3 * DK + 1], [4 * DK + 1, 4 * DK + 2 + DV]]   # heads apart, columns between
-    attrs = {"heads": H, "dk": DK, "dv": DV, "q_cols": cols[0], "k_cols": cols[1], "v_cols": cols[2], "scale": 0.4}
+    cols = [[h * DK for h in range(heads)], [(heads + h) * DK + 1 for h in range(heads)],   # heads apart, columns
+            [2 * heads * DK + 2 + h * dv for h in range(heads)]]                             # between
+    attrs = {"heads": heads, "dk": DK, "dv": dv, "q_cols": cols[0], "k_cols": cols[1], "v_cols": cols[2],
+             "scale": 0.4}
     feeds, mask_shape, ref_mask = {"xq": xq, "xkv": xkv, "w": w, "b": b}, None, {}
     lengths = np.where(np.arange(B) % 3 == 0, T, 5)
-    if case in ("key-padding", "replace", "empty-history"):
+    if case in ("key-padding", "replace", "empty-history", "rows-masked"):
         valid = np.arange(T)[None] < (lengths if case != "empty-history" else np.zeros(B, int))[:, None]
         valid[:, list(own)] = case != "empty-history"
         feeds["mask"] = valid[:, None, None, :]
@@ -92,12 +98,13 @@ def test_the_kernel_matches_numpy(case):
         mask_shape = [H, B, T, T]
         attrs.update(mask_value=-np.inf, mask_on=1, mask_hb=1)
         ref_mask = dict(mask=feeds["mask"], value=-np.inf, on=1, hb=True)
-    if case == "perm":
-        attrs["y_perm"] = [2, 0, 1, 3]
+    perm = [2, 0, 1, 3] if case == "perm" else [0, 2, 1, 3] if case.startswith("rows") else None
+    if perm:
+        attrs["y_perm"] = perm
     got = run_kernel(feeds, attrs, with_kv=case == "own-kv", mask_shape=mask_shape)
-    want = reference(xq, xkv, w, b, cols, 0.4, **ref_mask)
-    if case == "perm":
-        want = np.transpose(want, [2, 0, 1, 3])
+    want = reference(xq, xkv, w, b, cols, 0.4, **ref_mask, dv=dv)
+    if perm:
+        want = np.transpose(want, perm)
     assert got.shape == want.shape
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any() == (case == "empty-history")
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=3e-5, rtol=1e-4)

@@ -17,14 +17,24 @@
  * projects only its own tokens and merges them into the anchor's softmax partials over the shared keys (max, sum,
  * Σ e·v: two partial softmaxes merged, as flash attention does). Equal tokens give equal projections and scores, so
  * the result is the decomposed graph's up to rounding (the order of sums, the merge's rescaling).
+ *
+ * Every head at once: scores and weights are vectors over (token, head) pairs, and a query's output row (its heads'
+ * dv values one after another) is summed LANES columns at a time, each lane taking its head's weight by a permute.
+ * Rows are split in blocks for onnxruntime's threads; a block starts from the anchors a finished block left (with one
+ * thread, the block before's), so a batch of one user computes one row in full.
  */
 #include <math.h>
+#include <stdatomic.h>
 
 #include "kernels.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define MAX_T 64        /* tokens a row may share with another (the shared set is a bitmask); more: each in full */
 #define ANCHORS 4       /* rows kept per block, the most recent computed in full */
-#define MAX_BLOCKS 4    /* of rows: a block finds its anchors within itself */
+#define MAX_BLOCKS 4    /* of rows, for onnxruntime's threads */
 #define MAX_OWN (MAX_T / 4 + 1)   /* tokens of its own a row may have to follow an anchor */
 
 typedef struct {
@@ -34,47 +44,50 @@ typedef struct {
 
 typedef struct {
     const Kernel *k;
-    int64_t B, T, Tp, D, C, H, dk, dv;   /* Tp: T rounded up to LANES */
+    int64_t B, T, Tp, D, C, H, HP, dk, dv, E, Ep, Pp;   /* Tp, HP, Ep, Pp: T, H, E = H·dv and T·H rounded up to
+                                                         * LANES */
     const float *xq, *xkv, *w, *b;
     const uint8_t *mask;
     int64_t ms[4], ys[4];   /* element strides: mask over [B, H, i, j], y over [B, H, t, c] */
-    float *y, *room;        /* room: per block, its anchors and a row's own projections */
-    int64_t blocks, per_block;
+    float *y, *room;        /* room: per block, its anchors and scratch */
+    int32_t *head_of;       /* [Ep]: the head of each column of an output row (0 past E) */
+    int32_t *pair_head;     /* [Pp]: the head of each (query, head) pair, query-major (0 past T·H) */
+    int64_t blocks, per_block, direct;   /* direct: y's rows are output rows in whole vectors */
+    struct Anchors *sets;                /* [blocks]: each block's anchors, in its room */
+    struct Anchors *_Atomic *spare;      /* the anchors of a block that has finished, for the next to take */
 } Job;
 
 typedef struct {   /* a row's projections, and its softmax partials over a set of shared keys */
     int64_t row;   /* -1: none */
     uint64_t keys;
-    float *q, *k, *v;   /* [T][H][dk], [T][H][dk], [T][H][dv] */
-    float *qt, *part;   /* per head, queries in lanes: Q [H][dk][Tp], the partials over `keys`: max and sum
-                         * [H][2][Tp], then Σ e·v [H][Tp][dv] */
-    float *kt;          /* per head, keys in lanes: K [H][dk][Tp] */
+    float *q, *k, *v;   /* [T][H][dk], [T][H][dk], [T][H][dv] (then LANES floats of slack) */
+    float *qd, *kd;     /* Q and K by depth, (token, head) pairs in lanes [dk][Pp] */
+    float *pm, *ps;     /* the partials over `keys` by pair: max, sum [Pp]; */
+    float *acc;         /* Σ e·v, a query's output row at a time [Tp][Ep] */
 } Anchor;
 
-/* The floats an anchor takes. */
-static int64_t anchor_floats(const Job *j) {
-    return j->T * j->H * (2 * j->dk + j->dv) + j->H * j->Tp * (2 * j->dk + 2 + j->dv);
-}
+typedef struct Anchors {
+    Anchor an[ANCHORS];
+    int next;   /* the anchor a row computed in full replaces */
+} Anchors;
 
-/* y = a·x + b·z and y += b·z over n floats. The head sizes common in rankers are constants the compiler sees
- * (BY_HEAD_SIZE: the loop unrolled and vectorized, no remainder loop per call), others a plain loop. */
-static inline void mix_n(float *restrict y, float a, const float *restrict x, float b, const float *restrict z,
-                         int64_t n) {
-    for (int64_t c = 0; c < n; ++c) y[c] = a * x[c] + b * z[c];
+typedef struct {   /* a block's scratch */
+    float *oq, *ok, *ov;   /* a row's own tokens' projections, as an anchor's q, k, v */
+    float *eb, *top, *inv;   /* a query's weights by (key, head) pair [Pp]; their max and 1/Σe by head [HP] */
+    float *qt;               /* a query by depth [dk][HP] (as okt) */
+    float *cw, *ce;        /* merge weights by pair: of the anchor's partials [Pp], of own V [n][Pp] */
+    float *okt;            /* own keys by depth [n][dk][HP] (spread over the lanes where the heads divide LANES) */
+    float *row, *tmp;      /* an output row [Ep]; a token's C projections */
+} Scratch;
+
+/* The floats an anchor and a block's scratch take. */
+static int64_t anchor_floats(const Job *j) {
+    return j->T * j->H * (2 * j->dk + j->dv) + LANES + (2 * j->dk + 2) * j->Pp + j->Tp * j->Ep;
 }
-static inline void add_n(float *restrict y, float b, const float *restrict z, int64_t n) {
-    for (int64_t c = 0; c < n; ++c) y[c] += b * z[c];
+static int64_t scratch_floats(const Job *j) {
+    return j->T * j->H * (2 * j->dk + j->dv) + LANES + j->Pp + LANES + (2 + j->dk) * j->HP + (1 + MAX_OWN) * j->Pp +
+           LANES + MAX_OWN * j->dk * j->HP + j->Ep + j->C;
 }
-#define BY_HEAD_SIZE(n, CALL)                              \
-    switch (n) {                                          \
-    case 4: CALL(4); break;                               \
-    case 6: CALL(6); break;                               \
-    case 8: CALL(8); break;                               \
-    case 12: CALL(12); break;                             \
-    case 16: CALL(16); break;                             \
-    case 32: CALL(32); break;                             \
-    default: CALL(n);                                     \
-    }
 
 /* Token t of row b projected: each head's Q into q, K into k, V into v ([H][dk], [H][dk], [H][dv]), from one pass
  * over w's columns (tmp: C floats; xkv read too where it is another tensor). */
@@ -120,39 +133,78 @@ static inline float masked(const Job *j, float s, int64_t at) {
     return j->k->mask_replace ? j->k->mask_value : s + j->k->mask_value;
 }
 
-/* Query i of head h (q: its dk values) over the keys in `keys` (K and V rows from `own` where set there, else the
- * anchor's): p[0], p[step] = max, sum; acc[c] = Σ e·v. */
-static void partial(const Job *j, int64_t b, int64_t h, int64_t i, const float *q, uint64_t keys, uint64_t own,
-                    const Anchor *a, const float *ok, const float *ov, float *p, int64_t step, float *out) {
-    float s[MAX_T], top = -__builtin_inff(), sum = 0.0f, acc[j->dv];
+/* Per-head values c (HP of them) spread over LANES lanes, `at` the heads of the lanes. */
+static inline vec spread_at(const Job *j, const float *c, const int32_t *at) {
+#if defined(__AVX2__) && LANES == 8
+    if (j->HP == LANES) return (vec)_mm256_permutevar8x32_ps((__m256)load(c), _mm256_loadu_si256((const void *)at));
+#endif
+    vec r;
+    for (int i = 0; i < LANES; ++i) r[i] = c[at[i]];
+    return r;
+}
+
+/* Per-head values c spread over an output row's columns k·LANES onward: each lane its head's. */
+static inline vec spread(const Job *j, const float *c, int64_t k) { return spread_at(j, c, j->head_of + k * LANES); }
+
+/* Where query i of row b's output row is written: in y (direct), else in `row`, which put_row then copies there. */
+static inline float *row_at(const Job *j, int64_t b, int64_t i, float *row) {
+    return j->direct ? j->y + b * j->ys[0] + i * j->ys[2] : row;
+}
+static void put_row(const Job *j, int64_t b, int64_t i, const float *row) {
+    if (j->direct) return;
+    float *y = j->y + b * j->ys[0] + i * j->ys[2];
+    for (int64_t h = 0; h < j->H; ++h)
+        for (int64_t c = 0; c < j->dv; ++c) y[h * j->ys[1] + c * j->ys[3]] = row[h * j->dv + c];
+}
+
+/* Query i of head h (q: its dk values) over the keys in `keys` of the anchor: the max and sum of its scores, and
+ * out[c] = Σ e·v. */
+static void partial(const Job *j, int64_t b, int64_t h, int64_t i, const float *q, uint64_t keys, const Anchor *a,
+                    float *max, float *total, float *out) {
+    float s[MAX_T], top = -__builtin_inff(), sum = 0.0f;
     const int64_t H = j->H, dk = j->dk, dv = j->dv;
     for (uint64_t left = keys; left; left &= left - 1) {
         const int64_t l = __builtin_ctzll(left);
-        const float *k = (own >> l & 1 ? ok : a->k) + (l * H + h) * dk;
+        const float *k = a->k + (l * H + h) * dk;
         float x = 0.0f;
         for (int64_t d = 0; d < dk; ++d) x += q[d] * k[d];
         s[l] = masked(j, x * j->k->scale, mask_at(j, b, h, i, l));
         top = s[l] > top ? s[l] : top;
     }
-    for (int64_t c = 0; c < dv; ++c) acc[c] = 0.0f;
+    memset(out, 0, (size_t)dv * sizeof(float));
     for (uint64_t left = keys; left && top != -__builtin_inff(); left &= left - 1) {
         const int64_t l = __builtin_ctzll(left);
-        const float e = expf(s[l] - top), *v = (own >> l & 1 ? ov : a->v) + (l * H + h) * dv;
+        const float e = expf(s[l] - top), *v = a->v + (l * H + h) * dv;
         sum += e;
-        for (int64_t c = 0; c < dv; ++c) acc[c] += e * v[c];
+        for (int64_t c = 0; c < dv; ++c) out[c] += e * v[c];
     }
-    p[0] = top;
-    p[step] = sum;
-    memcpy(out, acc, (size_t)dv * sizeof(float));
+    *max = top;
+    *total = sum;
+}
+
+/* Whether two tokens of D floats have the same bits (no branch but the loops'). */
+static inline int same_token(const float *x, const float *y, int64_t D) {
+    int64_t d = 0;
+    mask differ = {0};
+    for (; d + LANES <= D; d += LANES) differ |= (mask)load(x + d) ^ (mask)load(y + d);
+    int32_t any = 0;
+    for (; d < D; ++d) {
+        int32_t u, v;
+        memcpy(&u, x + d, sizeof u);
+        memcpy(&v, y + d, sizeof v);
+        any |= u ^ v;
+    }
+    for (int i = 0; i < LANES; ++i) any |= differ[i];
+    return !any;
 }
 
 /* The positions where row b's tokens (xq's and xkv's) have the anchor's bits; 0 when more than a quarter differ. */
 static uint64_t shared_tokens(const Job *j, int64_t b, int64_t a) {
     uint64_t same = 0;
-    const size_t bytes = (size_t)j->D * sizeof(float);
+    const int64_t D = j->D;
     for (int64_t t = 0, differ = 0; t < j->T; ++t) {
-        if (!memcmp(j->xq + (b * j->T + t) * j->D, j->xq + (a * j->T + t) * j->D, bytes) &&
-            (j->xkv == j->xq || !memcmp(j->xkv + (b * j->T + t) * j->D, j->xkv + (a * j->T + t) * j->D, bytes)))
+        if (same_token(j->xq + (b * j->T + t) * D, j->xq + (a * j->T + t) * D, D) &&
+            (j->xkv == j->xq || same_token(j->xkv + (b * j->T + t) * D, j->xkv + (a * j->T + t) * D, D)))
             same |= (uint64_t)1 << t;
         else if (++differ >= (j->T / 4 + 1 < MAX_OWN ? j->T / 4 + 1 : MAX_OWN))   /* at most a quarter differ */
             return 0;
@@ -178,78 +230,96 @@ static int same_mask(const Job *j, int64_t b, int64_t a, uint64_t shared) {
     return 1;
 }
 
-/* The anchor's Q and K by head with the tokens in lanes (zeros past T). */
+/* The anchor's Q and K by depth, (token, head) pairs in lanes (zeros past T·H). */
 static void transpose_anchor(const Job *j, Anchor *a) {
-    const int64_t H = j->H, dk = j->dk, Tp = j->Tp;
-    for (int64_t h = 0; h < H; ++h) {
-        float *qt = a->qt + h * dk * Tp, *kt = a->kt + h * dk * Tp;
-        for (int64_t i = 0; i < Tp; ++i) {
-            for (int64_t d = 0; d < dk; ++d) {
-                qt[d * Tp + i] = i < j->T ? a->q[(i * H + h) * dk + d] : 0.0f;
-                kt[d * Tp + i] = i < j->T ? a->k[(i * H + h) * dk + d] : 0.0f;
-            }
+    const int64_t dk = j->dk, P = j->T * j->H;
+    for (int64_t p = 0; p < j->Pp; ++p)
+        for (int64_t d = 0; d < dk; ++d) {
+            a->qd[d * j->Pp + p] = p < P ? a->q[p * dk + d] : 0.0f;
+            a->kd[d * j->Pp + p] = p < P ? a->k[p * dk + d] : 0.0f;
         }
-    }
 }
 
-/* The anchor's partials over the shared keys for its shared queries (queries in lanes). */
+/* The anchor's partials over the shared keys for its shared queries. */
 static void anchor_partials(const Job *j, Anchor *a, uint64_t shared) {
-    const int64_t H = j->H, dk = j->dk, dv = j->dv, Tp = j->Tp;
-    for (int64_t h = 0; h < H; ++h) {
-        float *part = a->part + h * 2 * Tp, *acc = a->part + H * 2 * Tp + h * Tp * dv;
-        for (int64_t i = 0; i < Tp; ++i) {
-            if (i < j->T && (shared >> i & 1)) {
-                partial(j, a->row, h, i, a->q + (i * H + h) * dk, shared, 0, a, NULL, NULL, part + i, Tp, acc + i * dv);
-            } else {
-                part[i] = -__builtin_inff();
-                part[Tp + i] = 0.0f;
-                memset(acc + i * dv, 0, (size_t)dv * sizeof(float));
-            }
+    const int64_t H = j->H, dk = j->dk, dv = j->dv;
+    for (int64_t p = 0; p < j->Pp; ++p) {
+        const int64_t i = p / H, h = p % H;
+        float *acc = a->acc + i * j->Ep + h * dv;
+        if (i < j->T && (shared >> i & 1)) {
+            partial(j, a->row, h, i, a->q + p * dk, shared, a, a->pm + p, a->ps + p, acc);
+        } else {
+            a->pm[p] = -__builtin_inff();
+            a->ps[p] = 0.0f;
+            if (i < j->T) memset(acc, 0, (size_t)dv * sizeof(float));
         }
     }
     a->keys = shared;
 }
 
-/* LANES shared queries of head h from i0 (`lanes`: those to write): the anchor's partials merged with the row's own
- * keys (n of them: K and V rows in ok, ov at `own`), vectors over the queries. */
-static void merge_lanes(const Job *j, int64_t b, const Anchor *a, int64_t h, int64_t i0, uint32_t lanes,
-                        const int64_t *own, int n, const float *ok, const float *ov) {
-    const int64_t H = j->H, dk = j->dk, dv = j->dv, Tp = j->Tp;
-    const float *qt = a->qt + h * dk * Tp + i0, *part = a->part + h * 2 * Tp + i0;
-    const float *old = a->part + H * 2 * Tp + (h * Tp + i0) * dv;
-    vec e[MAX_OWN], top = load(part);
-    for (int t = 0; t < n; ++t) {
-        const float *k = ok + (own[t] * H + h) * dk;
-        vec x = {0};
-        for (int64_t d = 0; d < dk; ++d) x += load(qt + d * Tp) * k[d];
-        x *= j->k->scale;
-        if (j->mask)
-            for (int i = 0; i < LANES; ++i)
-                x[i] = i0 + i < j->T ? masked(j, x[i], mask_at(j, b, h, i0 + i, own[t])) : x[i];
-        e[t] = x;
-        top = pick(x > top, x, top);
+/* The merge weights of row b's shared queries, every head at once (vectors over (query, head) pairs): the anchor's
+ * partials against the row's own keys (n of them: K rows in x->ok at `own`), into x->cw and x->ce. */
+static void merge_weights(const Job *j, int64_t b, const Anchor *a, uint64_t shared, const int64_t *own, int n,
+                          const Scratch *x) {
+    const int64_t H = j->H, HP = j->HP, dk = j->dk, Pp = j->Pp, P = j->T * H, uniform = LANES % H == 0;
+    for (int t = 0; t < n; ++t)   /* by depth, spread over the lanes already where every block's lanes are alike */
+        for (int64_t q = 0; q < (uniform ? LANES : H); ++q)
+            for (int64_t d = 0; d < dk; ++d) x->okt[(t * dk + d) * HP + q] = x->ok[(own[t] * H + q % H) * dk + d];
+    for (int64_t p0 = 0; p0 < P; p0 += LANES) {
+        const int64_t first = p0 / H, last = (p0 + LANES - 1 < P ? p0 + LANES - 1 : P - 1) / H;
+        if (!((shared >> first) & (((uint64_t)2 << (last - first)) - 1))) continue;   /* no shared query */
+        const int32_t *heads = j->pair_head + p0;
+        vec e[MAX_OWN], top = load(a->pm + p0), w_old;
+        for (int t = 0; t < n; ++t) {
+            vec s = {0};
+            for (int64_t d = 0; d < dk; ++d) {
+                const float *k = x->okt + (t * dk + d) * HP;
+                s += load(a->qd + d * Pp + p0) * (uniform ? load(k) : spread_at(j, k, heads));
+            }
+            s *= j->k->scale;
+            for (int64_t i = 0, q = first, h = p0 % H; j->mask && i < LANES && p0 + i < P; ++i) {   /* pair q, h */
+                s[i] = masked(j, s[i], mask_at(j, b, h, q, own[t]));
+                q += h + 1 == H;
+                h = h + 1 < H ? h + 1 : 0;
+            }
+            e[t] = s;
+            top = pick(s > top, s, top);
+        }
+        if (n == 1) {   /* one of the two weights is exp(0) = 1: one exp, of -|difference| */
+            const vec diff = e[0] - load(a->pm + p0);
+            const mask own_top = diff > 0.0f;
+            const vec small = exp_vec(pick(own_top, -diff, diff));   /* NaN (both -inf) stays NaN, as onnxruntime's */
+            w_old = pick(own_top, small, splat(1.0f));
+            e[0] = pick(own_top, splat(1.0f), small);
+        } else {   /* every key masked (-inf - -inf): NaN, as onnxruntime gives */
+            w_old = exp_vec(load(a->pm + p0) - top);
+            for (int t = 0; t < n; ++t) e[t] = exp_vec(e[t] - top);
+        }
+        vec sum = load(a->ps + p0) * w_old;
+        for (int t = 0; t < n; ++t) sum += e[t];
+        const vec inv = 1.0f / sum;
+        store(x->cw + p0, w_old * inv);
+        for (int t = 0; t < n; ++t) store(x->ce + t * Pp + p0, e[t] * inv);
     }
-    const vec w_old = exp_vec(load(part) - top);   /* every key masked (-inf - -inf): NaN, as onnxruntime gives */
-    vec sum = load(part + Tp) * w_old;
-    for (int t = 0; t < n; ++t) sum += e[t] = exp_vec(e[t] - top);
-    const vec inv = 1.0f / sum;
-    float *y = j->y + b * j->ys[0] + h * j->ys[1] + i0 * j->ys[2];
-    for (int i = 0; i < LANES; ++i) {   /* a query row at a time: its dv values contiguous, in the partials too */
-        if (!(lanes >> i & 1)) continue;
-        const float *acc = old + i * dv, wo = w_old[i] * inv[i];
-        float *yi = y + i * j->ys[2];
-        if (n == 1 && j->ys[3] == 1) {   /* the common case, one token of its own: a loop the compiler vectorizes */
-            const float *v = ov + (own[0] * H + h) * dv, en = e[0][i] * inv[i];
-#define MIX(k) mix_n(yi, wo, acc, en, v, k)
-            BY_HEAD_SIZE(dv, MIX)
-#undef MIX
-            continue;
+}
+
+/* Row b's shared queries: the anchor's partials over the shared keys merged with the row's n own keys (V rows in
+ * x->ov at `own`), each query's output row LANES columns at a time. */
+static void merge(const Job *j, int64_t b, const Anchor *a, uint64_t shared, const int64_t *own, int n,
+                  const Scratch *x) {
+    const int64_t H = j->H, E = j->E;
+    merge_weights(j, b, a, shared, own, n, x);
+    for (uint64_t left = shared; left; left &= left - 1) {
+        const int64_t i = __builtin_ctzll(left);
+        const float *acc = a->acc + i * j->Ep;
+        float *y = row_at(j, b, i, x->row);
+        for (int64_t k = 0; k * LANES < E; ++k) {
+            vec r = spread(j, x->cw + i * H, k) * load(acc + k * LANES);
+            for (int t = 0; t < n; ++t)
+                r += spread(j, x->ce + t * j->Pp + i * H, k) * load(x->ov + own[t] * E + k * LANES);
+            store(y + k * LANES, r);
         }
-        for (int64_t c = 0; c < dv; ++c) {
-            float x = acc[c] * wo;
-            for (int t = 0; t < n; ++t) x += e[t][i] * inv[i] * ov[(own[t] * H + h) * dv + c];
-            yi[c * j->ys[3]] = x;
-        }
+        put_row(j, b, i, x->row);
     }
 }
 
@@ -259,65 +329,91 @@ static inline float hsum(vec v) {
     return s;
 }
 
-/* Query i of head h of row b, one of its own tokens (q: its projection), over every key, keys in lanes: the
- * anchor's K and V (transposed) where the row shares its tokens, its own (ok, ov at `own`) where not; s: Tp floats. */
-static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t h, int64_t i, const float *q,
-                      const int64_t *own, int n, const float *ok, const float *ov, float *s) {
-    const int64_t H = j->H, dk = j->dk, dv = j->dv, Tp = j->Tp;
-    const float *kt = a->kt + h * dk * Tp;
-    vec top = splat(-__builtin_inff()), sum = {0};
-    for (int64_t l0 = 0; l0 < Tp; l0 += LANES) {
-        vec x = {0};
-        for (int64_t d = 0; d < dk; ++d) x += load(kt + d * Tp + l0) * q[d];
-        store(s + l0, x * j->k->scale);
+/* The max (top) or sum of Pp values by (key, head) pair, by head, into out[H]. Where the heads divide LANES each lane
+ * keeps one head: the pairs' vectors reduced lane by lane, then the lanes. */
+static void by_head(const Job *j, const float *v, int top, float *out) {
+    const int64_t H = j->H;
+    for (int64_t h = 0; h < H; ++h) out[h] = top ? -__builtin_inff() : 0.0f;
+    if (LANES % H) {
+        for (int64_t p = 0; p < j->Pp; ++p) {
+            const int32_t h = j->pair_head[p];
+            out[h] = top ? (v[p] > out[h] ? v[p] : out[h]) : out[h] + v[p];
+        }
+        return;
     }
-    for (int t = 0; t < n; ++t) {
-        const float *k = ok + (own[t] * H + h) * dk;
-        float x = 0.0f;
-        for (int64_t d = 0; d < dk; ++d) x += q[d] * k[d];
-        s[own[t]] = x * j->k->scale;
+    vec r = load(v);
+    for (int64_t p0 = LANES; p0 < j->Pp; p0 += LANES) {
+        const vec x = load(v + p0);
+        r = top ? pick(x > r, x, r) : r + x;
     }
-    const int64_t row = j->mask ? mask_at(j, b, h, i, 0) : 0;
-    for (int64_t l = 0; l < Tp; ++l) s[l] = l < j->T ? masked(j, s[l], row + l * j->ms[3]) : -__builtin_inff();
-    for (int64_t l0 = 0; l0 < Tp; l0 += LANES) top = pick(load(s + l0) > top, load(s + l0), top);
-    float m = top[0];
-    for (int k = 1; k < LANES; ++k) m = top[k] > m ? top[k] : m;
-    for (int64_t l0 = 0; l0 < Tp; l0 += LANES) {   /* every key masked (-inf - -inf): NaN, as onnxruntime gives */
-        const vec e = exp_vec(load(s + l0) - m);
-        store(s + l0, e);
-        sum += e;
-    }
-    const float inv = 1.0f / hsum(sum);
-    uint64_t mine = 0;   /* the keys whose V is the row's own (a row has some only where T ≤ 64) */
-    for (int t = 0; t < n; ++t) mine |= (uint64_t)1 << own[t];
-    float acc[dv], *y = j->y + b * j->ys[0] + h * j->ys[1] + i * j->ys[2];
-    memset(acc, 0, sizeof acc);
-    for (int64_t l = 0; l < j->T; ++l) {   /* Σ e·v over the keys, a V row at a time */
-        const float *v = (n && (mine >> l & 1) ? ov : a->v) + (l * H + h) * dv;
-#define ADD(k) add_n(acc, s[l], v, k)
-        BY_HEAD_SIZE(dv, ADD)
-#undef ADD
-    }
-    for (int64_t c = 0; c < dv; ++c) y[c * j->ys[3]] = acc[c] * inv;
+    for (int q = 0; q < LANES; ++q) out[q % H] = top ? (r[q] > out[q % H] ? r[q] : out[q % H]) : out[q % H] + r[q];
 }
 
-/* Row b in full: its projections into anchor a (and by head, tokens in lanes), then every head's queries over
- * every key (p: room for Tp scores; tmp: for C floats). */
-static void full_row(const Job *j, int64_t b, Anchor *a, float *p, float *tmp) {
+/* The weights of query i of row b (q: its projection, [H][dk]) over every key, every head at once (vectors over
+ * (key, head) pairs): the anchor's K where the row shares its tokens, its own (ok at `own`) where not. Into x->eb
+ * (exp of the score less its head's max) and x->inv (1/Σe by head). */
+static void own_weights(const Job *j, int64_t b, const Anchor *a, int64_t i, const float *q, const int64_t *own,
+                        int n, const float *ok, const Scratch *x) {
+    const int64_t H = j->H, HP = j->HP, dk = j->dk, Pp = j->Pp, P = j->T * H, uniform = LANES % H == 0;
+    const int32_t *heads = j->pair_head;
+    for (int64_t h = 0; h < (uniform ? LANES : H); ++h)   /* as merge_weights' own keys */
+        for (int64_t d = 0; d < dk; ++d) x->qt[d * HP + h] = q[(h % H) * dk + d];
+    for (int64_t p0 = 0; p0 < P; p0 += LANES) {
+        vec s = {0};
+        for (int64_t d = 0; d < dk; ++d)
+            s += load(a->kd + d * Pp + p0) * (uniform ? load(x->qt + d * HP) :
+                                                        spread_at(j, x->qt + d * HP, heads + p0));
+        store(x->eb + p0, s * j->k->scale);
+    }
+    for (int t = 0; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            const float *k = ok + (own[t] * H + h) * dk;
+            float s = 0.0f;
+            for (int64_t d = 0; d < dk; ++d) s += q[h * dk + d] * k[d];
+            x->eb[own[t] * H + h] = s * j->k->scale;
+        }
+    for (int64_t l = 0; j->mask && l < j->T; ++l)
+        for (int64_t h = 0; h < H; ++h) x->eb[l * H + h] = masked(j, x->eb[l * H + h], mask_at(j, b, h, i, l));
+    for (int64_t p = P; p < Pp; ++p) x->eb[p] = -__builtin_inff();   /* past the pairs: e = 0 */
+    by_head(j, x->eb, 1, x->top);
+    for (int64_t p0 = 0; p0 < Pp; p0 += LANES)   /* every key masked (-inf - -inf): NaN, as onnxruntime gives */
+        store(x->eb + p0, exp_vec(load(x->eb + p0) - spread_at(j, x->top, heads + p0)));
+    by_head(j, x->eb, 0, x->inv);
+    for (int64_t h = 0; h < H; ++h) x->inv[h] = 1.0f / x->inv[h];
+}
+
+/* Query i of row b, one of its own tokens (q: its projection, [H][dk]), over every key: the weights, then Σ e·v for
+ * every head at once, a V row (the anchor's, or the row's own in x->ov at `own`) LANES columns at a time. */
+static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t i, const float *q, const int64_t *own, int n,
+                      const Scratch *x) {
+    const int64_t T = j->T, H = j->H, E = j->E;
+    own_weights(j, b, a, i, q, own, n, x->ok, x);
+    uint64_t mine = 0;   /* the keys whose V is the row's own (a row has some only where T ≤ 64) */
+    for (int t = 0; t < n; ++t) mine |= (uint64_t)1 << own[t];
+    float *y = row_at(j, b, i, x->row);
+    for (int64_t k = 0; k * LANES < E; ++k) {
+        vec acc = {0};
+        for (int64_t l = 0; l < T; ++l)
+            acc += spread(j, x->eb + l * H, k) * load((mine >> l & 1 ? x->ov : a->v) + l * E + k * LANES);
+        store(y + k * LANES, acc * spread(j, x->inv, k));
+    }
+    put_row(j, b, i, x->row);
+}
+
+/* Row b in full: its projections into anchor a (and by head, tokens in lanes), then every query over every key. */
+static void full_row(const Job *j, int64_t b, Anchor *a, const Scratch *x) {
     const int64_t T = j->T, H = j->H, dk = j->dk, dv = j->dv;
     for (int64_t t = 0; t < T; ++t)
-        project(j, b, t, a->q + t * H * dk, a->k + t * H * dk, a->v + t * H * dv, tmp);
+        project(j, b, t, a->q + t * H * dk, a->k + t * H * dk, a->v + t * H * dv, x->tmp);
     a->row = b;
     a->keys = 0;
     transpose_anchor(j, a);
-    for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < T; ++i) own_query(j, b, a, h, i, a->q + (i * H + h) * dk, NULL, 0, NULL, NULL, p);
+    for (int64_t i = 0; i < T; ++i) own_query(j, b, a, i, a->q + i * H * dk, NULL, 0, x);
 }
 
 /* Row b from anchor a: the anchor's partials over the shared keys (computed on its first follower), its own tokens
- * projected into oq, ok, ov, merged; its own queries over every key. */
-static void follow(const Job *j, int64_t b, Anchor *a, uint64_t shared, float *oq, float *ok, float *ov, float *p,
-                   float *tmp) {
+ * projected, merged; its own queries over every key. */
+static void follow(const Job *j, int64_t b, Anchor *a, uint64_t shared, const Scratch *x) {
     const int64_t T = j->T, H = j->H, dk = j->dk, dv = j->dv;
     const uint64_t all = T == 64 ? ~(uint64_t)0 : ((uint64_t)1 << T) - 1, mine = all & ~shared;
     int64_t own[MAX_OWN];
@@ -325,47 +421,64 @@ static void follow(const Job *j, int64_t b, Anchor *a, uint64_t shared, float *o
     if (a->keys != shared) anchor_partials(j, a, shared);
     for (uint64_t left = mine; left; left &= left - 1, ++n) {
         own[n] = __builtin_ctzll(left);
-        project(j, b, own[n], oq + own[n] * H * dk, ok + own[n] * H * dk, ov + own[n] * H * dv, tmp);
+        project(j, b, own[n], x->oq + own[n] * H * dk, x->ok + own[n] * H * dk, x->ov + own[n] * H * dv, x->tmp);
     }
-    for (int64_t h = 0; h < H; ++h) {
-        for (int64_t i0 = 0; i0 < T; i0 += LANES) {
-            const uint32_t lanes = (uint32_t)(shared >> i0) & (T - i0 < LANES ? (1u << (T - i0)) - 1 : 0xffu);
-            if (lanes) merge_lanes(j, b, a, h, i0, lanes, own, n, ok, ov);
-        }
-        for (int t = 0; t < n; ++t) own_query(j, b, a, h, own[t], oq + (own[t] * H + h) * dk, own, n, ok, ov, p);
-    }
+    merge(j, b, a, shared, own, n, x);
+    for (int t = 0; t < n; ++t) own_query(j, b, a, own[t], x->oq + own[t] * H * dk, own, n, x);
 }
 
-/* Block n of the rows, with its anchors. */
+/* Block n's anchors, in its room. */
+static Anchors *new_anchors(const Job *j, size_t n) {
+    const int64_t T = j->T, H = j->H, dk = j->dk, each = anchor_floats(j);
+    Anchors *set = &j->sets[n];
+    set->next = 0;
+    for (int i = 0; i < ANCHORS; ++i) {
+        float *at = j->room + (int64_t)n * j->per_block + i * each;
+        set->an[i] = (Anchor){.row = -1, .q = at, .k = at + T * H * dk, .v = at + 2 * T * H * dk};
+        set->an[i].qd = set->an[i].v + T * H * j->dv + LANES;
+        set->an[i].kd = set->an[i].qd + dk * j->Pp;
+        set->an[i].pm = set->an[i].kd + dk * j->Pp;
+        set->an[i].ps = set->an[i].pm + j->Pp;
+        set->an[i].acc = set->an[i].ps + j->Pp;
+    }
+    return set;
+}
+
+/* Block n of the rows. Its anchors are those a finished block left where there are (with one thread, the block
+ * before's: a batch of one user computes one row in full), else its own. */
 static void run_block(void *data, size_t n) {
     const Job *j = data;
-    const int64_t T = j->T, H = j->H, each = anchor_floats(j);
-    float *room = j->room + (int64_t)n * j->per_block;
-    Anchor an[ANCHORS];
-    for (int i = 0; i < ANCHORS; ++i) {
-        float *at = room + i * each;
-        an[i] = (Anchor){.row = -1, .q = at, .k = at + T * H * j->dk, .v = at + 2 * T * H * j->dk,
-                         .qt = at + T * H * (2 * j->dk + j->dv), .part = at + T * H * (2 * j->dk + j->dv) +
-                                                                          H * j->Tp * j->dk};
-        an[i].kt = an[i].part + H * j->Tp * (2 + j->dv);   /* after max, sum and Σ e·v */
-    }
-    float *oq = room + ANCHORS * each, *ok = oq + T * H * j->dk, *ov = ok + T * H * j->dk, *p = ov + T * H * j->dv;
-    float *tmp = p + 2 + j->dv + j->Tp;   /* p: a partial, or a row of scores */
-    int next = 0;
+    const int64_t T = j->T, H = j->H, dk = j->dk, HP = j->HP;
+    Anchors *set = atomic_exchange(j->spare, NULL);
+    if (!set) set = new_anchors(j, n);
+    Anchor *an = set->an;
+    Scratch x = {.oq = j->room + (int64_t)n * j->per_block + ANCHORS * anchor_floats(j)};
+    x.ok = x.oq + T * H * dk;
+    x.ov = x.ok + T * H * dk;
+    x.eb = x.ov + T * H * j->dv + LANES;
+    x.top = x.eb + j->Pp + LANES;
+    x.inv = x.top + HP;
+    x.qt = x.inv + HP;
+    x.cw = x.qt + dk * HP;
+    x.ce = x.cw + j->Pp;
+    x.okt = x.ce + MAX_OWN * j->Pp + LANES;
+    x.row = x.okt + MAX_OWN * dk * HP;
+    x.tmp = x.row + j->Ep;
     for (int64_t b = j->B * (int64_t)n / j->blocks; b < j->B * ((int64_t)n + 1) / j->blocks; ++b) {
         int followed = 0;
         for (int i = 0; i < ANCHORS && !followed && T <= MAX_T; ++i) {   /* longer: no sets, each row in full */
             const uint64_t shared = an[i].row < 0 ? 0 : shared_tokens(j, b, an[i].row);
             if (shared && same_mask(j, b, an[i].row, shared)) {
-                follow(j, b, &an[i], shared, oq, ok, ov, p, tmp);
+                follow(j, b, &an[i], shared, &x);
                 followed = 1;
             }
         }
         if (!followed) {
-            full_row(j, b, &an[next], p, tmp);
-            next = (next + 1) % ANCHORS;
+            full_row(j, b, &an[set->next], &x);
+            set->next = (set->next + 1) % ANCHORS;
         }
     }
+    atomic_store(j->spare, set);
 }
 
 /* ---------------------------------------------------------------------------------------------- plumbing */
@@ -413,11 +526,29 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (j.B == 0 || j.T == 0 || j.H == 0 || j.dv == 0) return NULL;
     j.blocks = j.B < MAX_BLOCKS ? j.B : MAX_BLOCKS;
     j.Tp = (j.T + LANES - 1) / LANES * LANES;
-    j.per_block = ANCHORS * anchor_floats(&j) + j.T * j.H * (2 * j.dk + j.dv) + 2 + j.dv + j.Tp + j.C + j.T;
+    j.HP = (j.H + LANES - 1) / LANES * LANES;
+    j.E = j.H * j.dv;
+    j.Ep = (j.E + LANES - 1) / LANES * LANES;
+    j.Pp = (j.T * j.H + LANES - 1) / LANES * LANES;
+    j.direct = j.ys[3] == 1 && j.ys[1] == j.dv && j.E % LANES == 0;
+    j.per_block = ANCHORS * anchor_floats(&j) + scratch_floats(&j);
     j.room = malloc((size_t)(j.blocks * j.per_block) * sizeof(float));
-    if (!j.room) return ort->CreateStatus(ORT_FAIL, "TokenAttention: out of memory");
-    OrtStatus *s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
+    j.head_of = malloc((size_t)(j.Ep + j.Pp) * sizeof(int32_t));
+    j.pair_head = j.head_of + j.Ep;
+    j.sets = malloc((size_t)j.blocks * sizeof(Anchors));
+    Anchors *_Atomic spare = NULL;
+    j.spare = &spare;
+    OrtStatus *s = NULL;
+    if (j.room && j.head_of && j.sets) {
+        for (int64_t c = 0; c < j.Ep; ++c) j.head_of[c] = c < j.E ? (int32_t)(c / j.dv) : 0;
+        for (int64_t p = 0; p < j.Pp; ++p) j.pair_head[p] = p < j.T * j.H ? (int32_t)(p % j.H) : 0;
+        s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
+    } else {
+        s = ort->CreateStatus(ORT_FAIL, "TokenAttention: out of memory");
+    }
     free(j.room);
+    free(j.head_of);
+    free(j.sets);
     return s;
 }
 
