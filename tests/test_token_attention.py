@@ -41,7 +41,9 @@ def reference(xq, xkv, w, b, cols, scale, mask=None, value=0.0, on=1, replace=0,
 
 
 def run_kernel(feeds, attrs, with_kv=False, mask_shape=None):
-    names = ["xq", "xkv" if with_kv else "", "w", "b", "mask" if mask_shape else ""]
+    projected = "wo" in feeds
+    names = ["xq", "xkv" if with_kv else "", "w", "b", "mask" if mask_shape else ""] + \
+        (["wo", "bo"] if projected else [])
     while not names[-1]:
         names.pop()
     inputs = [vi("xq", F, ["b", None, D]), vi("w", F, [D, None]), vi("b", F, [None])]
@@ -49,6 +51,8 @@ def run_kernel(feeds, attrs, with_kv=False, mask_shape=None):
         inputs.append(vi("xkv", F, ["b", None, D]))
     if mask_shape:
         inputs.append(vi("mask", onnx.TensorProto.BOOL, mask_shape))
+    if projected:
+        inputs += [vi("wo", F, [None, None]), vi("bo", F, [None])]
     session = kernel_session([onnx.helper.make_node("TokenAttention", names, ["y"], domain=kernels.DOMAIN, **attrs)],
                              inputs)
     return session.run(None, {k: v for k, v in feeds.items() if k in [i.name for i in inputs]})[0]
@@ -66,11 +70,13 @@ def one_user(shape, own=(T - 1,), users=1):
 
 @pytest.mark.parametrize("case", ["one-user", "two-users", "first-token", "two-own", "all-differ", "key-padding",
                                   "replace", "empty-history", "mask-per-head-hb", "own-kv", "perm", "rows",
-                                  "rows-masked", "many-heads"])
+                                  "rows-masked", "many-heads", "projected", "projected-residual-tb",
+                                  "projected-two-own"])
 def test_the_kernel_matches_numpy(case):
     """The row-ordered cases write y as [B, T, H, dv] in whole vectors (the heads' values of a query one row);
-    many-heads has more heads than a vector's lanes; the others write through a scratch row."""
-    own = (0,) if case == "first-token" else (T - 2, T - 1) if case == "two-own" else (T - 1,)
+    many-heads has more heads than a vector's lanes; the others write through a scratch row. The projected ones
+    write [B, T, N] (or [T, B, N]): the heads merged, times wo, plus bo (and the token itself)."""
+    own = (0,) if case == "first-token" else (T - 2, T - 1) if case.endswith("two-own") else (T - 1,)
     xq = one_user((B, T, D), own, users=2 if case == "two-users" else 1)
     if case == "all-differ":
         xq = RNG.normal(size=(B, T, D)).astype(np.float32)
@@ -101,10 +107,18 @@ def test_the_kernel_matches_numpy(case):
     perm = [2, 0, 1, 3] if case == "perm" else [0, 2, 1, 3] if case.startswith("rows") else None
     if perm:
         attrs["y_perm"] = perm
+    if case.startswith("projected"):
+        N = D if "residual" in case else 13
+        feeds.update(wo=RNG.normal(size=(heads * dv, N)).astype(np.float32), bo=RNG.normal(size=N).astype(np.float32))
+        attrs.update(out_tb=int(case.endswith("tb")), residual=int("residual" in case))
     got = run_kernel(feeds, attrs, with_kv=case == "own-kv", mask_shape=mask_shape)
     want = reference(xq, xkv, w, b, cols, 0.4, **ref_mask, dv=dv)
     if perm:
         want = np.transpose(want, perm)
+    if case.startswith("projected"):
+        want = np.transpose(want, [0, 2, 1, 3]).reshape(B, T, heads * dv) @ feeds["wo"] + feeds["bo"]
+        want = want + (xq if attrs["residual"] else 0)
+        want = np.swapaxes(want, 0, 1) if attrs["out_tb"] else want
     assert got.shape == want.shape
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any() == (case == "empty-history")
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=3e-5, rtol=1e-4)
@@ -294,22 +308,22 @@ def projected(dialect, form):
                                           (torch_heads_merged_into_batch, "torch"), (tf_two_token_tensors, "tf"),
                                           (torch_packed_sequence_first, "torch-rows"),
                                           (paddle_three_projections, "paddle-shape")])
-def test_the_kernel_writes_rows_in_the_order_the_output_projection_is_read(dialect, form):
-    """torch's sequence-first attention: its output projection is read through Transposes to [B, T, D]; the kernel
-    writes [B, T, H, dv] instead, then Reshape, one Gemm (W_o's rows in the kernel's head order), Reshape: no
-    Transpose left. Where no Transpose is on the way (paddle, tf) the projection stays as the exporter wrote it.
-    Same outputs; idempotent."""
+def test_the_output_projection_goes_into_the_kernel(dialect, form):
+    """The output projection that follows, in each exporter's form (a MatMul and its bias; torch's sequence-first
+    Reshape, Gemm, Reshape and Transposes; rows of rank 2), goes into the kernel, which writes the projected rows as
+    the graph reads them ([B, T, D], or [T, B, D] with out_tb) and adds the residual tokens where they are added next
+    (paddle). Same outputs; idempotent."""
     model = projected(dialect, form)
     core, _ = run_pass(model, "attention-core-kernel")
     done, ctx = run_pass(core, "token-attention", user_inputs="x")
-    assert ctx.rewrites == 1 and not any("Transposes kept" in n for n in ctx.notes), ctx.notes
-    if form != "paddle" and form != "tf":
-        assert "Transpose" not in ops(done) and ops(done).count("Gemm") == 1, ops(done)
-        ta = next(n for n in done.graph.node if n.op_type == "TokenAttention")
-        tb = form != "torch"   # the rows the graph reads: (t, b) for the rank-2 rows and the [T, B, D] target
-        assert list(next(a for a in ta.attribute if a.name == "y_perm").ints) == ([2, 0, 1, 3] if tb else [0, 2, 1, 3])
-    else:
-        assert ops(done).count("MatMul") == 1 and "Gemm" not in ops(done), ops(done)
+    assert ctx.rewrites == 1 and not any("left apart" in n for n in ctx.notes), ctx.notes
+    ta = next(n for n in done.graph.node if n.op_type == "TokenAttention")
+    last = next(n for n in done.graph.node if "z" in n.output)   # rank 2: a Reshape of the kernel's [T, B, D]
+    assert last is ta or (form == "torch-rows" and last.op_type == "Reshape" and last.input[0] == ta.output[0])
+    assert not {"Gemm", "MatMul", "Transpose"} & set(ops(done)), ops(done)
+    attrs = {a.name: a.i for a in ta.attribute if a.type == onnx.AttributeProto.INT}
+    assert attrs["out_tb"] == (form in ("torch-rows", "paddle-shape")) and \
+        attrs.get("residual", 0) == (form == "paddle") and len(ta.input) == 7, attrs
     rows = 3 if dialect is tf_two_token_tensors else 6
     for one_user in (True, False):
         f = _feeds(model, rows, one_user)

@@ -7,9 +7,14 @@
  *            2 w [D, C]: the projections' weights, the columns of every head's Q, K and V among them
  *            3 b [C]: their bias                                                                          optional
  *            4 mask (bool), broadcastable to [B, H, T, T] ([H, B, T, T] with mask_hb)                    optional
- *   outputs  0 Y [B, H, T, dv], written as Transpose(Y, y_perm) (given: a permutation of 4 axes)
+ *            5 wo [H·dv, N]: the output projection, its rows head by head                               optional
+ *            6 bo [N]: its bias                                                                            optional
+ *   outputs  0 Y [B, H, T, dv], written as Transpose(Y, y_perm) (given: a permutation of 4 axes);
+ *              with wo: Z [B, T, N] ([T, B, N] with out_tb), a token's heads merged, times wo, plus bo (and the
+ *              token xq[b, t] itself, with residual)
  *   attributes heads, dk, dv (ints); q_cols, k_cols, v_cols (ints, one per head: its first column in w);
- *            scale (float); mask_value (float), mask_on, mask_replace, mask_hb (ints), as AttentionCore's
+ *            scale (float); mask_value (float), mask_on, mask_replace, mask_hb (ints), as AttentionCore's;
+ *            out_tb, residual (ints, 0 or 1)
  *
  * Head h of row b: q_t = xq[b, t]·w[:, q_cols[h] : + dk] + b[..] (k and v from xkv), softmax(scale · q·kᵀ, the mask
  * applied as AttentionCore applies it) · v. A row computed in full keeps its projections (an anchor); a later row
@@ -38,7 +43,7 @@
 #define MAX_OWN (MAX_T / 4 + 1)   /* tokens of its own a row may have to follow an anchor */
 
 typedef struct {
-    int64_t heads, dk, dv, cols[3][MAX_T], mask_on, mask_replace, mask_hb, perm[4], has_perm;
+    int64_t heads, dk, dv, cols[3][MAX_T], mask_on, mask_replace, mask_hb, perm[4], has_perm, out_tb, residual;
     float scale, mask_value;
 } Kernel;
 
@@ -46,7 +51,8 @@ typedef struct {
     const Kernel *k;
     int64_t B, T, Tp, D, C, H, HP, dk, dv, E, Ep, Pp;   /* Tp, HP, Ep, Pp: T, H, E = H·dv and T·H rounded up to
                                                          * LANES */
-    const float *xq, *xkv, *w, *b;
+    const float *xq, *xkv, *w, *b, *wo, *bo;   /* wo, bo: the output projection [E][N], [N] (NULL: none) */
+    int64_t N;
     const uint8_t *mask;
     int64_t ms[4], ys[4];   /* element strides: mask over [B, H, i, j], y over [B, H, t, c] */
     float *y, *room;        /* room: per block, its anchors and scratch */
@@ -64,6 +70,7 @@ typedef struct {   /* a row's projections, and its softmax partials over a set o
     float *qd, *kd;     /* Q and K by depth, (token, head) pairs in lanes [dk][Pp] */
     float *pm, *ps;     /* the partials over `keys` by pair: max, sum [Pp]; */
     float *acc;         /* Σ e·v, a query's output row at a time [Tp][Ep] */
+    float *pw;          /* with wo: each head's Σ e·v times its rows of wo [Tp][H][N] */
 } Anchor;
 
 typedef struct Anchors {
@@ -78,15 +85,71 @@ typedef struct {   /* a block's scratch */
     float *cw, *ce;        /* merge weights by pair: of the anchor's partials [Pp], of own V [n][Pp] */
     float *okt;            /* own keys by depth [n][dk][HP] (spread over the lanes where the heads divide LANES) */
     float *row, *tmp;      /* an output row [Ep]; a token's C projections */
+    float *rows;           /* with wo: a row's output rows [T][Ep], projected together */
+    float *rown;           /* with wo: each head's own V times its rows of wo [n][H][N] */
 } Scratch;
 
 /* The floats an anchor and a block's scratch take. */
 static int64_t anchor_floats(const Job *j) {
-    return j->T * j->H * (2 * j->dk + j->dv) + LANES + (2 * j->dk + 2) * j->Pp + j->Tp * j->Ep;
+    return j->T * j->H * (2 * j->dk + j->dv) + LANES + (2 * j->dk + 2) * j->Pp + j->Tp * j->Ep +
+           (j->wo ? j->Tp * j->H * j->N : 0);
 }
 static int64_t scratch_floats(const Job *j) {
     return j->T * j->H * (2 * j->dk + j->dv) + LANES + j->Pp + LANES + (2 + j->dk) * j->HP + (1 + MAX_OWN) * j->Pp +
-           LANES + MAX_OWN * j->dk * j->HP + j->Ep + j->C;
+           LANES + MAX_OWN * j->dk * j->HP + j->Ep + j->C + (j->wo ? j->T * j->Ep + MAX_OWN * j->H * j->N : 0);
+}
+
+/* Rows r0 .. r0 + NR of out (os floats apart), columns c0 .. c0 + NV·LANES: bias (0 without) + add's row (as apart;
+ * without: 0) + x's row (xs apart)·w, w [D][C]. NR·NV accumulators in registers. */
+static inline __attribute__((always_inline)) void affine_block(const float *x, int64_t xs, int64_t D, const float *w,
+                                                               int64_t C, const float *bias, const float *add,
+                                                               int64_t as, float *out, int64_t os, int64_t r0,
+                                                               int64_t c0, const int NR, const int NV) {
+    vec acc[4][4];
+    for (int r = 0; r < NR; ++r)
+        for (int v = 0; v < NV; ++v)
+            acc[r][v] = (bias ? load(bias + c0 + v * LANES) : splat(0.0f)) +
+                        (add ? load(add + (r0 + r) * as + c0 + v * LANES) : splat(0.0f));
+    for (int64_t d = 0; d < D; ++d) {
+        vec wv[4];
+        for (int v = 0; v < NV; ++v) wv[v] = load(w + d * C + c0 + v * LANES);
+        for (int r = 0; r < NR; ++r) {
+            const float xd = x[(r0 + r) * xs + d];
+            for (int v = 0; v < NV; ++v) acc[r][v] += wv[v] * xd;
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int v = 0; v < NV; ++v) store(out + (r0 + r) * os + c0 + v * LANES, acc[r][v]);
+}
+
+/* out[r] = bias + add[r] + x[r]·w for R rows (x, add and out rows xs, as and os floats apart; bias, add optional),
+ * w [D][C]: four rows and up to three vectors of columns at a time, the columns past the vectors one by one. */
+static void affine_rows(const float *x, int64_t xs, int64_t R, int64_t D, const float *w, int64_t C,
+                        const float *bias, const float *add, int64_t as, float *out, int64_t os) {
+    const int64_t C8 = C / LANES * LANES;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        for (int64_t c0 = 0; c0 < C8;) {
+            const int64_t nv = (C8 - c0) / LANES >= 3 ? 3 : (C8 - c0) / LANES;
+            if (R - r0 >= 4) {
+                if (nv == 3) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 3);
+                else if (nv == 2) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 2);
+                else affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 1);
+            } else {
+                for (int64_t r = r0; r < R; ++r) {
+                    if (nv == 3) affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 3);
+                    else if (nv == 2) affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 2);
+                    else affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 1);
+                }
+            }
+            c0 += nv * LANES;
+        }
+        for (int64_t r = r0; r < R && r < r0 + 4; ++r)
+            for (int64_t c = C8; c < C; ++c) {
+                float y = (bias ? bias[c] : 0.0f) + (add ? add[r * as + c] : 0.0f);
+                for (int64_t d = 0; d < D; ++d) y += x[r * xs + d] * w[d * C + c];
+                out[r * os + c] = y;
+            }
+    }
 }
 
 /* Token t of row b projected: each head's Q into q, K into k, V into v ([H][dk], [H][dk], [H][dv]), from one pass
@@ -94,25 +157,7 @@ static int64_t scratch_floats(const Job *j) {
 static void project(const Job *j, int64_t b, int64_t t, float *q, float *k, float *v, float *tmp) {
     const int64_t H = j->H, dk = j->dk, dv = j->dv;
     for (int pass = 0; pass < (j->xkv == j->xq ? 1 : 2); ++pass) {
-        const float *x = (pass ? j->xkv : j->xq) + (b * j->T + t) * j->D;
-        int64_t c0 = 0;
-        for (; c0 + 4 * LANES <= j->C; c0 += 4 * LANES) {   /* four vectors of columns in registers */
-            vec acc[4];
-            for (int r = 0; r < 4; ++r) acc[r] = j->b ? load(j->b + c0 + r * LANES) : splat(0.0f);
-            for (int64_t d = 0; d < j->D; ++d)
-                for (int r = 0; r < 4; ++r) acc[r] += load(j->w + d * j->C + c0 + r * LANES) * x[d];
-            for (int r = 0; r < 4; ++r) store(tmp + c0 + r * LANES, acc[r]);
-        }
-        for (; c0 + LANES <= j->C; c0 += LANES) {
-            vec acc = j->b ? load(j->b + c0) : splat(0.0f);
-            for (int64_t d = 0; d < j->D; ++d) acc += load(j->w + d * j->C + c0) * x[d];
-            store(tmp + c0, acc);
-        }
-        for (int64_t c = c0; c < j->C; ++c) tmp[c] = j->b ? j->b[c] : 0.0f;
-        for (int64_t d = 0; d < j->D; ++d) {
-            const float xd = x[d], *wd = j->w + d * j->C;
-            for (int64_t c = c0; c < j->C; ++c) tmp[c] += xd * wd[c];
-        }
+        affine_rows((pass ? j->xkv : j->xq) + (b * j->T + t) * j->D, 0, 1, j->D, j->w, j->C, j->b, NULL, 0, tmp, 0);
         for (int64_t h = 0; h < H; ++h) {
             if (pass == 0) memcpy(q + h * dk, tmp + j->k->cols[0][h], (size_t)dk * sizeof(float));
             if (pass == 1 || j->xkv == j->xq) {
@@ -146,15 +191,29 @@ static inline vec spread_at(const Job *j, const float *c, const int32_t *at) {
 /* Per-head values c spread over an output row's columns k·LANES onward: each lane its head's. */
 static inline vec spread(const Job *j, const float *c, int64_t k) { return spread_at(j, c, j->head_of + k * LANES); }
 
-/* Where query i of row b's output row is written: in y (direct), else in `row`, which put_row then copies there. */
-static inline float *row_at(const Job *j, int64_t b, int64_t i, float *row) {
-    return j->direct ? j->y + b * j->ys[0] + i * j->ys[2] : row;
+/* Where query i of row b's output row is written: in y (direct), in rows (with wo: row b's rows, projected
+ * together), else in `row`, which put_row then copies there. */
+static inline float *row_at(const Job *j, int64_t b, int64_t i, float *row, float *rows) {
+    return j->direct ? j->y + b * j->ys[0] + i * j->ys[2] : j->wo ? rows + i * j->Ep : row;
 }
 static void put_row(const Job *j, int64_t b, int64_t i, const float *row) {
-    if (j->direct) return;
+    if (j->direct || j->wo) return;
     float *y = j->y + b * j->ys[0] + i * j->ys[2];
     for (int64_t h = 0; h < j->H; ++h)
         for (int64_t c = 0; c < j->dv; ++c) y[h * j->ys[1] + c * j->ys[3]] = row[h * j->dv + c];
+}
+
+/* Z's row of token i of row b, N floats (rows B·N apart with out_tb). */
+static inline float *z_row(const Job *j, int64_t b, int64_t i) {
+    return j->y + (j->k->out_tb ? i * j->B + b : b * j->T + i) * j->N;
+}
+
+/* Row b's output rows i0 .. i0 + count (in rows, Ep apart) projected: Z's rows, with the tokens themselves where
+ * residual. */
+static void project_out(const Job *j, int64_t b, const float *rows, int64_t i0, int64_t count) {
+    affine_rows(rows + i0 * j->Ep, j->Ep, count, j->E, j->wo, j->N, j->bo,
+                j->k->residual ? j->xq + (b * j->T + i0) * j->D : NULL, j->D, z_row(j, b, i0),
+                j->k->out_tb ? j->B * j->N : j->N);
 }
 
 /* Query i of head h (q: its dk values) over the keys in `keys` of the anchor: the max and sum of its scores, and
@@ -253,6 +312,8 @@ static void anchor_partials(const Job *j, Anchor *a, uint64_t shared) {
             a->ps[p] = 0.0f;
             if (i < j->T) memset(acc, 0, (size_t)dv * sizeof(float));
         }
+        if (j->wo && i < j->T && (shared >> i & 1))   /* by linearity, W_o applied here once per user */
+            affine_rows(acc, 0, 1, dv, j->wo + h * dv * j->N, j->N, NULL, NULL, 0, a->pw + p * j->N, 0);
     }
     a->keys = shared;
 }
@@ -303,16 +364,51 @@ static void merge_weights(const Job *j, int64_t b, const Anchor *a, uint64_t sha
     }
 }
 
+/* With wo, Z's rows of row b's shared queries: the merge's weights times the anchor's partials and the row's own V,
+ * each already times wo (bo, and the token where residual, added). */
+static void merge_projected(const Job *j, int64_t b, const Anchor *a, uint64_t shared, const int64_t *own, int n,
+                            const Scratch *x) {
+    const int64_t H = j->H, N = j->N, dv = j->dv, Pp = j->Pp, N8 = N / LANES * LANES;
+    for (int t = 0; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h)
+            affine_rows(x->ov + own[t] * j->E + h * dv, 0, 1, dv, j->wo + h * dv * N, N, NULL, NULL, 0,
+                        x->rown + (t * H + h) * N, 0);
+    for (uint64_t left = shared; left; left &= left - 1) {
+        const int64_t i = __builtin_ctzll(left);
+        const float *cw = x->cw + i * H, *pw = a->pw + i * H * N;
+        const float *res = j->k->residual ? j->xq + (b * j->T + i) * j->D : NULL;
+        float *z = z_row(j, b, i);
+        for (int64_t c0 = 0; c0 < N8; c0 += LANES) {
+            vec r = (j->bo ? load(j->bo + c0) : splat(0.0f)) + (res ? load(res + c0) : splat(0.0f));
+            for (int64_t h = 0; h < H; ++h) r += load(pw + h * N + c0) * cw[h];
+            for (int t = 0; t < n; ++t)
+                for (int64_t h = 0; h < H; ++h) r += load(x->rown + (t * H + h) * N + c0) * x->ce[t * Pp + i * H + h];
+            store(z + c0, r);
+        }
+        for (int64_t c = N8; c < N; ++c) {
+            float r = (j->bo ? j->bo[c] : 0.0f) + (res ? res[c] : 0.0f);
+            for (int64_t h = 0; h < H; ++h) r += pw[h * N + c] * cw[h];
+            for (int t = 0; t < n; ++t)
+                for (int64_t h = 0; h < H; ++h) r += x->rown[(t * H + h) * N + c] * x->ce[t * Pp + i * H + h];
+            z[c] = r;
+        }
+    }
+}
+
 /* Row b's shared queries: the anchor's partials over the shared keys merged with the row's n own keys (V rows in
- * x->ov at `own`), each query's output row LANES columns at a time. */
+ * x->ov at `own`), each query's output row LANES columns at a time (with wo: merge_projected's rows). */
 static void merge(const Job *j, int64_t b, const Anchor *a, uint64_t shared, const int64_t *own, int n,
                   const Scratch *x) {
     const int64_t H = j->H, E = j->E;
     merge_weights(j, b, a, shared, own, n, x);
+    if (j->wo) {
+        merge_projected(j, b, a, shared, own, n, x);
+        return;
+    }
     for (uint64_t left = shared; left; left &= left - 1) {
         const int64_t i = __builtin_ctzll(left);
         const float *acc = a->acc + i * j->Ep;
-        float *y = row_at(j, b, i, x->row);
+        float *y = row_at(j, b, i, x->row, x->rows);
         for (int64_t k = 0; k * LANES < E; ++k) {
             vec r = spread(j, x->cw + i * H, k) * load(acc + k * LANES);
             for (int t = 0; t < n; ++t)
@@ -321,12 +417,6 @@ static void merge(const Job *j, int64_t b, const Anchor *a, uint64_t shared, con
         }
         put_row(j, b, i, x->row);
     }
-}
-
-static inline float hsum(vec v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; ++i) s += v[i];
-    return s;
 }
 
 /* The max (top) or sum of Pp values by (key, head) pair, by head, into out[H]. Where the heads divide LANES each lane
@@ -390,7 +480,7 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t i, const
     own_weights(j, b, a, i, q, own, n, x->ok, x);
     uint64_t mine = 0;   /* the keys whose V is the row's own (a row has some only where T ≤ 64) */
     for (int t = 0; t < n; ++t) mine |= (uint64_t)1 << own[t];
-    float *y = row_at(j, b, i, x->row);
+    float *y = row_at(j, b, i, x->row, x->rows);
     for (int64_t k = 0; k * LANES < E; ++k) {
         vec acc = {0};
         for (int64_t l = 0; l < T; ++l)
@@ -409,6 +499,7 @@ static void full_row(const Job *j, int64_t b, Anchor *a, const Scratch *x) {
     a->keys = 0;
     transpose_anchor(j, a);
     for (int64_t i = 0; i < T; ++i) own_query(j, b, a, i, a->q + i * H * dk, NULL, 0, x);
+    if (j->wo) project_out(j, b, x->rows, 0, T);
 }
 
 /* Row b from anchor a: the anchor's partials over the shared keys (computed on its first follower), its own tokens
@@ -424,7 +515,10 @@ static void follow(const Job *j, int64_t b, Anchor *a, uint64_t shared, const Sc
         project(j, b, own[n], x->oq + own[n] * H * dk, x->ok + own[n] * H * dk, x->ov + own[n] * H * dv, x->tmp);
     }
     merge(j, b, a, shared, own, n, x);
-    for (int t = 0; t < n; ++t) own_query(j, b, a, own[t], x->oq + own[t] * H * dk, own, n, x);
+    for (int t = 0; t < n; ++t) {
+        own_query(j, b, a, own[t], x->oq + own[t] * H * dk, own, n, x);
+        if (j->wo) project_out(j, b, x->rows, own[t], 1);
+    }
 }
 
 /* Block n's anchors, in its room. */
@@ -440,6 +534,7 @@ static Anchors *new_anchors(const Job *j, size_t n) {
         set->an[i].pm = set->an[i].kd + dk * j->Pp;
         set->an[i].ps = set->an[i].pm + j->Pp;
         set->an[i].acc = set->an[i].ps + j->Pp;
+        set->an[i].pw = set->an[i].acc + j->Tp * j->Ep;
     }
     return set;
 }
@@ -464,6 +559,8 @@ static void run_block(void *data, size_t n) {
     x.okt = x.ce + MAX_OWN * j->Pp + LANES;
     x.row = x.okt + MAX_OWN * dk * HP;
     x.tmp = x.row + j->Ep;
+    x.rows = x.tmp + j->C;
+    x.rown = x.rows + (j->wo ? T * j->Ep : 0);
     for (int64_t b = j->B * (int64_t)n / j->blocks; b < j->B * ((int64_t)n + 1) / j->blocks; ++b) {
         int followed = 0;
         for (int i = 0; i < ANCHORS && !followed && T <= MAX_T; ++i) {   /* longer: no sets, each row in full */
@@ -497,16 +594,16 @@ static OrtStatus *mask_strides(Job *j, const int64_t *dims, size_t rank) {
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     const Kernel *kn = kernel;
-    size_t n_in, rank[5];
-    int64_t d[5][4];
-    const float *in[5];
+    size_t n_in, rank[7];
+    int64_t d[7][4];
+    const float *in[7];
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
-    for (size_t i = 0; i < 5; ++i)
+    for (size_t i = 0; i < 7; ++i)
         TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "TokenAttention: an input has rank > 4"));
     if (!in[0] || rank[0] != 3 || !in[2] || rank[2] != 2) return error("TokenAttention: xq [B, T, D] and w [D, C]");
     Job j = {.k = kn, .B = d[0][0], .T = d[0][1], .D = d[0][2], .C = d[2][1], .H = kn->heads, .dk = kn->dk,
              .dv = kn->dv, .xq = in[0], .xkv = in[1] ? in[1] : in[0], .w = in[2], .b = in[3],
-             .mask = (const uint8_t *)in[4]};
+             .mask = (const uint8_t *)in[4], .wo = in[5], .bo = in[6], .N = in[5] ? d[5][1] : 0};
     if (in[1] && (rank[1] != 3 || memcmp(d[1], d[0], 3 * sizeof(int64_t))))
         return error("TokenAttention: xkv differs from xq in shape");
     if (d[2][0] != j.D || (in[3] && (rank[3] != 1 || d[3][0] != j.C)))
@@ -516,21 +613,24 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
             if (kn->cols[x][h] < 0 || kn->cols[x][h] + (x == 2 ? j.dv : j.dk) > j.C)
                 return error("TokenAttention: a head's columns are outside w");
     if (j.mask) TRY(mask_strides(&j, d[4], rank[4]));
-    const int64_t dims[4] = {j.B, j.H, j.T, j.dv};
+    if (j.wo && (rank[5] != 2 || d[5][0] != j.H * j.dv || (j.bo && (rank[6] != 1 || d[6][0] != j.N)) ||
+                 (kn->residual && j.N != j.D)))
+        return error("TokenAttention: wo is not [heads·dv, N], bo not [N], or a residual not N wide");
+    const int64_t dims[4] = {j.B, j.H, j.T, j.dv}, projected[3] = {kn->out_tb ? j.T : j.B, kn->out_tb ? j.B : j.T, j.N};
     int64_t written[4];
     for (int x = 0; x < 4; ++x) written[x] = dims[kn->has_perm ? kn->perm[x] : x];
     for (int64_t x = 3, step = 1; x >= 0; step *= written[x--]) j.ys[kn->has_perm ? kn->perm[x] : x] = step;
     OrtValue *out;
-    TRY(ort->KernelContext_GetOutput(ctx, 0, written, 4, &out));
+    TRY(ort->KernelContext_GetOutput(ctx, 0, j.wo ? projected : written, j.wo ? 3 : 4, &out));
     TRY(ort->GetTensorMutableData(out, (void **)&j.y));
-    if (j.B == 0 || j.T == 0 || j.H == 0 || j.dv == 0) return NULL;
+    if (j.B == 0 || j.T == 0 || j.H == 0 || j.dv == 0 || (j.wo && j.N == 0)) return NULL;
     j.blocks = j.B < MAX_BLOCKS ? j.B : MAX_BLOCKS;
     j.Tp = (j.T + LANES - 1) / LANES * LANES;
     j.HP = (j.H + LANES - 1) / LANES * LANES;
     j.E = j.H * j.dv;
     j.Ep = (j.E + LANES - 1) / LANES * LANES;
     j.Pp = (j.T * j.H + LANES - 1) / LANES * LANES;
-    j.direct = j.ys[3] == 1 && j.ys[1] == j.dv && j.E % LANES == 0;
+    j.direct = !j.wo && j.ys[3] == 1 && j.ys[1] == j.dv && j.E % LANES == 0;
     j.per_block = ANCHORS * anchor_floats(&j) + scratch_floats(&j);
     j.room = malloc((size_t)(j.blocks * j.per_block) * sizeof(float));
     j.head_of = malloc((size_t)(j.Ep + j.Pp) * sizeof(int32_t));
@@ -578,6 +678,8 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     k->mask_on = int_attribute(info, "mask_on", 1);
     k->mask_replace = int_attribute(info, "mask_replace", 0);
     k->mask_hb = int_attribute(info, "mask_hb", 0);
+    k->out_tb = int_attribute(info, "out_tb", 0);
+    k->residual = int_attribute(info, "residual", 0);
     OrtStatus *s = k->heads < 1 || k->heads > MAX_T || k->dk < 1 || k->dv < 1
                        ? error("TokenAttention: heads (1 to 64), dk and dv are needed") : NULL;
     if (!s) s = ort->KernelInfoGetAttribute_float(info, "scale", &k->scale);
@@ -605,10 +707,12 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "TokenAttention"; }
 
+static size_t ORT_API_CALL seven_inputs(const OrtCustomOp *op) { (void)op; return 7; }
+
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 0 || i == 2 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
 }
 
-OrtCustomOp ctropt_token_attention = CUSTOM_OP(name, float_then_mask, five_inputs, float_type, one_count, input_kind, required,
-                                               create, compute);
+OrtCustomOp ctropt_token_attention = CUSTOM_OP(name, float_then_mask, seven_inputs, float_type, one_count, input_kind,
+                                               required, create, compute);

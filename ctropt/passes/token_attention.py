@@ -15,11 +15,12 @@ then batch as tf stacks them), is read off a run of that part of the graph on tw
 made only where the projections reproduce it. A boolean mask is kept as AttentionCore reads it; a float
 bias (not a mask) is not handled.
 
-Where a Transpose is on the way from the kernel through the output projection that follows (the heads merged by
-layout ops, a Gemm or MatMul by a constant, its bias, then layout ops to the first other op: torch's sequence-first
-attention), the kernel writes its rows in the order that op reads them, and the layout ops go (one Reshape to
-rows, the Gemm, a Reshape to that op's rank-3 input where it has one). Which rows and columns land where is
-read off a run of those layout ops on numbered values.
+The output projection that follows (the heads merged by layout ops, a Gemm or MatMul by a constant, its bias, then
+layout ops to the first other op, torch's sequence-first Transposes among them) goes into the kernel too: it
+writes the projected rows in the order that op reads them ([B, T, N] or [T, B, N]), and adds the tokens themselves
+where that op is their residual Add. By linearity the kernel applies W_o to the shared history's partial sums once
+per user, so a candidate's row costs a weighted sum of projected rows, not a projection. Which rows and columns
+land where is read off a run of those layout ops on numbered values.
 """
 
 from __future__ import annotations
@@ -338,39 +339,46 @@ def _projection_layout(ta: gs.Node, found, opset: int) -> dict | str:
     return {"wo": wo.reshape(H * dv, E), "tb": order == "tb", "rank": uv.ndim}
 
 
-def _project_in_order(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
-    """Where a Transpose is on the way through the output projection to the graph's next op: the kernel writes the
-    heads' rows in the order that op reads instead ([B, T, H, dv] or [T, B, H, dv]), so one Reshape, the Gemm (W_o's
-    rows in the kernel's head order) and a Reshape lead to the same value, and the Transposes go. Why not, or ""."""
+def _residual(ta: gs.Node, u: gs.Tensor, layout: dict, graph: gs.Graph) -> gs.Node | None:
+    """The Add of the tokens themselves to the projected rows u (a residual the kernel can add), or None."""
+    add, xq, width = _only_reader(u, graph), ta.inputs[0], const_value(ta.inputs[2]).shape[0]   # w: [D, C]
+    if add is None or add.op != "Add" or layout["tb"] or layout["rank"] != 3 or \
+            {id(t) for t in add.inputs} != {id(u), id(xq)} or width != layout["wo"].shape[1]:
+        return None
+    return add
+
+
+def _fold_output_projection(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
+    """The output projection that follows (the heads merged by layout ops, a Gemm or MatMul by W_o, its bias, layout
+    ops) into the kernel: it writes the projected rows as the graph's next op reads them ([B, T, N] or [T, B, N]),
+    and adds the tokens where that op is their residual Add. Why not, or ""."""
     found = _output_projection(ta.outputs[0], graph, ta.attrs["heads"] * ta.attrs["dv"])
     if found is None:
-        return ""
+        return "no output projection follows"
     _, _, bias, _, u, passed = found
-    if not any(v.inputs and v.inputs[0].op == "Transpose" for v in passed):
-        return ""
     layout = _projection_layout(ta, found, opset)
     if isinstance(layout, str):
         return layout
-    name, E, xq = ta.name, layout["wo"].shape[1], ta.inputs[0]
-    ta.attrs["y_perm"] = [2, 0, 1, 3] if layout["tb"] else [0, 2, 1, 3]
-    ta.outputs[0].shape = None   # written in the new order
-    rows = add_constant(graph, f"{name}/rows", np.array([-1, layout["wo"].shape[0]], np.int64))
-    (flat,) = _op(graph, "Reshape", [ta.outputs[0], rows], {}, f"{name}/rows", np.float32)
-    weights, b = add_constant(graph, f"{name}/out_weights", layout["wo"]), add_constant(graph, f"{name}/out_bias", bias)
-    (out,) = _op(graph, "Gemm", [flat, weights, b], {}, f"{name}/out_projection", np.float32)
-    if layout["rank"] == 3:
-        (dims,) = _op(graph, "Shape", [xq], {}, f"{name}/token_dims", np.int64)
-        pick = add_constant(graph, f"{name}/lead", np.array([1, 0] if layout["tb"] else [0, 1], np.int64))
-        (lead,) = _op(graph, "Gather", [dims, pick], {"axis": 0}, f"{name}/lead", np.int64)
-        width = add_constant(graph, f"{name}/width", np.array([E], np.int64))
-        (target,) = _op(graph, "Concat", [lead, width], {"axis": 0}, f"{name}/out_shape", np.int64)
-        (out,) = _op(graph, "Reshape", [out, target], {}, f"{name}/out_rows", np.float32)
-    for v in passed:   # Shape nodes on the way read the same shape off u (measured)
+    name, N = ta.name, layout["wo"].shape[1]
+    ta.attrs.pop("y_perm", None)
+    ta.attrs["out_tb"] = int(layout["tb"])
+    ta.inputs.extend([add_constant(graph, f"{name}/out_weights", layout["wo"]),
+                      add_constant(graph, f"{name}/out_bias", bias)])
+    add = _residual(ta, u, layout, graph)
+    chain = passed + [u] + ([add.outputs[0]] if add is not None else [])
+    if add is not None:
+        ta.attrs["residual"] = 1
+    final = chain[-1]
+    for v in chain[:-1]:   # Shape nodes on the way read the same shape off the final value (measured)
         for n in [n for n in v.outputs if n.op == "Shape"]:
-            n.inputs[0] = u
-    last = out.inputs[0]
-    u.inputs.clear()
-    last.outputs[0] = u
+            n.inputs[0] = final
+    final.inputs.clear()
+    if layout["rank"] == 3:
+        ta.outputs[0] = final
+    else:   # written [B, T, N]: the rows of u [B·T, N]
+        ta.outputs[0] = gs.Variable(f"{name}/projected", dtype=np.float32)
+        rows = add_constant(graph, f"{name}/rows", np.array([-1, N], np.int64))
+        graph.nodes.append(gs.Node("Reshape", f"{name}/rows", inputs=[ta.outputs[0], rows], outputs=[final]))
     return ""
 
 
@@ -394,8 +402,8 @@ def token_attention(ctx: PassContext) -> None:
             continue
         ta = _rewrite(core, read, cols, ctx.graph)
         ctx.count(1)
-        why = _project_in_order(ta, ctx.graph, int(ctx.graph.opset or 17))
+        why = _fold_output_projection(ta, ctx.graph, int(ctx.graph.opset or 17))
         if why:
-            ctx.note(f"{core.name}: the output projection's Transposes kept ({why})")
+            ctx.note(f"{core.name}: the output projection left apart ({why})")
     if ctx.rewrites:
         ctx.graph.cleanup().toposort()   # the projections and their layouts, read by nothing now
