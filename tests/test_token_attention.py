@@ -71,17 +71,20 @@ def one_user(shape, own=(T - 1,), users=1):
 @pytest.mark.parametrize("case", ["one-user", "two-users", "first-token", "two-own", "all-differ", "key-padding",
                                   "replace", "empty-history", "mask-per-head-hb", "own-kv", "perm", "rows",
                                   "rows-masked", "many-heads", "projected", "projected-residual-tb",
-                                  "projected-two-own"])
+                                  "projected-two-own", "three-heads", "projected-three-heads-masked",
+                                  "mask-one-head-empty"])
 def test_the_kernel_matches_numpy(case):
     """The row-ordered cases write y as [B, T, H, dv] in whole vectors (the heads' values of a query one row);
-    many-heads has more heads than a vector's lanes; the others write through a scratch row. The projected ones
-    write [B, T, N] (or [T, B, N]): the heads merged, times wo, plus bo (and the token itself)."""
+    many-heads has more heads than a vector's lanes, three-heads heads that do not divide them; the others write
+    through a scratch row. The projected ones write [B, T, N] (or [T, B, N]): the heads merged, times wo, plus bo
+    (and the token itself). mask-one-head-empty masks every key of one head's query: NaN there only."""
     own = (0,) if case == "first-token" else (T - 2, T - 1) if case.endswith("two-own") else (T - 1,)
     xq = one_user((B, T, D), own, users=2 if case == "two-users" else 1)
     if case == "all-differ":
         xq = RNG.normal(size=(B, T, D)).astype(np.float32)
     xkv = one_user((B, T, D), own) if case == "own-kv" else xq
-    heads, dv = (2, 4) if case.startswith("rows") else (9, 3) if case == "many-heads" else (H, DV)
+    heads, dv = (2, 4) if case.startswith("rows") else (9, 3) if case == "many-heads" else \
+        (3, 4) if "three-heads" in case else (H, DV)
     C = 2 * heads * DK + heads * dv + 2
     w, b = RNG.normal(size=(D, C)).astype(np.float32), RNG.normal(size=C).astype(np.float32)
     cols = [[h * DK for h in range(heads)], [(heads + h) * DK + 1 for h in range(heads)],   # heads apart, columns
@@ -90,7 +93,7 @@ def test_the_kernel_matches_numpy(case):
              "scale": 0.4}
     feeds, mask_shape, ref_mask = {"xq": xq, "xkv": xkv, "w": w, "b": b}, None, {}
     lengths = np.where(np.arange(B) % 3 == 0, T, 5)
-    if case in ("key-padding", "replace", "empty-history", "rows-masked"):
+    if case in ("key-padding", "replace", "empty-history", "rows-masked", "projected-three-heads-masked"):
         valid = np.arange(T)[None] < (lengths if case != "empty-history" else np.zeros(B, int))[:, None]
         valid[:, list(own)] = case != "empty-history"
         feeds["mask"] = valid[:, None, None, :]
@@ -104,7 +107,15 @@ def test_the_kernel_matches_numpy(case):
         mask_shape = [H, B, T, T]
         attrs.update(mask_value=-np.inf, mask_on=1, mask_hb=1)
         ref_mask = dict(mask=feeds["mask"], value=-np.inf, on=1, hb=True)
-    perm = [2, 0, 1, 3] if case == "perm" else [0, 2, 1, 3] if case.startswith("rows") else None
+    if case == "mask-one-head-empty":   # head 0's query 2 sees no key; head 1 keeps key 0
+        m = RNG.random((1, H, T, T)) < 0.3
+        m[:, 1, :, 0], m[:, 0, 2, :] = False, True
+        feeds["mask"] = np.broadcast_to(m, (B, H, T, T)).copy()
+        mask_shape = [B, H, T, T]
+        attrs.update(mask_value=-np.inf, mask_on=1)
+        ref_mask = dict(mask=feeds["mask"], value=-np.inf, on=1)
+    perm = [2, 0, 1, 3] if case == "perm" else [0, 2, 1, 3] if case.startswith("rows") or case == "three-heads" \
+        else None
     if perm:
         attrs["y_perm"] = perm
     if case.startswith("projected"):
@@ -120,7 +131,8 @@ def test_the_kernel_matches_numpy(case):
         want = want + (xq if attrs["residual"] else 0)
         want = np.swapaxes(want, 0, 1) if attrs["out_tb"] else want
     assert got.shape == want.shape
-    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any() == (case == "empty-history")
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and \
+        np.isnan(got).any() == (case in ("empty-history", "mask-one-head-empty"))
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=3e-5, rtol=1e-4)
 
 

@@ -26,7 +26,8 @@
  * Every head at once: scores and weights are vectors over (token, head) pairs, and a query's output row (its heads'
  * dv values one after another) is summed LANES columns at a time, each lane taking its head's weight by a permute.
  * Rows are split in blocks for onnxruntime's threads; a block starts from the anchors a finished block left (with one
- * thread, the block before's), so a batch of one user computes one row in full.
+ * thread, the block before's), so a batch of one user computes one row in full. With several threads which rows
+ * are computed in full depends on which block finished first: the outputs then vary between runs by rounding only.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -57,7 +58,7 @@ typedef struct {
     int64_t ms[4], ys[4];   /* element strides: mask over [B, H, i, j], y over [B, H, t, c] */
     float *y, *room;        /* room: per block, its anchors and scratch */
     int32_t *head_of;       /* [Ep]: the head of each column of an output row (0 past E) */
-    int32_t *pair_head;     /* [Pp]: the head of each (query, head) pair, query-major (0 past T·H) */
+    int32_t *pair_head;     /* [Pp]: the head of each (query, head) pair, query-major (past T·H: p % H still) */
     int64_t blocks, per_block, direct;   /* direct: y's rows are output rows in whole vectors */
     struct Anchors *sets;                /* [blocks]: each block's anchors, in its room */
     struct Anchors *_Atomic *spare;      /* the anchors of a block that has finished, for the next to take */
@@ -68,7 +69,7 @@ typedef struct {   /* a row's projections, and its softmax partials over a set o
     uint64_t keys;
     float *q, *k, *v;   /* [T][H][dk], [T][H][dk], [T][H][dv] (then LANES floats of slack) */
     float *qd, *kd;     /* Q and K by depth, (token, head) pairs in lanes [dk][Pp] */
-    float *pm, *ps;     /* the partials over `keys` by pair: max, sum [Pp]; */
+    float *pm, *ps;     /* the partials over `keys` by pair: max, sum [Pp] */
     float *acc;         /* Σ e·v, a query's output row at a time [Tp][Ep] */
     float *pw;          /* with wo: each head's Σ e·v times its rows of wo [Tp][H][N] */
 } Anchor;
@@ -85,7 +86,7 @@ typedef struct {   /* a block's scratch */
     float *cw, *ce;        /* merge weights by pair: of the anchor's partials [Pp], of own V [n][Pp] */
     float *okt;            /* own keys by depth [n][dk][HP] (spread over the lanes where the heads divide LANES) */
     float *row, *tmp;      /* an output row [Ep]; a token's C projections */
-    float *rows;           /* with wo: a row's output rows [T][Ep], projected together */
+    float *rows;           /* with wo: a row's output rows [T][Ep], before the projection */
     float *rown;           /* with wo: each head's own V times its rows of wo [n][H][N] */
 } Scratch;
 
@@ -191,8 +192,8 @@ static inline vec spread_at(const Job *j, const float *c, const int32_t *at) {
 /* Per-head values c spread over an output row's columns k·LANES onward: each lane its head's. */
 static inline vec spread(const Job *j, const float *c, int64_t k) { return spread_at(j, c, j->head_of + k * LANES); }
 
-/* Where query i of row b's output row is written: in y (direct), in rows (with wo: row b's rows, projected
- * together), else in `row`, which put_row then copies there. */
+/* Where query i of row b's output row is written: in y (direct), in rows (with wo: project_out then projects it),
+ * else in `row`, which put_row then copies there. */
 static inline float *row_at(const Job *j, int64_t b, int64_t i, float *row, float *rows) {
     return j->direct ? j->y + b * j->ys[0] + i * j->ys[2] : j->wo ? rows + i * j->Ep : row;
 }
@@ -318,14 +319,20 @@ static void anchor_partials(const Job *j, Anchor *a, uint64_t shared) {
     a->keys = shared;
 }
 
+/* A token's per-head vectors ([H][dk] in src) by depth into out [dk][HP]: head h at lane h, or, where the heads
+ * divide LANES (every block of (token, head) pairs alike), every lane q holding head q % H, ready to load. */
+static void by_depth(const Job *j, const float *src, float *out) {
+    const int64_t H = j->H, dk = j->dk, lanes = LANES % H == 0 ? LANES : H;
+    for (int64_t q = 0; q < lanes; ++q)
+        for (int64_t d = 0; d < dk; ++d) out[d * j->HP + q] = src[(q % H) * dk + d];
+}
+
 /* The merge weights of row b's shared queries, every head at once (vectors over (query, head) pairs): the anchor's
  * partials against the row's own keys (n of them: K rows in x->ok at `own`), into x->cw and x->ce. */
 static void merge_weights(const Job *j, int64_t b, const Anchor *a, uint64_t shared, const int64_t *own, int n,
                           const Scratch *x) {
     const int64_t H = j->H, HP = j->HP, dk = j->dk, Pp = j->Pp, P = j->T * H, uniform = LANES % H == 0;
-    for (int t = 0; t < n; ++t)   /* by depth, spread over the lanes already where every block's lanes are alike */
-        for (int64_t q = 0; q < (uniform ? LANES : H); ++q)
-            for (int64_t d = 0; d < dk; ++d) x->okt[(t * dk + d) * HP + q] = x->ok[(own[t] * H + q % H) * dk + d];
+    for (int t = 0; t < n; ++t) by_depth(j, x->ok + own[t] * H * dk, x->okt + t * dk * HP);
     for (int64_t p0 = 0; p0 < P; p0 += LANES) {
         const int64_t first = p0 / H, last = (p0 + LANES - 1 < P ? p0 + LANES - 1 : P - 1) / H;
         if (!((shared >> first) & (((uint64_t)2 << (last - first)) - 1))) continue;   /* no shared query */
@@ -446,8 +453,7 @@ static void own_weights(const Job *j, int64_t b, const Anchor *a, int64_t i, con
                         int n, const float *ok, const Scratch *x) {
     const int64_t H = j->H, HP = j->HP, dk = j->dk, Pp = j->Pp, P = j->T * H, uniform = LANES % H == 0;
     const int32_t *heads = j->pair_head;
-    for (int64_t h = 0; h < (uniform ? LANES : H); ++h)   /* as merge_weights' own keys */
-        for (int64_t d = 0; d < dk; ++d) x->qt[d * HP + h] = q[(h % H) * dk + d];
+    by_depth(j, q, x->qt);
     for (int64_t p0 = 0; p0 < P; p0 += LANES) {
         vec s = {0};
         for (int64_t d = 0; d < dk; ++d)
@@ -484,7 +490,7 @@ static void own_query(const Job *j, int64_t b, const Anchor *a, int64_t i, const
     for (int64_t k = 0; k * LANES < E; ++k) {
         vec acc = {0};
         for (int64_t l = 0; l < T; ++l)
-            acc += spread(j, x->eb + l * H, k) * load((mine >> l & 1 ? x->ov : a->v) + l * E + k * LANES);
+            acc += spread(j, x->eb + l * H, k) * load((n && (mine >> l & 1) ? x->ov : a->v) + l * E + k * LANES);
         store(y + k * LANES, acc * spread(j, x->inv, k));
     }
     put_row(j, b, i, x->row);
@@ -603,7 +609,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (!in[0] || rank[0] != 3 || !in[2] || rank[2] != 2) return error("TokenAttention: xq [B, T, D] and w [D, C]");
     Job j = {.k = kn, .B = d[0][0], .T = d[0][1], .D = d[0][2], .C = d[2][1], .H = kn->heads, .dk = kn->dk,
              .dv = kn->dv, .xq = in[0], .xkv = in[1] ? in[1] : in[0], .w = in[2], .b = in[3],
-             .mask = (const uint8_t *)in[4], .wo = in[5], .bo = in[6], .N = in[5] ? d[5][1] : 0};
+             .mask = (const uint8_t *)in[4], .wo = in[5], .bo = in[6], .N = in[5] && rank[5] == 2 ? d[5][1] : 0};
     if (in[1] && (rank[1] != 3 || memcmp(d[1], d[0], 3 * sizeof(int64_t))))
         return error("TokenAttention: xkv differs from xq in shape");
     if (d[2][0] != j.D || (in[3] && (rank[3] != 1 || d[3][0] != j.C)))
@@ -641,7 +647,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     OrtStatus *s = NULL;
     if (j.room && j.head_of && j.sets) {
         for (int64_t c = 0; c < j.Ep; ++c) j.head_of[c] = c < j.E ? (int32_t)(c / j.dv) : 0;
-        for (int64_t p = 0; p < j.Pp; ++p) j.pair_head[p] = p < j.T * j.H ? (int32_t)(p % j.H) : 0;
+        for (int64_t p = 0; p < j.Pp; ++p) j.pair_head[p] = (int32_t)(p % j.H);
         s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
     } else {
         s = ort->CreateStatus(ORT_FAIL, "TokenAttention: out of memory");

@@ -375,7 +375,7 @@ def _fold_output_projection(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
     final.inputs.clear()
     if layout["rank"] == 3:
         ta.outputs[0] = final
-    else:   # written [B, T, N]: the rows of u [B·T, N]
+    else:   # written [B, T, N] ([T, B, N]): the rows of u [B·T, N] (in that order)
         ta.outputs[0] = gs.Variable(f"{name}/projected", dtype=np.float32)
         rows = add_constant(graph, f"{name}/rows", np.array([-1, N], np.int64))
         graph.nodes.append(gs.Node("Reshape", f"{name}/rows", inputs=[ta.outputs[0], rows], outputs=[final]))
