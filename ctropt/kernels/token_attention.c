@@ -123,27 +123,29 @@ static inline __attribute__((always_inline)) void affine_block(const float *x, i
         for (int v = 0; v < NV; ++v) store(out + (r0 + r) * os + c0 + v * LANES, acc[r][v]);
 }
 
+/* Rows r0 .. r0 + NR of out (as affine_block), every column in whole vectors, up to three vectors at a time. */
+static inline __attribute__((always_inline)) void affine_row_block(const float *x, int64_t xs, int64_t D,
+                                                                   const float *w, int64_t C, const float *bias,
+                                                                   const float *add, int64_t as, float *out,
+                                                                   int64_t os, int64_t r0, const int NR) {
+    const int64_t C8 = C / LANES * LANES;
+    for (int64_t c0 = 0; c0 < C8; c0 += 3 * LANES) {
+        const int64_t nv = (C8 - c0) / LANES;
+        if (nv >= 3) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, NR, 3);
+        else if (nv == 2) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, NR, 2);
+        else affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, NR, 1);
+    }
+}
+
 /* out[r] = bias + add[r] + x[r]·w for R rows (x, add and out rows xs, as and os floats apart; bias, add optional),
  * w [D][C]: four rows and up to three vectors of columns at a time, the columns past the vectors one by one. */
 static void affine_rows(const float *x, int64_t xs, int64_t R, int64_t D, const float *w, int64_t C,
                         const float *bias, const float *add, int64_t as, float *out, int64_t os) {
     const int64_t C8 = C / LANES * LANES;
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        for (int64_t c0 = 0; c0 < C8;) {
-            const int64_t nv = (C8 - c0) / LANES >= 3 ? 3 : (C8 - c0) / LANES;
-            if (R - r0 >= 4) {
-                if (nv == 3) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 3);
-                else if (nv == 2) affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 2);
-                else affine_block(x, xs, D, w, C, bias, add, as, out, os, r0, c0, 4, 1);
-            } else {
-                for (int64_t r = r0; r < R; ++r) {
-                    if (nv == 3) affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 3);
-                    else if (nv == 2) affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 2);
-                    else affine_block(x, xs, D, w, C, bias, add, as, out, os, r, c0, 1, 1);
-                }
-            }
-            c0 += nv * LANES;
-        }
+        if (R - r0 >= 4) affine_row_block(x, xs, D, w, C, bias, add, as, out, os, r0, 4);
+        else
+            for (int64_t r = r0; r < R; ++r) affine_row_block(x, xs, D, w, C, bias, add, as, out, os, r, 1);
         for (int64_t r = r0; r < R && r < r0 + 4; ++r)
             for (int64_t c = C8; c < C; ++c) {
                 float y = (bias ? bias[c] : 0.0f) + (add ? add[r * as + c] : 0.0f);

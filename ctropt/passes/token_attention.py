@@ -376,9 +376,10 @@ def _fold_output_projection(ta: gs.Node, graph: gs.Graph, opset: int) -> str:
     if layout["rank"] == 3:
         ta.outputs[0] = final
     else:   # written [B, T, N] ([T, B, N]): the rows of u [B·T, N] (in that order)
-        ta.outputs[0] = gs.Variable(f"{name}/projected", dtype=np.float32)
+        ta.outputs[0].shape = None
         rows = add_constant(graph, f"{name}/rows", np.array([-1, N], np.int64))
-        graph.nodes.append(gs.Node("Reshape", f"{name}/rows", inputs=[ta.outputs[0], rows], outputs=[final]))
+        (out,) = _op(graph, "Reshape", [ta.outputs[0], rows], {}, f"{name}/rows", np.float32)
+        out.inputs[0].outputs[0] = final
     return ""
 
 
