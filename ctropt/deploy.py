@@ -27,6 +27,7 @@ from .graph import CtroptError, interface, save
 from .passes import PassManager
 from .runtime import Runner, generate_inputs
 from .runtime.inputs import DEFAULT_SEQ_LEN
+from .runtime.runnable import check_target
 from .specialize import rows_independent
 
 TRITON_TYPES = {
@@ -84,10 +85,13 @@ def ovms_config(name: str, target_device: str = "CPU") -> dict:
 
 
 def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name: str, buckets: list[int], *,
-                       static_seq_len: int | None = None, options: dict | None = None) -> dict:
-    """Write `triton/` and `ovms/` under out_dir; returns a summary (paths, batched, why not)."""
+                       static_seq_len: int | None = None, options: dict | None = None, source: str = "") -> dict:
+    """Write `triton/` and `ovms/` under out_dir; returns a summary (paths, batched, why not). `source`: the
+    model's path, for messages."""
     if not name.replace("_", "").replace("-", "").isalnum():
         raise CtroptError(f"model name {name!r}: use letters, digits, '-' and '_'")
+    check_target(model, "openvino", Path(source).name if source else None,   # OVMS needs a model OpenVINO runs
+                 "give `ctropt repository` the original model: it optimizes a copy for each server")
     out = Path(out_dir)
     seq = static_seq_len or DEFAULT_SEQ_LEN
     feeds = generate_inputs(model, batch=13, seq_len=seq)

@@ -20,6 +20,7 @@ from .graph import CtroptError, interface, node_count, save
 from .passes import PassManager, resolve
 from .runtime import Runner, compare_outputs, generate_inputs
 from .runtime.inputs import DEFAULT_SEQ_LEN
+from .runtime.runnable import check_target
 
 MANIFEST = "manifest.json"
 DYNAMIC = "model.dynamic.onnx"
@@ -107,6 +108,8 @@ def specialize(model: onnx.ModelProto, out_dir: str | os.PathLike, batches: list
     """
     if not batches or any(b < 1 for b in batches):
         raise CtroptError("--batch wants positive batch sizes, e.g. 1,32,128,512")
+    check_target(model, target, Path(source).name if source else None,
+                 "specialize the original model with --target openvino, or this one with --target ort")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t = seq_len or DEFAULT_SEQ_LEN

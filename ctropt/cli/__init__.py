@@ -27,6 +27,7 @@ from ..report.terminal import print_pass_diffs
 from ..runtime import BACKENDS, DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs, load_inputs
 from ..runtime.inputs import DEFAULT_SEQ_LEN, stored_input_facts
 from ..runtime import strings
+from ..runtime.runnable import check_target
 from ..runtime.session import available_backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -189,6 +190,7 @@ def optimize(
             if extra is not None:
                 check_output_path(extra, model, out)
         m = load(model)
+        check_target(m, target, model.name)
         feeds = load_inputs(inputs, m) if inputs else None
         status = console.status("starting")
         done: list[str] = []
@@ -237,7 +239,7 @@ def _print_openvino_check(model, feeds) -> None:
     except CtroptError as e:
         console.print(f"[yellow]OpenVINO CPU cannot run it yet:[/] {escape(str(e))}"
                       + ("; it has string inputs: `ctropt split-strings` makes the id model OpenVINO runs"
-                         if strings.has_string_inputs(model) else ""))
+                         if strings.has_string_inputs(model) and "split-strings" not in str(e) else ""))
 
 
 def _print_result(result) -> None:
@@ -447,7 +449,7 @@ def repository_cmd(
         sizes = _buckets(batch, output)
         m = load(model)
         with console.status("optimizing for onnxruntime (Triton) and OpenVINO (OVMS)"):
-            summary = write_repositories(m, output, name or model.name.removesuffix(".onnx"), sizes,
+            summary = write_repositories(m, output, name or model.name.removesuffix(".onnx"), sizes, source=str(model),
                                          static_seq_len=static_seq_len, options=_pass_options(option or []))
         console.print(f"Triton: {summary['triton']}" + ("" if summary["batched"] else " (no dynamic batching)"))
         console.print(f"OpenVINO Model Server: {summary['ovms']}" + (
@@ -563,6 +565,8 @@ def inspect(
     with _user_errors():
         _plugins(plugin)
         m = load(model)
+        check_target(m, target, model.name,
+                     "inspect it with --target ort, or the original model with --target openvino")
         opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in m.opset_import)
         console.print(f"[bold]{model}[/]  producer {m.producer_name or '?'} {m.producer_version}  IR {m.ir_version}"
                       f"  opsets: {opsets}  nodes (subgraphs included): {node_count(m)}")
@@ -647,8 +651,9 @@ def verify(
         if sorted(feeds_b) != sorted(_input_names(b)):
             raise CtroptError(f"the models have different inputs: {_input_names(a)} vs {_input_names(b)}"
                               + ("" if adapter or front else " (a packed model? give --packing)"))
-        diffs = compare_outputs(Runner(a, "ort-cpu" if front else backend).run(feeds), Runner(b, backend).run(feeds_b),
-                                atol=atol, rtol=rtol)
+        run_b = Runner(b, backend, name=model_b.name)   # first: the model a backend may refuse is most often B
+        run_a = Runner(a, "ort-cpu" if front else backend, name=model_a.name)
+        diffs = compare_outputs(run_a.run(feeds), run_b.run(feeds_b), atol=atol, rtol=rtol)
         table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
         for col in ("output", "shape", "max abs err", "max rel err", "ok"):
             table.add_column(col)
@@ -758,16 +763,16 @@ def bench(
 
     with _user_errors():
         a = load(model_a)
-        runners = [Runner(a, backend, threads, precision)]
+        runners = [Runner(a, backend, threads, precision, name=model_a.name)]
         if model_b is not None and sweep:
             raise CtroptError("--sweep compares one model on two backends; give one model")
         if model_b is not None:
             b = load(model_b)
             if _input_names(a) != _input_names(b):
                 raise CtroptError("the two models have different inputs; bench compares models of one interface")
-            runners.append(Runner(b, backend, threads, precision))
+            runners.append(Runner(b, backend, threads, precision, name=model_b.name))
         if sweep:
-            runners.append(Runner(a, sweep, threads, precision))
+            runners.append(Runner(a, sweep, threads, precision, name=model_a.name))
         if inputs:
             feeds = load_inputs(inputs, a)
             feeds_by_batch = {len(next(iter(feeds.values()))): feeds}

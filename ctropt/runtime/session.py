@@ -11,6 +11,7 @@ import onnx
 
 from .. import kernels
 from . import strings
+from .runnable import check_runnable, model_name
 from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save
 
 # backend -> (runtime, device or execution provider)
@@ -128,11 +129,13 @@ class Runner:
     which OpenVINO's CPU default is not where the CPU has bf16); on ort-trt, f16 builds FP16 TensorRT engines. The
     other onnxruntime backends run the model's own types (an FP16 model: `ctropt optimize --precision f16`).
     initializers: {name: onnxruntime.OrtValue} used instead of the model's own (onnxruntime; the caller keeps
-    them alive), so that several sessions hold one copy of the same weights.
+    them alive), so that several sessions hold one copy of the same weights. name: how errors name the model
+    (default: a path's file name). A model with ops the backend's runtime cannot run is refused before it is
+    handed over (`runnable.check_runnable`).
     """
 
     def __init__(self, model: onnx.ModelProto | str, backend: str = "ort-cpu", threads: int = 0,
-                 precision: str | None = None, initializers: dict | None = None):
+                 precision: str | None = None, initializers: dict | None = None, *, name: str | None = None):
         check_backend(backend)
         if precision is not None and precision not in PRECISIONS:
             raise CtroptError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -144,6 +147,7 @@ class Runner:
         self._tmp = None
         source = model
         proto = model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
+        check_runnable(proto, backend, model_name(model, name))
         self._onnx_outputs = [o.name for o in proto.graph.output]
         self._needs_kernels = kernels.uses_kernels(proto)
         self._strings = proto if strings.uses_strings(proto) else None  # string ops: onnxruntime-extensions
