@@ -64,9 +64,9 @@ def check_pass(model, name, expected_ops, feeds=None):
     return once, ctx
 
 
-def kernel_session(nodes, inputs, inits=(), out_type=F):
-    """An onnxruntime session (2 threads) over nodes that may be ctropt's kernels, the library registered; one
-    output, y."""
+def kernel_session(nodes, inputs, inits=(), out_type=F, threads=2):
+    """An onnxruntime session (2 threads unless told) over nodes that may be ctropt's kernels, the library
+    registered; one output, y."""
     import onnxruntime as ort
 
     from ctropt import kernels
@@ -74,6 +74,6 @@ def kernel_session(nodes, inputs, inits=(), out_type=F):
     graph = helper.make_graph(nodes, "k", inputs, [vi("y", out_type, None)], list(inits))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
+    so.intra_op_num_threads = threads
     kernels.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -108,7 +108,7 @@ def _feeds(model, lengths, T=7, seed=1):
     return feeds
 
 
-REWRITTEN_EXTRA = ["Reshape", "Size", "Range", "Reshape", "Compress", "Concat",  # the valid positions, flat (b·T + t)
+REWRITTEN_EXTRA = ["Size", "Range", "Reshape", "Compress", "Concat",  # the valid positions, flat (b·T + t; the [B, T] mask as is)
                    "Reshape", "Gather", "Unsqueeze",  # the keys at those positions, read as [B·T, C] rows
                    "Shape", "Gather", "Div",  # the row of each position: position // T
                    "Gather", "Gather", "Unsqueeze",  # the query: once per row, gathered by row

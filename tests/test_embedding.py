@@ -19,6 +19,8 @@ RNG = np.random.default_rng(0)
 ROWS = (5, 9, 7)
 TABLES = [init(f"t{i}", RNG.standard_normal((rows, 4)).astype(np.float32)) for i, rows in enumerate(ROWS)]
 DATA = Path(__file__).parent / "data" / "thirdparty"
+# fuse-parallel-embeddings' ids into its joined table: each column's id checked against its own field's rows
+FIELD_ROWS = ["Shape", "Expand", "Less", "Add", "Where", "GreaterOrEqual", "Less", "And", "Expand", "Add", "Where"]
 
 # ----------------------------------------------------------------------------------------- parallel lookups
 
@@ -41,24 +43,46 @@ def stacked_model(dtype=TensorProto.INT64):
     return make_model(nodes, inputs, [vi("y", F, ["B", 12])], TABLES)
 
 
-def test_stacked_lookups_become_one_gather_on_doubled_tables():
-    """Small tables are stored twice, so one Add maps ids in [-rows, rows) exactly (no Mod)."""
-    out, ctx = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Shape", "Expand", "Add", "Gather", "Flatten"],
+def test_stacked_lookups_become_one_gather_on_one_copy_of_the_tables():
+    """Each table stored once; an id is read as its field's own Gather reads it (negative: from its field's end)."""
+    out, ctx = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", *FIELD_ROWS, "Gather", "Flatten"],
                           feeds=feeds_with_boundaries((5, 1)))
     assert ctx.rewrites == 1 and ctx.matches == 3
-    table = next(t for t in out.graph.initializer if t.dims[0] > 9)
-    assert list(table.dims) == [2 * sum(ROWS), 4]
+    table = next(t for t in out.graph.initializer if len(t.dims) == 2 and t.dims[0] > 9)
+    assert list(table.dims) == [sum(ROWS), 4]
 
 
-def test_large_tables_are_stored_once_and_ids_wrapped(monkeypatch):
-    monkeypatch.setattr(parallel, "DOUBLED_TABLE_BYTES", 0)
-    out, _ = check_pass(stacked_model(), "fuse-parallel-embeddings", ["Concat", "Mod", "Shape", "Expand", "Add", "Gather", "Flatten"],
-                        feeds=feeds_with_boundaries((5, 1)))
-    assert max(t.dims[0] for t in out.graph.initializer) == sum(ROWS)
+@pytest.mark.parametrize("field,bad", [(0, 5), (0, -6), (1, 9), (2, 7), (2, -8), (1, 1 << 40)])
+def test_an_id_outside_its_own_field_raises_as_its_gather_does(field, bad):
+    """Where a neighbouring field's rows would lie (id = rows) or the joined table's (a large id), the fused
+    lookup raises as the field's own Gather does, never reading another field's row."""
+    out, _ = run_pass(stacked_model(), "fuse-parallel-embeddings")
+    feeds = feeds_with_boundaries((5, 1))
+    feeds[f"id{field}"][3, 0] = bad
+    for model in (stacked_model(), out):
+        with pytest.raises(Exception, match="out of data bounds|out of bounds"):
+            ctropt.runtime.run_model(model, feeds)
+
+
+@pytest.mark.parametrize("target,options", [("ort", {}), ("ort", {"ort_kernels": "off"}), ("openvino", {})])
+def test_an_optimized_model_raises_on_an_id_outside_its_field(target, options):
+    """The whole pipeline (ctropt's GatherRows/GatherFields with per-field sizes, or the standard ops): an id one past
+    its field, or below its negative range, raises; one inside (negative too) answers as the raw export does."""
+    model = stacked_model()
+    out = ctropt.optimize(model, speed=False, target=target, options=options).model
+    kernels = [n for n in out.graph.node if n.domain == "ai.ctropt.kernels"]
+    assert bool(kernels) == (target == "ort" and not options)
+    assert all(any(a.name == "sizes" for a in n.attribute) for n in kernels if n.op_type.startswith("Gather"))
+    assert_same_outputs(model, out, feeds_with_boundaries((5, 1)))
+    for field, bad in [(0, 5), (1, -10), (2, 7), (1, 1 << 40)]:
+        feeds = feeds_with_boundaries((5, 1))
+        feeds[f"id{field}"][1, 0] = bad
+        with pytest.raises(Exception, match="out of data bounds|out of bounds"):
+            ctropt.runtime.run_model(out, feeds)
 
 
 def test_int32_ids_need_no_casts():
-    check_pass(stacked_model(TensorProto.INT32), "fuse-parallel-embeddings", ["Concat", "Shape", "Expand", "Add", "Gather", "Flatten"],
+    check_pass(stacked_model(TensorProto.INT32), "fuse-parallel-embeddings", ["Concat", *FIELD_ROWS, "Gather", "Flatten"],
                feeds=feeds_with_boundaries((5, 1), np.int32))
 
 
@@ -72,10 +96,10 @@ def test_unsqueezed_lookups_and_a_shared_table():
     model = make_model(nodes, [vi(f"id{i}", I64, ["B"]) for i in range(3)], [vi("y", F, ["B", 3, 4])],
                        TABLES[:2] + [init("ax1", np.array([1]))])
     feeds = feeds_with_boundaries((5,), rows=(5, 9, 9))
-    out, _ = check_pass(model, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather"],
+    out, _ = check_pass(model, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", *FIELD_ROWS, "Gather"],
                         feeds=feeds)
-    table = next(t for t in out.graph.initializer if t.dims[0] > 9)
-    assert list(table.dims) == [2 * (5 + 9), 4]  # the shared table is stored once (twice: doubled)
+    table = next(t for t in out.graph.initializer if len(t.dims) == 2 and t.dims[0] > 9)
+    assert list(table.dims) == [5 + 9, 4]  # the shared table is stored once
 
 
 def test_flat_lookups_joined_on_the_last_axis_with_dense_features_around():
@@ -86,7 +110,7 @@ def test_flat_lookups_joined_on_the_last_axis_with_dense_features_around():
                        [vi("y", F, ["B", 18])], TABLES)
     feeds = {**feeds_with_boundaries((5,)), "dense": RNG.standard_normal((5, 3)).astype(np.float32)}
     check_pass(model, "fuse-parallel-embeddings",
-               ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
+               ["Concat", "Reshape", "Transpose", *FIELD_ROWS, "Gather", "Reshape", "Concat"], feeds=feeds)
 
 
 def test_paddle_lookups_reshaped_to_rows_then_joined():
@@ -100,7 +124,7 @@ def test_paddle_lookups_reshaped_to_rows_then_joined():
     model, _ = run_pass(model, "infer-shapes")
     feeds = {**feeds_with_boundaries((5, 1)), "dense": RNG.standard_normal((5, 3)).astype(np.float32)}
     out, _ = check_pass(model, "fuse-parallel-embeddings",
-                        ["Concat", "Shape", "Expand", "Add", "Gather", "Reshape", "Concat"], feeds=feeds)
+                        ["Concat", *FIELD_ROWS, "Gather", "Reshape", "Concat"], feeds=feeds)
     assert ops(out).count("Gather") == 1
 
 
@@ -117,7 +141,7 @@ def test_wide_part_summed_through_tf_reshapes():
     model = make_model(nodes, [vi(f"id{i}", I64, ["B"]) for i in range(3)], [vi("y", F, ["B", 1])],
                        wide + [init("one", np.array([1]))])
     out, _ = run_pass(model, "infer-shapes")
-    check_pass(out, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", "Shape", "Expand", "Add", "Gather", "ReduceSum"],
+    check_pass(out, "fuse-parallel-embeddings", ["Concat", "Reshape", "Transpose", *FIELD_ROWS, "Gather", "ReduceSum"],
                feeds=feeds_with_boundaries((5,)))
 
 
@@ -141,7 +165,7 @@ def history_model(target: bool, batch_names=("B", "B")):
 def test_history_lookups_joined_on_the_last_axis_interleave(batch_names):
     feeds = feeds_with_boundaries((4, 3), rows=ROWS[:2])
     out, _ = check_pass(history_model(False, batch_names), "fuse-parallel-embeddings",
-                        ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Shape", "Expand", "Add", "Gather", "Reshape", "ReduceSum"],
+                        ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", *FIELD_ROWS, "Gather", "Reshape", "ReduceSum"],
                         feeds=feeds)
 
 
@@ -339,7 +363,7 @@ def test_bags_of_two_tables_become_one_lookup_and_one_scatter(torch_two_bags, ki
     assert ops(once).count("ScatterND") == 1 and "one lookup and one scatter" in ctx.notes[0]
     assert ops(once).count("Mul") == int(kind == "weighted")
     tables = [t for t in once.graph.initializer if len(t.dims) == 2]
-    assert [t.dims[0] for t in tables] == [40 if kind == "shared" else 100]  # each table twice, a shared one once
+    assert [t.dims[0] for t in tables] == [20 if kind == "shared" else 50]  # each table once, a shared one too
     cases = [([0, 2, 2, 5], 7, [0, 1, 4, 4], 6),  # empty bags in the middle and at the end
              ([0, 0, 0], 4, [0, 3, 3], 5),  # only the last bag of a holds ids
              ([0, 1, 2, 3, 4], 5, [0, 1, 2, 3, 4], 5),  # one id per bag
@@ -409,7 +433,7 @@ def test_padded_segment_sum_bags_become_one_gather_and_a_row_sum():
         assert_same_outputs(model, out, feeds)
     assert_same_outputs(model, out, {k: np.full_like(v, -1) for k, v in padded_feeds().items()})  # no id at all
     fused, ctx = check_pass(out, "fuse-parallel-embeddings", ops(out)[:0] + [
-        "Less", "Where", "Less", "Where", "Concat", "Shape", "Expand", "Add", "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
+        "Less", "Where", "Less", "Where", "Concat", *FIELD_ROWS, "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
         "ReduceSum", "Max", "Div", "Concat"], feeds=padded_feeds())
     assert_same_outputs(model, fused, padded_feeds(batch=9, seed=4))
 

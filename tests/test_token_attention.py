@@ -40,7 +40,7 @@ def reference(xq, xkv, w, b, cols, scale, mask=None, value=0.0, on=1, replace=0,
         return (e / e.sum(-1, keepdims=True)) @ v
 
 
-def run_kernel(feeds, attrs, with_kv=False, mask_shape=None):
+def run_kernel(feeds, attrs, with_kv=False, mask_shape=None, threads=2):
     projected = "wo" in feeds
     names = ["xq", "xkv" if with_kv else "", "w", "b", "mask" if mask_shape else ""] + \
         (["wo", "bo"] if projected else [])
@@ -54,7 +54,7 @@ def run_kernel(feeds, attrs, with_kv=False, mask_shape=None):
     if projected:
         inputs += [vi("wo", F, [None, None]), vi("bo", F, [None])]
     session = kernel_session([onnx.helper.make_node("TokenAttention", names, ["y"], domain=kernels.DOMAIN, **attrs)],
-                             inputs)
+                             inputs, threads=threads)
     return session.run(None, {k: v for k, v in feeds.items() if k in [i.name for i in inputs]})[0]
 
 
@@ -134,6 +134,32 @@ def test_the_kernel_matches_numpy(case):
     assert np.array_equal(np.isnan(got), np.isnan(want)) and \
         np.isnan(got).any() == (case in ("empty-history", "mask-one-head-empty"))
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("users", [1, 3])
+def test_the_same_bits_at_any_thread_count_and_run(users):
+    """Which rows follow which anchor follows from the rows alone: 1 and 2 threads, run after run, give the same
+    bits (issue 47: it depended on which block finished first)."""
+    rows = 203
+    xq = RNG.normal(size=(rows, T, D)).astype(np.float32)
+    for r in range(rows):
+        xq[r, :T - 1] = xq[r % users, :T - 1]
+    C = 2 * H * DK + H * DV
+    feeds = {"xq": xq, "w": RNG.normal(size=(D, C)).astype(np.float32), "b": RNG.normal(size=C).astype(np.float32)}
+    attrs = {"heads": H, "dk": DK, "dv": DV, "q_cols": [0, DK], "k_cols": [2 * DK, 3 * DK],
+             "v_cols": [4 * DK, 4 * DK + DV], "scale": 0.4}
+    first = run_kernel(feeds, attrs, threads=1)
+    for threads in (1, 2, 2, 2):
+        assert np.array_equal(run_kernel(feeds, attrs, threads=threads), first)
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    C = 2 * H * DK + H * DV
+    feeds = {"xq": np.zeros((0, T, D), np.float32), "w": RNG.normal(size=(D, C)).astype(np.float32),
+             "b": np.zeros(C, np.float32)}
+    attrs = {"heads": H, "dk": DK, "dv": DV, "q_cols": [0, DK], "k_cols": [2 * DK, 3 * DK],
+             "v_cols": [4 * DK, 4 * DK + DV], "scale": 0.4}
+    assert run_kernel(feeds, attrs).shape == (0, H, T, DV)
 
 
 def test_more_tokens_than_a_row_can_share_are_computed_in_full():

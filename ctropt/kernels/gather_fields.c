@@ -15,6 +15,9 @@
  *   attributes fields (int, optional): F; without it the inputs' type tells which is which (int ids, float values)
  *            ranges (ints, optional): two per part, the columns [start, end) of its input it reads (deepctr-torch's
  *              ids and dense values: columns of one matrix); without it each part whole
+ *            sizes (ints, optional, [K], with offsets): each id column's field's rows in the table; an id is then read
+ *              as that field's own Gather reads it (negative from the end of its rows, one outside [-size, size) an
+ *              error), at the field's rows from offsets[c]
  *   outputs  0 Y [B, K·D + Σ w] (D: a table row's size): as the ops above compute it; an index out of [-V, V) is an
  *            error (onnxruntime's message's meaning)
  */
@@ -28,6 +31,7 @@
 typedef struct {
     const float *table;
     const void *offsets;
+    const int64_t *sizes;              /* per id column: its field's rows (NULL: the table's bounds only) */
     const void *part[MAX_PARTS];       /* ids, then dense values */
     int64_t width[MAX_PARTS];          /* columns of each part read */
     int64_t stride[MAX_PARTS], start[MAX_PARTS];   /* its input's columns, the first read */
@@ -49,8 +53,9 @@ static void fields_block(void *data, size_t blk) {
         int64_t c = 0;   /* the ids' column, over all fields */
         for (int64_t f = 0; f < j->fields; ++f) {
             for (int64_t k = 0; k < j->width[f]; ++k, ++c, to += j->D) {
-                int64_t at = id_at(j, f, b, k, c);
-                at += at < 0 ? j->V : 0;
+                int64_t at = j->sizes ? field_row(j->part[f], j->offsets, j->sizes, j->kind,
+                                                  b * j->stride[f] + j->start[f] + k, c) : id_at(j, f, b, k, c);
+                at += at < 0 && !j->sizes ? j->V : 0;
                 if ((uint64_t)at >= (uint64_t)j->V) {
                     __atomic_store_n(&j->bad, b * j->K + c + 1, __ATOMIC_RELAXED);
                     memset(to, 0, (size_t)j->D * sizeof(float));
@@ -70,6 +75,8 @@ typedef struct {
     int64_t fields;                /* the id parts, -1: by their type (int32 or int64) */
     int64_t ranges[2 * MAX_PARTS]; /* each part's columns read, [start, end) */
     size_t n_ranges;               /* 0: every part whole */
+    int64_t *sizes;                /* the sizes attribute (NULL: absent) */
+    size_t n_sizes;
 } FieldsKernel;
 
 /* Part p's rows and the columns read ([B] or [B, w], a range of them where the node gives ranges) into the job; its
@@ -77,9 +84,9 @@ typedef struct {
 static OrtStatus *read_part(OrtKernelContext *ctx, const FieldsKernel *k, Job *j, int64_t p,
                             ONNXTensorElementDataType *type) {
     int64_t d[2];
-    size_t r;
+    size_t r = 0;   /* stays 0 for a missing part; an empty one (batch 0) has no data but its rank */
     TRY(read_typed_input(ctx, (size_t)p + 2, &j->part[p], d, &r, 2, "GatherFields: a part has rank > 2", type));
-    if (!j->part[p] || r < 1) return error("GatherFields: a part is missing or a scalar");
+    if (r < 1) return error("GatherFields: a part is missing or a scalar");
     if (p > 0 && d[0] != j->rows) return error("GatherFields: the parts' rows differ");
     j->rows = d[0];
     j->stride[p] = r == 2 ? d[1] : 1;
@@ -123,6 +130,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(read_typed_input(ctx, 1, &j.offsets, dk, &rk, 1, "GatherFields: the offsets have rank > 1", &t));
     if (j.offsets && (t != offsets_type(j.kind) || rk != 1 || dk[0] != j.K))
         return error("GatherFields: offsets must be [K] of the ids' type (int64 for float ids)");
+    const FieldsKernel *fk = kernel;
+    if (fk->sizes && (!j.offsets || (int64_t)fk->n_sizes != j.K))
+        return error("GatherFields: sizes must come with offsets, one per id column");
+    j.sizes = fk->sizes;
     j.V = dt[0], j.D = 1;
     for (size_t x = 1; x < rt; ++x) j.D *= dt[x];
     j.W = j.K * j.D + dense;
@@ -137,10 +148,17 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int64_t b = (j.bad - 1) / j.K, c = (j.bad - 1) % j.K;
         int64_t f = 0, k = c;
         while (k >= j.width[f]) k -= j.width[f++];
-        char msg[160];
-        snprintf(msg, sizeof msg, "GatherFields: indices element out of data bounds, idx=%lld must be within the "
-                 "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b, k, c), (long long)-j.V,
-                 (long long)(j.V - 1));
+        char msg[200];
+        const void *ids = j.part[f];
+        const int64_t i = b * j.stride[f] + j.start[f] + k;
+        if (j.sizes)
+            snprintf(msg, sizeof msg, FIELD_BOUNDS_MESSAGE, "GatherFields",
+                     (long long)offset_index(ids, NULL, j.kind, i, 0), (long long)-j.sizes[c],
+                     (long long)(j.sizes[c] - 1), (long long)c);
+        else
+            snprintf(msg, sizeof msg, "GatherFields: indices element out of data bounds, idx=%lld must be within the "
+                     "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b, k, c), (long long)-j.V,
+                     (long long)(j.V - 1));
         return error(msg);
     }
     return NULL;
@@ -164,8 +182,17 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
         free(k);
         return s;
     }
+    if ((s = ints_attribute(info, "sizes", &k->sizes, &k->n_sizes))) {
+        free(k);
+        return s;
+    }
     *kernel = k;
     return NULL;
+}
+
+static void ORT_API_CALL destroy_fields(void *kernel) {
+    free(((FieldsKernel *)kernel)->sizes);
+    free(kernel);
 }
 
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "GatherFields"; }
@@ -184,6 +211,6 @@ OrtCustomOp ctropt_gather_fields = {
     .version = ORT_API_VERSION, .GetName = name, .GetInputType = input_type, .GetInputTypeCount = n_inputs,
     .GetOutputType = float_type, .GetOutputTypeCount = one_count, .GetInputCharacteristic = input_kind,
     .GetOutputCharacteristic = required, .CreateKernelV2 = create, .KernelComputeV2 = compute,
-    .KernelDestroy = destroy, COMMON_CALLBACKS,
+    .KernelDestroy = destroy_fields, COMMON_CALLBACKS,
     .GetVariadicInputHomogeneity = mixed,   /* ids and floats in the one variadic list (overrides COMMON_CALLBACKS) */
 };

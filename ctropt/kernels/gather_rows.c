@@ -11,6 +11,9 @@
  *            2 offsets (optional, the indices' type; int64 for float), [K]: K the indices' last dim; index i reads row
  *              indices[i] + offsets[i % K], the sum in the indices' type (fuse-parallel-embeddings' per-field offsets
  *              into one concatenated table, without the Expand and Add that would make them [..., K] first)
+ *   attributes sizes (ints, optional, [K], with offsets): each column's field's rows in the joined table. Index i is
+ *            then read as that field's own Gather reads it: negative from the end of its sizes[i % K] rows, one outside
+ *            [-size, size) an error, wherever the joined table's bounds are; the row is that id + offsets[i % K]
  *   outputs  0 Y [indices..., ...]: as Gather(table, indices, axis=0): a negative index counts from the end, one out
  *            of [-V, V) is an error (onnxruntime's message's meaning).
  */
@@ -24,6 +27,7 @@
 typedef struct {
     const float *table;
     const void *indices, *offsets;   /* offsets: NULL when absent */
+    const int64_t *sizes;              /* per offsets' column: its field's rows (NULL: the table's bounds only) */
     float *y;
     int64_t count, V, D, K, blocks, bad;   /* D: 4-byte words per row; K: offsets; bad: out of range (+1), 0: none */
     int kind;                          /* of the indices: IDS_INT32, IDS_INT64, IDS_FLOAT */
@@ -39,8 +43,8 @@ static void gather_block(void *data, size_t b) {
     const int64_t first = j->count * (int64_t)b / j->blocks, end = j->count * ((int64_t)b + 1) / j->blocks;
     int64_t c = j->K ? first % j->K : 0;   /* the offsets' column, counted along (no division per index) */
     for (int64_t i = first; i < end; ++i, c = c + 1 == j->K ? 0 : c + 1) {
-        int64_t at = index_at(j, i, c);
-        at += at < 0 ? j->V : 0;   /* a conditional move, not a branch */
+        int64_t at = j->sizes ? field_row(j->indices, j->offsets, j->sizes, j->kind, i, c) : index_at(j, i, c);
+        at += at < 0 && !j->sizes ? j->V : 0;   /* a conditional move, not a branch */
         if ((uint64_t)at >= (uint64_t)j->V) {
             __atomic_store_n(&j->bad, i + 1, __ATOMIC_RELAXED);   /* reported after the loop */
             memset(j->y + i * j->D, 0, (size_t)j->D * sizeof(float));
@@ -50,8 +54,44 @@ static void gather_block(void *data, size_t b) {
     }
 }
 
+typedef struct {
+    int64_t *sizes;   /* the sizes attribute (NULL: absent) */
+    size_t n_sizes;
+} RowsKernel;
+
+static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
+                                      void **kernel) {
+    (void)op;
+    (void)api;
+    RowsKernel *k = calloc(1, sizeof(RowsKernel));
+    if (!k) return ort->CreateStatus(ORT_FAIL, "GatherRows: out of memory");
+    OrtStatus *s = ints_attribute(info, "sizes", &k->sizes, &k->n_sizes);
+    if (s) free(k);
+    else *kernel = k;
+    return s;
+}
+
+static void ORT_API_CALL destroy_rows(void *kernel) {
+    free(((RowsKernel *)kernel)->sizes);
+    free(kernel);
+}
+
+/* The error of index i out of range: of its field's rows where the node has sizes, else of the table's. */
+static OrtStatus *out_of_range(const Job *j, int64_t i) {
+    char msg[200];
+    const int64_t c = j->K ? i % j->K : 0;
+    if (j->sizes)
+        snprintf(msg, sizeof msg, FIELD_BOUNDS_MESSAGE, "GatherRows",
+                 (long long)offset_index(j->indices, NULL, j->kind, i, 0), (long long)-j->sizes[c],
+                 (long long)(j->sizes[c] - 1), (long long)c);
+    else
+        snprintf(msg, sizeof msg, "GatherRows: indices element out of data bounds, idx=%lld must be within the "
+                 "inclusive range [%lld,%lld]", (long long)index_at(j, i, c), (long long)-j->V, (long long)(j->V - 1));
+    return error(msg);
+}
+
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
-    (void)kernel;
+    const RowsKernel *k = kernel;
     size_t rt, ri;
     int64_t dt[MAX_RANK], di[MAX_RANK], out[2 * MAX_RANK];
     ONNXTensorElementDataType tt, ti;
@@ -73,6 +113,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
             return error("GatherRows: offsets must be [K] of the indices' type (int64 for float), K their last dim");
         j.K = j.offsets ? dk[0] : 0;
     }
+    if (k->sizes && (!j.offsets || (int64_t)k->n_sizes != j.K))
+        return error("GatherRows: sizes must come with offsets, one per offsets' column");
+    j.sizes = k->sizes;
     j.V = dt[0], j.D = 1, j.count = 1;
     size_t out_rank = 0;
     for (size_t x = 0; x < ri; ++x) j.count *= out[out_rank++] = di[x];
@@ -84,14 +127,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (j.count == 0) return NULL;
     j.blocks = j.count < MAX_BLOCKS ? j.count : MAX_BLOCKS;   /* rows of no floats too: the indices are checked */
     TRY(ort->KernelContext_ParallelFor(ctx, gather_block, (size_t)j.blocks, 0, &j));
-    if (j.bad) {
-        const int64_t i = j.bad - 1;
-        char msg[160];
-        snprintf(msg, sizeof msg, "GatherRows: indices element out of data bounds, idx=%lld must be within the inclusive "
-                 "range [%lld,%lld]", (long long)index_at(&j, i, j.K ? i % j.K : 0),
-                 (long long)-j.V, (long long)(j.V - 1));
-        return error(msg);
-    }
+    return j.bad ? out_of_range(&j, j.bad - 1) : NULL;
     return NULL;
 }
 
@@ -112,6 +148,6 @@ static ONNXTensorElementDataType ORT_API_CALL input_type_int64(const OrtCustomOp
 }
 
 OrtCustomOp ctropt_gather_rows = CUSTOM_OP(name, input_type, n_inputs, float_type, one_count, input_kind, required,
-                                           no_attributes, compute);
+                                           create, compute, .KernelDestroy = destroy_rows);
 OrtCustomOp ctropt_gather_rows_int64 = CUSTOM_OP(name_int64, input_type_int64, n_inputs, int64_type, one_count, input_kind,
-                                                 required, no_attributes, compute);
+                                                 required, create, compute, .KernelDestroy = destroy_rows);

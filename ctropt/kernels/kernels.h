@@ -59,6 +59,21 @@ static inline int64_t offset_index(const void *ids, const void *offsets, int kin
     return (int64_t)(offsets ? at + (uint64_t)((const int64_t *)offsets)[c] : at);
 }
 
+/* With per-column sizes (fuse-parallel-embeddings' fields in one joined table): id i of column c as its field's own
+ * Gather reads it (negative: from the end of the field's sizes[c] rows), at the field's rows from offsets[c]; -1 for
+ * an id outside [-sizes[c], sizes[c]), where that Gather raises. A float id is truncated as the model's Cast does. */
+static inline int64_t field_row(const void *ids, const void *offsets, const int64_t *sizes, int kind, int64_t i,
+                                int64_t c) {
+    int64_t id = offset_index(ids, NULL, kind, i, 0);
+    id += id < 0 ? sizes[c] : 0;
+    if ((uint64_t)id >= (uint64_t)sizes[c]) return -1;
+    return id + (!offsets ? 0 : kind == IDS_INT32 ? ((const int32_t *)offsets)[c] : ((const int64_t *)offsets)[c]);
+}
+
+/* The message of an id out of its field's rows (onnxruntime Gather's meaning, and which column of the ids). */
+#define FIELD_BOUNDS_MESSAGE "%s: indices element out of data bounds, idx=%lld must be within the inclusive range " \
+    "[%lld,%lld] (column %lld of the ids)"
+
 /* A row of D 4-byte words (float or half an int64: copied as bits). */
 static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
     switch (D) {
@@ -104,7 +119,7 @@ static inline vec exp_vec(vec x) {
  * Eigen and onnxruntime's MLAS; NaN stays NaN. */
 static inline vec tanh_vec(vec x) {
     mask low = x < -9.0f, high = x > 9.0f;
-    vec lo = x * 0.0f - 9.0f, hi = x * 0.0f + 9.0f;
+    vec lo = splat(-9.0f), hi = splat(9.0f);   /* not x * 0 / 9: inf * 0 is NaN */
     x = (vec)(((mask)x & ~(low | high)) | ((mask)lo & low) | ((mask)hi & high));
     vec x2 = x * x;
     vec p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
@@ -191,6 +206,27 @@ static inline int64_t int_attribute(const OrtKernelInfo *info, const char *name,
     return fallback;
 }
 
+/* An optional ints attribute of a node: *values calloc'd (the caller frees it), NULL and *n = 0 where absent. */
+static inline OrtStatus *ints_attribute(const OrtKernelInfo *info, const char *name, int64_t **values, size_t *n) {
+    *values = NULL;
+    *n = 0;
+    OrtStatus *s = ort->KernelInfoGetAttributeArray_int64(info, name, NULL, n);
+    if (s) {
+        ort->ReleaseStatus(s);
+        *n = 0;
+        return NULL;
+    }
+    if (!*n) return NULL;
+    *values = calloc(*n, sizeof(int64_t));
+    if (!*values) return ort->CreateStatus(ORT_FAIL, "ctropt kernels: out of memory");
+    s = ort->KernelInfoGetAttributeArray_int64(info, name, *values, n);
+    if (s) {
+        free(*values);
+        *values = NULL;
+    }
+    return s;
+}
+
 /* The fields of an OrtCustomOp that every kernel fills alike (after .version, .GetName and its own callbacks). */
 #define COMMON_CALLBACKS                         \
     .GetExecutionProviderType = provider,        \
@@ -207,13 +243,13 @@ static inline int64_t int_attribute(const OrtKernelInfo *info, const char *name,
     .ReleaseAliasMap = free_pairs
 
 /* An OrtCustomOp: its name, inputs' types, counts and characteristics, outputs' types (float_type: all float) and
- * characteristics, create and compute. */
-#define CUSTOM_OP(name_, input_type_, n_inputs_, output_type_, n_outputs_, input_kind_, output_kind_, create_, compute_) \
+ * characteristics, create and compute; then fields of its own (e.g. .KernelDestroy), overriding those above. */
+#define CUSTOM_OP(name_, input_type_, n_inputs_, output_type_, n_outputs_, input_kind_, output_kind_, create_, compute_, ...) \
     {                                                                                                          \
         .version = ORT_API_VERSION, .GetName = name_, .GetInputType = input_type_, .GetInputTypeCount = n_inputs_, \
         .GetOutputType = output_type_, .GetOutputTypeCount = n_outputs_, .GetInputCharacteristic = input_kind_, \
         .GetOutputCharacteristic = output_kind_, .CreateKernelV2 = create_, .KernelComputeV2 = compute_,        \
-        .KernelDestroy = destroy, COMMON_CALLBACKS,                                                            \
+        .KernelDestroy = destroy, COMMON_CALLBACKS, __VA_ARGS__                                                \
     }
 
 /* Input i's data, its dims into `dims` (room for max_rank) and, given `type`, its element type. */

@@ -25,12 +25,11 @@
  *
  * Every head at once: scores and weights are vectors over (token, head) pairs, and a query's output row (its heads'
  * dv values one after another) is summed LANES columns at a time, each lane taking its head's weight by a permute.
- * Rows are split in blocks for onnxruntime's threads; a block starts from the anchors a finished block left (with one
- * thread, the block before's), so a batch of one user computes one row in full. With several threads which rows
- * are computed in full depends on which block finished first: the outputs then vary between runs by rounding only.
+ * Rows are split in blocks for onnxruntime's threads (at most MAX_BLOCKS, by the batch alone); row 0 is computed in
+ * full first, and every block starts from the anchors it left, so a batch of one user computes one row in full. Which
+ * rows follow which anchor depends on the rows alone: the outputs are the same bits at any thread count.
  */
 #include <math.h>
-#include <stdatomic.h>
 
 #include "kernels.h"
 
@@ -61,7 +60,6 @@ typedef struct {
     int32_t *pair_head;     /* [Pp]: the head of each (query, head) pair, query-major (past T·H: p % H still) */
     int64_t blocks, per_block, direct;   /* direct: y's rows are output rows in whole vectors */
     struct Anchors *sets;                /* [blocks]: each block's anchors, in its room */
-    struct Anchors *_Atomic *spare;      /* the anchors of a block that has finished, for the next to take */
 } Job;
 
 typedef struct {   /* a row's projections, and its softmax partials over a set of shared keys */
@@ -547,14 +545,9 @@ static Anchors *new_anchors(const Job *j, size_t n) {
     return set;
 }
 
-/* Block n of the rows. Its anchors are those a finished block left where there are (with one thread, the block
- * before's: a batch of one user computes one row in full), else its own. */
-static void run_block(void *data, size_t n) {
-    const Job *j = data;
+/* Block n's scratch, in its room after its anchors. */
+static Scratch scratch_of(const Job *j, size_t n) {
     const int64_t T = j->T, H = j->H, dk = j->dk, HP = j->HP;
-    Anchors *set = atomic_exchange(j->spare, NULL);
-    if (!set) set = new_anchors(j, n);
-    Anchor *an = set->an;
     Scratch x = {.oq = j->room + (int64_t)n * j->per_block + ANCHORS * anchor_floats(j)};
     x.ok = x.oq + T * H * dk;
     x.ov = x.ok + T * H * dk;
@@ -569,21 +562,52 @@ static void run_block(void *data, size_t n) {
     x.tmp = x.row + j->Ep;
     x.rows = x.tmp + j->C;
     x.rown = x.rows + (j->wo ? T * j->Ep : 0);
-    for (int64_t b = j->B * (int64_t)n / j->blocks; b < j->B * ((int64_t)n + 1) / j->blocks; ++b) {
+    return x;
+}
+
+/* Rows first .. end with the anchors of `set`: each follows an anchor whose tokens it shares, or is computed in full
+ * (and becomes an anchor). */
+static void run_rows(const Job *j, Anchors *set, const Scratch *x, int64_t first, int64_t end) {
+    Anchor *an = set->an;
+    for (int64_t b = first; b < end; ++b) {
         int followed = 0;
-        for (int i = 0; i < ANCHORS && !followed && T <= MAX_T; ++i) {   /* longer: no sets, each row in full */
+        for (int i = 0; i < ANCHORS && !followed && j->T <= MAX_T; ++i) {   /* longer: no sets, each row in full */
             const uint64_t shared = an[i].row < 0 ? 0 : shared_tokens(j, b, an[i].row);
             if (shared && same_mask(j, b, an[i].row, shared)) {
-                follow(j, b, &an[i], shared, &x);
+                follow(j, b, &an[i], shared, x);
                 followed = 1;
             }
         }
         if (!followed) {
-            full_row(j, b, &an[set->next], &x);
+            full_row(j, b, &an[set->next], x);
             set->next = (set->next + 1) % ANCHORS;
         }
     }
-    atomic_store(j->spare, set);
+}
+
+/* Block n of the rows, from the anchors row 0 left (copied into its room before): which rows are computed in full,
+ * and so every output bit, follows from the rows alone, whatever the threads and their timing. */
+static void run_block(void *data, size_t n) {
+    const Job *j = data;
+    const Scratch x = scratch_of(j, n);
+    const int64_t first = j->B * (int64_t)n / j->blocks, end = j->B * ((int64_t)n + 1) / j->blocks;
+    run_rows(j, &j->sets[n], &x, first > 0 ? first : 1, end);
+}
+
+/* Row 0 in full with block 0's anchors, which every block then starts from (their floats copied into its room). */
+static void first_row(const Job *j) {
+    const Scratch x = scratch_of(j, 0);
+    for (int64_t n = 0; n < j->blocks; ++n) new_anchors(j, (size_t)n);
+    run_rows(j, &j->sets[0], &x, 0, 1);
+    const size_t floats = (size_t)(ANCHORS * anchor_floats(j));
+    for (int64_t n = 1; n < j->blocks; ++n) {
+        memcpy(j->room + n * j->per_block, j->room, floats * sizeof(float));
+        j->sets[n].next = j->sets[0].next;
+        for (int i = 0; i < ANCHORS; ++i) {
+            j->sets[n].an[i].row = j->sets[0].an[i].row;
+            j->sets[n].an[i].keys = j->sets[0].an[i].keys;
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------- plumbing */
@@ -608,7 +632,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
     for (size_t i = 0; i < 7; ++i)
         TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], 4, "TokenAttention: an input has rank > 4"));
-    if (!in[0] || rank[0] != 3 || !in[2] || rank[2] != 2) return error("TokenAttention: xq [B, T, D] and w [D, C]");
+    if (rank[0] != 3 || !in[2] || rank[2] != 2) return error("TokenAttention: xq [B, T, D] and w [D, C]");   /* xq may be empty */
     Job j = {.k = kn, .B = d[0][0], .T = d[0][1], .D = d[0][2], .C = d[2][1], .H = kn->heads, .dk = kn->dk,
              .dv = kn->dv, .xq = in[0], .xkv = in[1] ? in[1] : in[0], .w = in[2], .b = in[3],
              .mask = (const uint8_t *)in[4], .wo = in[5], .bo = in[6], .N = in[5] && rank[5] == 2 ? d[5][1] : 0};
@@ -644,12 +668,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.head_of = malloc((size_t)(j.Ep + j.Pp) * sizeof(int32_t));
     j.pair_head = j.head_of + j.Ep;
     j.sets = malloc((size_t)j.blocks * sizeof(Anchors));
-    Anchors *_Atomic spare = NULL;
-    j.spare = &spare;
     OrtStatus *s = NULL;
     if (j.room && j.head_of && j.sets) {
         for (int64_t c = 0; c < j.Ep; ++c) j.head_of[c] = c < j.E ? (int32_t)(c / j.dv) : 0;
         for (int64_t p = 0; p < j.Pp; ++p) j.pair_head[p] = (int32_t)(p % j.H);
+        first_row(&j);
         s = ort->KernelContext_ParallelFor(ctx, run_block, (size_t)j.blocks, 0, &j);
     } else {
         s = ort->CreateStatus(ORT_FAIL, "TokenAttention: out of memory");

@@ -102,7 +102,7 @@ def valid_flags(graph: gs.Graph, mask: gs.Tensor, bound: float, scale: float, sh
     float32 rounding: relative 1e-4 on the scores' bound (a sum of K products), 1e-5 on the row's largest mask value
     and on the constants added before the softmax."""
     b = Builder(graph, f"{mask.name}/reachable")
-    rows = b.op("Reshape", [mask, b.const("rows", np.array([0, -1], np.int64))], name="rows")  # [B, T]
+    rows = b.op("Flatten", [mask], {"axis": 1}, name="rows")  # [B, T] (a Reshape [0, -1] fails at batch 0)
     if (getattr(graph, "opset", None) or 13) < 18:
         row_max = b.op("ReduceMax", [rows], {"axes": [1], "keepdims": 1}, name="row_max")
     else:

@@ -326,7 +326,7 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     includes them then projects them once per row (`_project_rows_once`)."""
     b = _Builder(graph, f"{site.scores.name}/valid")
     cond = b.op("Not", [site.cond]) if site.negate else site.cond
-    valid = b.op("Reshape", [cond, b.const("bt", np.array([0, -1], np.int64))], name="valid")  # [B, T]
+    valid = b.op("Flatten", [cond], {"axis": 1}, name="valid")  # [B, T] (a Reshape [0, -1] fails at batch 0)
     count = b.op("Size", [valid], name="count")
     everywhere = b.op("Range", [b.const("start", np.array(0, np.int64)), count,
                                 b.const("step", np.array(1, np.int64))], name="everywhere")

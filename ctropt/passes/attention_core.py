@@ -464,12 +464,19 @@ def _packed_inputs(m: Match, core: dict, inputs: list, attrs: dict) -> list[int]
     return before
 
 
+def _per_head(x: gs.Tensor, heads: int) -> int:
+    """x's last dim over the heads, where it is static; -1 where not."""
+    width = (shape_of(x) or [None])[-1]
+    return int(width) // heads if isinstance(width, (int, np.integer)) and width % heads == 0 else -1
+
+
 def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
     """Stacked heads: the kernel reads x [B, L, H·d] as [B, L, H, d] (a Reshape, no copy) and writes [B, S, H, dv],
     which a Reshape makes the merged [B, S, H·dv]; neither Split nor Concat runs."""
     heads = core["q"].heads
-    split = add_constant(m.graph, f"{m.root.name}/heads", np.array([0, 0, heads, -1], np.int64))
-    for i in range(3):
+    for i in range(3):   # the heads' width where known: a -1 cannot be inferred from an empty batch
+        split = add_constant(m.graph, f"{m.root.name}/heads", np.array([0, 0, heads, _per_head(inputs[i].x, heads)],
+                                                                        np.int64))
         (inputs[i],) = m.op("Reshape", [inputs[i].x, split], name=f"{m.root.name}/heads_{'qkv'[i]}",
                             dtype=np.float32)
     if "regroup" in core:
@@ -490,8 +497,10 @@ def _stacked_kernel(m: Match, core: dict, inputs: list, attrs: dict) -> list:
         (rows,) = m.op("Transpose", [rows], {"perm": [1, 2, 0, 3]}, name=f"{m.root.name}/rows_first",
                        dtype=np.float32)
         (y,) = m.op("Mul", [y, rows], name=f"{m.root.name}/rows", dtype=np.float32)
-    merge = add_constant(m.graph, f"{m.root.name}/merge", np.array([0, 0, -1], np.int64))
     merged = core["merged"]
+    width = (shape_of(merged) or [None])[-1]
+    merge = add_constant(m.graph, f"{m.root.name}/merge",
+                         np.array([0, 0, width if isinstance(width, (int, np.integer)) else -1], np.int64))
     (out,) = m.op("Reshape", [y, merge], name=f"{m.root.name}/merge", dtype=merged.dtype, shape=merged.shape)
     replace_outputs(m.graph, merged.inputs[0], [out])   # the Split and Concat are dead now, and so is the MatMul
     return [None]

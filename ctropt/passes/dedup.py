@@ -337,9 +337,9 @@ def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], prob
     op = b.op
 
     dtype = _key_dtype(seeds, probe)
-    flat = b.const("rows", np.array([0, -1], np.int64))
     to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    parts = [s if len(s.shape or []) == 2 and s.dtype == dtype else op("Cast", [op("Reshape", [s, flat])], {"to": to})
+    # Flatten, not Reshape [0, -1]: an empty batch has no elements to infer the -1 from
+    parts = [s if len(s.shape or []) == 2 and s.dtype == dtype else op("Cast", [op("Flatten", [s], {"axis": 1})], {"to": to})
              for s in seeds]   # [B, k] seeds of the key's type as they are: a lookup's ids concatenated are the same
     key = op("Concat", parts, {"axis": 1}) if len(parts) > 1 else parts[0]
     _, first, inverse, _ = op("Unique", [key], {"axis": 0, "sorted": 0}, outputs=4)

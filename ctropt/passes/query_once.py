@@ -187,7 +187,8 @@ def _rewrite(graph: gs.Graph, cat: gs.Node, flat, layer: gs.Node, once, rest, bi
     shift = shift + (0 if bias is None else np.ravel(bias) * scale)
     projected = b.const("bias_once", shift.astype(dtype))
     for source, rows in once:
-        row = b.op("Reshape", [source, b.const("row_shape", np.array([0, 1, -1], np.int64))], name="query_row")
+        row = b.op("Reshape", [source, b.const("row_shape", np.array([0, 1, rows.shape[0]], np.int64))],
+                   name="query_row")   # no -1: an empty batch has no elements to infer it from
         w_once = b.const("w_once", (rows * scale).astype(dtype))
         projected = b.op("Add", [b.op("MatMul", [row, w_once], name="project_once"), projected])
     merged = b.op("Concat", [v for v, _ in rest], {"axis": -1}, name="concat_rest") if len(rest) > 1 else rest[0][0]

@@ -30,6 +30,7 @@ from ..graph.dims import same_size
 from ..graph.edit import Builder, const_value, dtype_of, rank_of, read_once, replace_outputs, shape_of
 from ..patterns import Match, P, Rewrite, Var
 from .cleanup import slice_bounds
+from .embedding.parallel import read_field_rows
 from .registry import PassContext, register_pass
 
 
@@ -75,6 +76,12 @@ def _offset_ids(ids) -> tuple | None:
 
 def _to_kernel(m: Match) -> list:
     out, op = m.root.outputs[0], KERNEL_OF[np.dtype(dtype_of(m["table"]))]
+    rows = shape_of(m["table"])[0]
+    fields = read_field_rows(m["ids"], int(rows)) if isinstance(rows, (int, np.integer)) else None
+    if fields is not None:   # fuse-parallel-embeddings' joined table: each id checked against its own field's rows
+        x, sizes, offsets = fields
+        return m.op(op, [m["table"], x, m.constant("offsets", offsets)], {"sizes": [int(v) for v in sizes]},
+                    name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
     inputs = [m["table"], *(_offset_ids(m["ids"]) or [m["ids"]])]
     return m.op(op, inputs, name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
 
@@ -140,7 +147,8 @@ def fuse_gather_fields(ctx: PassContext) -> int:
         ctx.matches += 1
         b = Builder(ctx.graph, f"{g.name}/fields")
         y = end.outputs[0]
-        made = b.op("GatherFields", [g.inputs[0], offsets, *parts, *rest], domain=kernels.DOMAIN, dtype=y.dtype,
+        sizes = {"sizes": g.attrs["sizes"]} if "sizes" in g.attrs else None
+        made = b.op("GatherFields", [g.inputs[0], offsets, *parts, *rest], sizes, domain=kernels.DOMAIN, dtype=y.dtype,
                     shape=y.shape)
         replace_outputs(ctx.graph, end, [made])
         end.outputs.clear()

@@ -177,14 +177,14 @@ def _bag_collections(bags: list[BagLoop]) -> tuple[list[list[BagRows]], list[Bag
             groups.setdefault((table.shape[1], table.dtype), []).append(rows)
     for key, group in list(groups.items()):
         tables = {id(r.lookup.inputs[0]): const_value(r.lookup.inputs[0]).nbytes for r in group}
-        if len(group) < 2 or 2 * sum(tables.values()) > parallel.DOUBLED_TABLE_BYTES:
+        if len(group) < 2:
             alone += [r.bag for r in groups.pop(key)]
     return list(groups.values()), alone
 
 
 def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
     """The bags of several lookups as one: the ids of all tables in a row (each offset into one concatenated
-    table, stored twice so that negative ids stay exact), one Gather, one scatter over the bags of every table
+    table, checked against its own table's rows as its Gather did: `parallel.checked_rows`), one Gather, one scatter over the bags of every table
     (each table's offsets shifted by where its ids start, its last offset closing a gap bag), then each table's
     bags sliced out. Returns each bag loop's replacement, in order."""
     name = unique_name(graph, f"{group[0].bag.loop.name}/collection")
@@ -201,8 +201,9 @@ def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
         if id(r.lookup.inputs[0]) not in first:
             first[id(r.lookup.inputs[0])] = len(tables)
             tables.append(const_value(r.lookup.inputs[0]))
-    starts = np.cumsum([0] + [2 * t.shape[0] for t in tables])
-    at = [starts[first[id(r.lookup.inputs[0])]] + tables[first[id(r.lookup.inputs[0])]].shape[0] for r in group]
+    starts = np.cumsum([0] + [t.shape[0] for t in tables])
+    at = [starts[first[id(r.lookup.inputs[0])]] for r in group]
+    rows_of = [tables[first[id(r.lookup.inputs[0])]].shape[0] for r in group]
     ids = [r.lookup.inputs[1] for r in group]
     split = ids[0].inputs[0] if len(ids[0].inputs) == 1 else None
     sizes = None
@@ -216,13 +217,16 @@ def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
         sizes = op("Concat", [op("Shape", [x]) for x in ids], {"axis": 0})  # ids per table
     first_ids = op("Sub", [op("CumSum", [sizes, c("axis", [0])]), sizes])
     n = op("Shape", [all_ids])
-    # Each id's table offset: the offsets' steps scattered where each table's ids start, summed up to the id.
-    steps = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
-                                   first_ids, c("steps", np.diff([0] + at))], {"axis": 0, "reduction": "add"})
-    shifted = op("Add", [all_ids, op("Slice", [op("CumSum", [steps, c("axis", [0])]), c("zero", [0]), n])])
+
+    def per_id(values, what):   # each id's table's value: steps scattered where each table's ids start, summed
+        steps = op("ScatterElements", [op("ConstantOfShape", [op("Add", [n, c("one", [1])])], {"value": _attr_tensor(0)}),
+                                       first_ids, c(what, np.diff([0] + values))], {"axis": 0, "reduction": "add"})
+        return op("Slice", [op("CumSum", [steps, c("axis", [0])]), c("zero", [0]), n])
+
+    shifted = parallel.checked_rows(b, all_ids, per_id(rows_of, "sizes"), per_id(at, "offsets"), int(starts[-1]))
     dtype = tables[0].dtype
-    rows = op("Gather", [add_constant(graph, f"{name}/table", np.concatenate([t for t in tables for _ in (0, 1)])),
-                         shifted], {"axis": 0}, dtype=dtype)
+    rows = op("Gather", [add_constant(graph, f"{name}/table", np.concatenate(tables)), shifted], {"axis": 0},
+              dtype=dtype)
     if any(r.weights is not None for r in group):
         weights = [op("Expand", [r.weights if r.weights is not None else c("unit", [1.0], dtype=dtype),
                                  op("Concat", [op("Shape", [x]), c("one", [1])], {"axis": 0})], dtype=dtype)

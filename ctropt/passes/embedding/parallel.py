@@ -154,12 +154,6 @@ def _units(group: list[Lookup]) -> list[list[Lookup]]:
     return units
 
 
-# Concatenated tables up to this size hold every table twice, so that one Add maps an id in [-rows, rows) to its
-# row as Gather reads it (negative: from the end); larger ones keep a single copy and wrap ids with a Mod, which
-# measured 5-8 % of the whole model's time at batch 256 on the small DeepCTR models (ORT CPU).
-DOUBLED_TABLE_BYTES = 64 << 20
-
-
 def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
     """One Gather on the concatenated tables: ids [B, K] (each lookup's k columns, offset into its table)."""
     tables, first = [], {}
@@ -167,9 +161,6 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
         if id(lk.gather.inputs[0]) not in first:  # a table read by several lookups is stored once
             first[id(lk.gather.inputs[0])] = len(tables)
             tables.append(lk.values)
-    doubled = 2 * sum(t.nbytes for t in tables) <= DOUBLED_TABLE_BYTES
-    if doubled:
-        tables = [t for table in tables for t in (table, table)]
     starts = np.cumsum([0] + [t.shape[0] for t in tables])
     dtypes = {np.dtype(dtype_of(lk.ids)) for lk in group}
     id_dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int64)
@@ -185,8 +176,7 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
     sizes, offsets, columns, start = [], [], [], 0
     for unit in _units(group):
         rows = [lk.values.shape[0] for lk in unit]
-        at = [starts[2 * first[id(lk.gather.inputs[0])]] + lk.values.shape[0] if doubled
-              else starts[first[id(lk.gather.inputs[0])]] for lk in unit]
+        at = [starts[first[id(lk.gather.inputs[0])]] for lk in unit]
         sizes += rows * unit[0].k  # a block's columns run over its lanes first
         offsets += at * unit[0].k
         x = cast(unit[0].ids)
@@ -215,17 +205,78 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
                                 name=f"{name}/cols", dtype=id_dtype)
             ids.append(x)
     (x,) = add_node(graph, "Concat", ids, {"axis": 1}, name=f"{name}/ids", dtype=id_dtype) if len(ids) > 1 else ids
-    if not doubled:
-        rows = add_constant(graph, f"{name}/rows", np.array(sizes, dtype=id_dtype))
-        (x,) = add_node(graph, "Mod", [x, rows], name=f"{name}/wrap", dtype=id_dtype)
-    # the offsets Expanded to the ids' shape first: onnxruntime broadcasts a row vector over [N, K] a row at a
-    # time (Add [1400, 2] + [2]: 14 us; Expand then Add: 2 us)
-    (shape,) = add_node(graph, "Shape", [x], name=f"{name}/ids_shape", dtype=np.int64)
-    (per_id,) = add_node(graph, "Expand", [add_constant(graph, f"{name}/offsets", np.array(offsets, dtype=id_dtype)),
-                                           shape], name=f"{name}/offsets_per_id", dtype=id_dtype)
-    (x,) = add_node(graph, "Add", [x, per_id], name=f"{name}/offset", dtype=id_dtype)
+    x = field_rows(Builder(graph, name, id_dtype), x, np.array(sizes, id_dtype), np.array(offsets, id_dtype), starts[-1])
     table = add_constant(graph, f"{name}/table", np.concatenate(tables, axis=0))
     return add_node(graph, "Gather", [table, x], {"axis": 0}, name=name, dtype=table.values.dtype)[0]
+
+
+def field_rows(b: Builder, x: gs.Tensor, sizes: np.ndarray, offsets: np.ndarray, total: int) -> gs.Tensor:
+    """The rows of a joined table that ids x ([..., K]) read, column c's in its field's sizes[c] rows from
+    offsets[c] (`checked_rows`). gather-rows-kernel reads this form back (`read_field_rows`) and does the same per
+    id in the kernel."""
+    shape = b.op("Shape", [x], dtype=np.int64)
+    # constants Expanded to the ids' shape first: onnxruntime broadcasts a row vector over [N, K] a row at a time
+    # (Add [1400, 2] + [2]: 14 us; Expand then Add: 2 us)
+    return checked_rows(b, x, b.op("Expand", [b.const("sizes", sizes), shape]),
+                        b.op("Expand", [b.const("offsets", offsets), shape]), total)
+
+
+def checked_rows(b: Builder, x: gs.Tensor, size: gs.Tensor, offset: gs.Tensor, total: int) -> gs.Tensor:
+    """offset + x, x read as its own table's Gather reads it (negative: from the end of its `size` rows); an id
+    outside [-size, size) → `total`, past the joined table, so that the joined Gather raises where the table's own
+    would (never another table's row). size and offset: per id, x's shape and type."""
+    zero = b.const("zero", np.zeros((), dtype_of(x)))
+    row = b.op("Where", [b.op("Less", [x, zero], dtype=np.bool_), b.op("Add", [x, size]), x])
+    inside = b.op("And", [b.op("GreaterOrEqual", [row, zero], dtype=np.bool_), b.op("Less", [row, size], dtype=np.bool_)],
+                  dtype=np.bool_)
+    return b.op("Where", [inside, b.op("Add", [row, offset]), b.const("past", np.array(total, dtype_of(x)))])
+
+
+def read_field_rows(ids: gs.Tensor, rows: int) -> tuple | None:
+    """(x, sizes, offsets) where `ids` is `field_rows(x, sizes, offsets, total)` into a table of `rows` rows (sizes
+    and offsets constants [K], total ≥ rows: the form fuse-parallel-embeddings writes); None for anything else."""
+    where = _made_by(ids, "Where", 3)
+    inside, placed = (_made_by(where.inputs[0], "And", 2), _made_by(where.inputs[1], "Add", 2)) if where else (None,) * 2
+    past = const_value(where.inputs[2]) if where else None
+    if inside is None or placed is None or past is None or past.size != 1 or int(past.ravel()[0]) < rows:
+        return None
+    row, offsets = placed.inputs
+    first = _made_by(row, "Where", 3)
+    lower, upper = _made_by(inside.inputs[0], "GreaterOrEqual", 2), _made_by(inside.inputs[1], "Less", 2)
+    if first is None or lower is None or upper is None or not _is_zero(lower.inputs[1]) or \
+            lower.inputs[0] is not row or upper.inputs[0] is not row:
+        return None
+    x, negative, added = first.inputs[2], _made_by(first.inputs[0], "Less", 2), _made_by(first.inputs[1], "Add", 2)
+    if negative is None or added is None or negative.inputs[0] is not x or not _is_zero(negative.inputs[1]) or \
+            added.inputs[0] is not x:
+        return None
+    sizes, offsets, wrap = (_per_column(t, x) for t in (upper.inputs[1], offsets, added.inputs[1]))
+    if sizes is None or offsets is None or wrap is None or not np.array_equal(wrap, sizes):
+        return None
+    return x, sizes, offsets
+
+
+def _is_zero(t: gs.Tensor) -> bool:
+    value = const_value(t)
+    return value is not None and value.size == 1 and value.ravel()[0] == 0
+
+
+def _made_by(t: gs.Tensor, op: str, arity: int) -> gs.Node | None:
+    node = t.inputs[0] if len(t.inputs) == 1 else None
+    ok = node is not None and node.op == op and not node.domain and len(node.inputs) == arity
+    return node if ok else None
+
+
+def _per_column(t: gs.Tensor, x: gs.Tensor) -> np.ndarray | None:
+    """The constant [K] that t is, or Expands to x's shape."""
+    expand = _made_by(t, "Expand", 2)
+    if expand is not None:
+        shape = _made_by(expand.inputs[1], "Shape", 1)
+        if shape is None or shape.inputs[0] is not x or shape.attrs:
+            return None
+        t = expand.inputs[0]
+    value = const_value(t)
+    return value if value is not None and value.ndim == 1 else None
 
 
 class _Fused:

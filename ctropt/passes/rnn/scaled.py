@@ -50,7 +50,7 @@ def attention_from_scaled_inputs(graph: gs.Graph) -> list[str]:
             continue
         x, a = found
         b = Builder(graph, node.name, a.dtype)
-        att = b.op("Reshape", [a, b.const("per_step", np.array([0, -1], np.int64))], name="att")  # [B, T]
+        att = b.op("Flatten", [a], {"axis": 1}, name="att")  # [B, T] (a Reshape [0, -1] fails at batch 0)
         attrs = SequenceAttrs.of(node)
         attrs = SequenceAttrs("AIGRU", attrs.hidden_size, attrs.linear_before_reset, 0, attrs.padded_output)
         replace_sequence_node(graph, node, attrs, {"X": x, "att": att})
