@@ -18,6 +18,7 @@
  *            sizes (ints, optional, [K], with offsets): each id column's field's rows in the table; an id is then read
  *              as that field's own Gather reads it (negative from the end of its rows, one outside [-size, size) an
  *              error), at the field's rows from offsets[c]
+ *            names (string, optional): the input each id column comes from, a line each (for that error)
  *   outputs  0 Y [B, K·D + Σ w] (D: a table row's size): as the ops above compute it; an index out of [-V, V) is an
  *            error (onnxruntime's message's meaning)
  */
@@ -77,6 +78,7 @@ typedef struct {
     size_t n_ranges;               /* 0: every part whole */
     int64_t *sizes;                /* the sizes attribute (NULL: absent) */
     size_t n_sizes;
+    char *names;                   /* the names attribute: each id column's input, a line each (NULL: absent) */
 } FieldsKernel;
 
 /* Part p's rows and the columns read ([B] or [B, w], a range of them where the node gives ranges) into the job; its
@@ -148,13 +150,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
         const int64_t b = (j.bad - 1) / j.K, c = (j.bad - 1) % j.K;
         int64_t f = 0, k = c;
         while (k >= j.width[f]) k -= j.width[f++];
-        char msg[200];
-        const void *ids = j.part[f];
+        char msg[320];
         const int64_t i = b * j.stride[f] + j.start[f] + k;
         if (j.sizes)
-            snprintf(msg, sizeof msg, FIELD_BOUNDS_MESSAGE, "GatherFields",
-                     (long long)offset_index(ids, NULL, j.kind, i, 0), (long long)-j.sizes[c],
-                     (long long)(j.sizes[c] - 1), (long long)c);
+            field_bounds_message(msg, sizeof msg, "GatherFields", offset_index(j.part[f], NULL, j.kind, i, 0),
+                                 j.sizes[c], c, fk->names);
         else
             snprintf(msg, sizeof msg, "GatherFields: indices element out of data bounds, idx=%lld must be within the "
                      "inclusive range [%lld,%lld]", (long long)id_at(&j, f, b, k, c), (long long)-j.V,
@@ -182,7 +182,8 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
         free(k);
         return s;
     }
-    if ((s = ints_attribute(info, "sizes", &k->sizes, &k->n_sizes))) {
+    if ((s = ints_attribute(info, "sizes", &k->sizes, &k->n_sizes)) || (s = string_attribute(info, "names", &k->names))) {
+        free(k->sizes);
         free(k);
         return s;
     }
@@ -192,6 +193,7 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
 
 static void ORT_API_CALL destroy_fields(void *kernel) {
     free(((FieldsKernel *)kernel)->sizes);
+    free(((FieldsKernel *)kernel)->names);
     free(kernel);
 }
 

@@ -14,6 +14,7 @@
  *   attributes sizes (ints, optional, [K], with offsets): each column's field's rows in the joined table. Index i is
  *            then read as that field's own Gather reads it: negative from the end of its sizes[i % K] rows, one outside
  *            [-size, size) an error, wherever the joined table's bounds are; the row is that id + offsets[i % K]
+ *            names (string, optional): the input each column's ids come from, a line each (for that error)
  *   outputs  0 Y [indices..., ...]: as Gather(table, indices, axis=0): a negative index counts from the end, one out
  *            of [-V, V) is an error (onnxruntime's message's meaning).
  */
@@ -57,6 +58,7 @@ static void gather_block(void *data, size_t b) {
 typedef struct {
     int64_t *sizes;   /* the sizes attribute (NULL: absent) */
     size_t n_sizes;
+    char *names;      /* the names attribute: each column's input, a line each (NULL: absent) */
 } RowsKernel;
 
 static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
@@ -66,24 +68,29 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     RowsKernel *k = calloc(1, sizeof(RowsKernel));
     if (!k) return ort->CreateStatus(ORT_FAIL, "GatherRows: out of memory");
     OrtStatus *s = ints_attribute(info, "sizes", &k->sizes, &k->n_sizes);
-    if (s) free(k);
-    else *kernel = k;
+    if (!s) s = string_attribute(info, "names", &k->names);
+    if (s) {
+        free(k->sizes);
+        free(k);
+    } else {
+        *kernel = k;
+    }
     return s;
 }
 
 static void ORT_API_CALL destroy_rows(void *kernel) {
     free(((RowsKernel *)kernel)->sizes);
+    free(((RowsKernel *)kernel)->names);
     free(kernel);
 }
 
 /* The error of index i out of range: of its field's rows where the node has sizes, else of the table's. */
-static OrtStatus *out_of_range(const Job *j, int64_t i) {
-    char msg[200];
+static OrtStatus *out_of_range(const Job *j, const RowsKernel *k, int64_t i) {
+    char msg[320];
     const int64_t c = j->K ? i % j->K : 0;
     if (j->sizes)
-        snprintf(msg, sizeof msg, FIELD_BOUNDS_MESSAGE, "GatherRows",
-                 (long long)offset_index(j->indices, NULL, j->kind, i, 0), (long long)-j->sizes[c],
-                 (long long)(j->sizes[c] - 1), (long long)c);
+        field_bounds_message(msg, sizeof msg, "GatherRows", offset_index(j->indices, NULL, j->kind, i, 0), j->sizes[c],
+                             c, k->names);
     else
         snprintf(msg, sizeof msg, "GatherRows: indices element out of data bounds, idx=%lld must be within the "
                  "inclusive range [%lld,%lld]", (long long)index_at(j, i, c), (long long)-j->V, (long long)(j->V - 1));
@@ -127,7 +134,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (j.count == 0) return NULL;
     j.blocks = j.count < MAX_BLOCKS ? j.count : MAX_BLOCKS;   /* rows of no floats too: the indices are checked */
     TRY(ort->KernelContext_ParallelFor(ctx, gather_block, (size_t)j.blocks, 0, &j));
-    return j.bad ? out_of_range(&j, j.bad - 1) : NULL;
+    return j.bad ? out_of_range(&j, k, j.bad - 1) : NULL;
     return NULL;
 }
 

@@ -4,7 +4,9 @@
 #ifndef CTROPT_KERNELS_H
 #define CTROPT_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,9 +72,17 @@ static inline int64_t field_row(const void *ids, const void *offsets, const int6
     return id + (!offsets ? 0 : kind == IDS_INT32 ? ((const int32_t *)offsets)[c] : ((const int64_t *)offsets)[c]);
 }
 
-/* The message of an id out of its field's rows (onnxruntime Gather's meaning, and which column of the ids). */
-#define FIELD_BOUNDS_MESSAGE "%s: indices element out of data bounds, idx=%lld must be within the inclusive range " \
-    "[%lld,%lld] (column %lld of the ids)"
+/* The message of an id out of its field's rows: onnxruntime Gather's meaning, the column of the ids, and the input
+ * it came from (`names`: one line per column, NULL where not known). */
+static inline void field_bounds_message(char *msg, size_t size, const char *op, int64_t id, int64_t rows, int64_t c,
+                                        const char *names) {
+    const char *name = names;
+    for (int64_t line = 0; name && line < c; ++line) name = (name = strchr(name, '\n')) ? name + 1 : NULL;
+    const int len = name ? (int)(strchr(name, '\n') ? strchr(name, '\n') - name : (ptrdiff_t)strlen(name)) : 0;
+    snprintf(msg, size, "%s: indices element out of data bounds, idx=%lld must be within the inclusive range "
+             "[%lld,%lld] (column %lld of the ids%s%.*s)", op, (long long)id, (long long)-rows, (long long)(rows - 1),
+             (long long)c, name ? ": input " : "", len, name ? name : "");
+}
 
 /* A row of D 4-byte words (float or half an int64: copied as bits). */
 static inline void copy_row(float *restrict to, const float *restrict from, int64_t D) {
@@ -223,6 +233,25 @@ static inline OrtStatus *ints_attribute(const OrtKernelInfo *info, const char *n
     if (s) {
         free(*values);
         *values = NULL;
+    }
+    return s;
+}
+
+/* An optional string attribute of a node: *value calloc'd (the caller frees it), NULL where absent. */
+static inline OrtStatus *string_attribute(const OrtKernelInfo *info, const char *name, char **value) {
+    size_t n = 0;
+    *value = NULL;
+    OrtStatus *s = ort->KernelInfoGetAttribute_string(info, name, NULL, &n);
+    if (s) {
+        ort->ReleaseStatus(s);
+        return NULL;
+    }
+    *value = calloc(n + 1, 1);
+    if (!*value) return ort->CreateStatus(ORT_FAIL, "ctropt kernels: out of memory");
+    s = ort->KernelInfoGetAttribute_string(info, name, *value, &n);
+    if (s) {
+        free(*value);
+        *value = NULL;
     }
     return s;
 }

@@ -80,10 +80,41 @@ def _to_kernel(m: Match) -> list:
     fields = read_field_rows(m["ids"], int(rows)) if isinstance(rows, (int, np.integer)) else None
     if fields is not None:   # fuse-parallel-embeddings' joined table: each id checked against its own field's rows
         x, sizes, offsets = fields
-        return m.op(op, [m["table"], x, m.constant("offsets", offsets)], {"sizes": [int(v) for v in sizes]},
+        attrs = {"sizes": [int(v) for v in sizes]}
+        names = _column_names(x, len(sizes))
+        if names:   # the kernel's error names the input an id out of its field came from
+            attrs["names"] = "\n".join(names)
+        return m.op(op, [m["table"], x, m.constant("offsets", offsets)], attrs,
                     name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
     inputs = [m["table"], *(_offset_ids(m["ids"]) or [m["ids"]])]
     return m.op(op, inputs, name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
+
+
+_SAME_IDS = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Slice"}   # Slice: a column of X
+
+
+def _column_names(x: gs.Tensor, k: int, depth: int = 0) -> list[str] | None:
+    """The name of the graph input (or, failing that, the value) each of x's k last-axis columns comes from: x a
+    Concat of [B, w] parts on its last axis, the [B] parts of a Concat on axis 0 turned to columns (Reshape and
+    Transpose), or ids as they came, through casts and reshapes. None where the columns cannot be told apart."""
+    made = x.inputs[0] if len(x.inputs) == 1 and depth < 16 else None
+    if made is not None and made.op == "Concat" and not made.domain and made.attrs.get("axis") in (-1, (rank_of(x) or 0) - 1):
+        widths = [(shape_of(p) or [None])[-1] for p in made.inputs]
+        if all(isinstance(w, (int, np.integer)) for w in widths) and sum(widths) == k:
+            parts = [_column_names(p, int(w), depth + 1) for p, w in zip(made.inputs, widths)]
+            return None if any(p is None for p in parts) else [n for p in parts for n in p]
+    if made is not None and made.op == "Transpose" and made.inputs[0].inputs and \
+            made.inputs[0].inputs[0].op == "Reshape":   # the flat form: Concat of k [B] ids on axis 0, [k, B] → [B, k]
+        cat = made.inputs[0].inputs[0].inputs[0].inputs
+        if cat and cat[0].op == "Concat" and cat[0].attrs.get("axis") == 0 and len(cat[0].inputs) == k:
+            return [_source(p, depth) for p in cat[0].inputs]
+    return [_source(x, depth)] * k
+
+
+def _source(t: gs.Tensor, depth: int) -> str:
+    while len(t.inputs) == 1 and t.inputs[0].op in _SAME_IDS and not t.inputs[0].domain and depth < 16:
+        t, depth = t.inputs[0].inputs[0], depth + 1
+    return t.name
 
 
 GATHER_RULES = (Rewrite("gather-rows", P.Gather(Var("table"), Var("ids"), _domain=""), _to_kernel, _is_row_lookup, subgraphs=False),)
@@ -147,7 +178,7 @@ def fuse_gather_fields(ctx: PassContext) -> int:
         ctx.matches += 1
         b = Builder(ctx.graph, f"{g.name}/fields")
         y = end.outputs[0]
-        sizes = {"sizes": g.attrs["sizes"]} if "sizes" in g.attrs else None
+        sizes = {a: g.attrs[a] for a in ("sizes", "names") if a in g.attrs} or None
         made = b.op("GatherFields", [g.inputs[0], offsets, *parts, *rest], sizes, domain=kernels.DOMAIN, dtype=y.dtype,
                     shape=y.shape)
         replace_outputs(ctx.graph, end, [made])
