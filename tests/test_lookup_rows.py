@@ -58,10 +58,13 @@ def _feeds(B, T, seed=0):
     return {"item_ids": rng.integers(0, V, (B, T)), "cat_ids": rng.integers(0, V, (B, T)), "rows": rows}
 
 
+CHECKED = ["Gather", "Reshape", "Concat"]  # every id still checked against the table: Gather([V, 0]), joined empty
+
+
 @pytest.mark.parametrize("make,want", [
     # per history: its ids flattened and selected, then the lookup; the parts concatenated again
-    (concat_form, ["Reshape", "Gather", "Gather"] * 2 + ["Concat"]),
-    (tf2onnx_form, ["Unsqueeze", "Reshape", "Gather", "Gather"]),
+    (concat_form, (["Reshape", "Gather", "Gather"] + CHECKED) * 2 + ["Concat"]),
+    (tf2onnx_form, ["Unsqueeze", "Reshape", "Gather", "Gather"] + CHECKED),
 ])
 def test_only_the_selected_rows_are_looked_up(make, want):
     model = make()
@@ -80,8 +83,21 @@ def test_a_stacked_lookup_read_back_by_index_is_the_lookup():
     plain, ctx = run_pass(model, "eliminate-identity")
     assert "Concat" not in ops(plain) and "Unsqueeze" not in ops(plain), ops(plain)
     done, ctx = run_pass(plain, "lookup-selected-rows")
-    assert ctx.rewrites == 2 and sorted(ops(done)) == ["Gather"] * 4 + ["Reshape"] * 2  # ids selected, looked up
+    assert ctx.rewrites == 2 and sorted(ops(done)) == sorted(["Gather"] * 4 + ["Reshape"] * 2 + CHECKED * 2)
     assert_same_outputs(model, done, _feeds(5, 6))
+
+
+@pytest.mark.parametrize("bad", [V, -V - 1, 1 << 40])
+def test_an_id_out_of_the_table_at_a_row_not_selected_still_raises(bad):
+    """A padded history position is not looked up any more, but its id is still checked, as the raw lookup did."""
+    model = concat_form()
+    done, _ = run_pass(model, "lookup-selected-rows")
+    feeds = _feeds(4, 5)
+    unselected = next(i for i in range(20) if i not in set(feeds["rows"]))
+    feeds["item_ids"].flat[unselected] = bad
+    for m in (model, done):
+        with pytest.raises(Exception, match="out of data bounds"):
+            ctropt.runtime.run_model(m, feeds)
 
 
 @pytest.mark.parametrize("index,parts", [(1, ["A", "xu"]), (-2, ["xu", "A"])])

@@ -286,8 +286,8 @@ class _Builder(Builder):
         self.per_row = self.split = 0  # entries read once per row; layers whose per-row part is projected once
         self.batch_rows: gs.Tensor | None = None  # [N]: the row of each valid position (made when first needed)
         self.scores_valid: gs.Tensor | None = None
-        self.positions: gs.Tensor | None = None  # [N + 1]: the valid positions, flat, and the origin last
-        self.entry_rows: dict[int, gs.Tensor] = {}  # id(entry) → its [N + 1, ...] rows at those positions
+        self.positions: gs.Tensor | None = None  # [N]: the valid positions, flat
+        self.entry_rows: dict[int, gs.Tensor] = {}  # id(entry) → its [N, ...] rows at those positions
 
     def discard(self) -> None:
         """Unhook the nodes from the values they read (graphsurgeon lists a node among its inputs' readers)."""
@@ -337,10 +337,9 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     flags = b.op("Reshape", [bools, b.const("flat", np.array([-1], np.int64))], name="flags")
     if not _is_bool(bools, probe):  # a float mask: its nonzero entries are the valid positions
         flags = b.op("Cast", [flags], {"to": onnx.TensorProto.BOOL}, name="nonzero")
-    # Position 0 is always added, so the region never runs on zero rows (a Reshape to [-1, C] cannot infer
-    # -1 from zero elements); when it is padded the masking overwrites it, when valid it is written twice alike.
-    idx = b.op("Concat", [b.op("Compress", [everywhere, flags], {"axis": 0}),
-                          b.const("origin", np.zeros(1, np.int64))], {"axis": 0}, name="positions")  # [N]
+    # The region may run on zero rows (an empty batch, histories of length 0, every position padded): onnxruntime's
+    # Reshape to [-1, C] and the region's row-wise ops take them, and the scatter writes nothing
+    idx = b.op("Compress", [everywhere, flags], {"axis": 0}, name="positions")  # [N]
     b.positions = idx
     swap, row_of = _gather_entries(b, region, idx, valid, per_row, probe)
     for n in _graph_order(graph, region.nodes):
@@ -355,8 +354,12 @@ def build_valid_region(graph: gs.Graph, site: Site, region: Region, tail: tuple 
     if row_of:
         _project_rows_once(b, row_of, b.batch_rows, origin, probe)
     zero_axis = b.const("axis0", np.array([0], np.int64))
-    scores_valid = swap[id(site.scores)] if site.flat else \
-        b.op("Squeeze", [swap[id(site.scores)], zero_axis], name="scores")  # [N, ...]
+    scores_valid = swap[id(site.scores)]
+    if not site.flat and tail is not None:   # [1, N, ...] → [N, ...], also where a Reshape to [-1, N] in the region
+        scores_valid = b.op("Reshape", [scores_valid, b.const("rows_scores", np.array([-1, *tail], np.int64))],
+                            name="scores")   # made it [0, 1] from no rows (an empty batch, histories of length 0)
+    elif not site.flat:
+        scores_valid = b.op("Squeeze", [scores_valid, zero_axis], name="scores")  # [N, ...]
     b.scores_valid = scores_valid
     return b, valid, _scatter_back(b, site, scores_valid, idx, valid, count, tail)
 
@@ -536,7 +539,7 @@ def check_region(site: Site, region: Region, built: _Builder, valid: gs.Tensor, 
             return f"the rebuilt region does not run: {str(e).splitlines()[0][:160]}"
         mask = mask != 0
         want = full.reshape(mask.shape + full.shape[1 if site.flat else 2:])[mask]
-        if want.shape != got[:-1].shape or not np.allclose(want, got[:-1], rtol=1e-5, atol=1e-6):
+        if want.shape != got.shape or not np.allclose(want, got, rtol=1e-5, atol=1e-6):
             return "the region does not work position by position (scores differ when run on valid positions only)"
     return ""
 

@@ -331,6 +331,12 @@ def _key_dtype(seeds: list[gs.Tensor], probe: Probe):
     return np.float64
 
 
+def probe_width(s: gs.Tensor, probe: Probe) -> int | None:
+    """The columns of seed s per row where the probe saw the same number at every size; None where they vary."""
+    widths = {int(np.prod(shape[1:], dtype=np.int64)) for shape in (probe.shapes(s) or [])}
+    return widths.pop() if len(widths) == 1 else None
+
+
 def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], probe: Probe) -> None:
     base = unique_name(graph, "user_side")
     b = Builder(graph, base)
@@ -341,6 +347,12 @@ def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], prob
     # Flatten, not Reshape [0, -1]: an empty batch has no elements to infer the -1 from
     parts = [s if len(s.shape or []) == 2 and s.dtype == dtype else op("Cast", [op("Flatten", [s], {"axis": 1})], {"to": to})
              for s in seeds]   # [B, k] seeds of the key's type as they are: a lookup's ids concatenated are the same
+    if not any(isinstance(w, (int, np.integer)) and w > 0 for w in (probe_width(s, probe) for s in seeds)):
+        # histories alone, whose length may be 0: onnxruntime's Unique aborts the process on rows of no width
+        rows = op("Slice", [op("Shape", [parts[0]]), b.const("zero", np.array([0], np.int64)),
+                            b.const("one", np.array([1], np.int64))])
+        parts.append(op("ConstantOfShape", [op("Concat", [rows, b.const("one", np.array([1], np.int64))], {"axis": 0})],
+                        {"value": gs.Constant(b.name("zero_value"), np.zeros(1, dtype))}))
     key = op("Concat", parts, {"axis": 1}) if len(parts) > 1 else parts[0]
     _, first, inverse, _ = op("Unique", [key], {"axis": 0, "sorted": 0}, outputs=4)
     inside = {id(n) for n in nodes}

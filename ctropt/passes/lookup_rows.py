@@ -38,11 +38,18 @@ def _lookup_rows_condition(m: Match) -> bool | str:
 
 
 def _lookup_rows(m: Match) -> list:
-    """Gather(Reshape(Gather(E, ids), [-1, D]), rows) → Gather(E, Gather(Reshape(ids, [-1]), rows))."""
-    name, out = m.root.name, m.root.outputs[0]
+    """Gather(Reshape(Gather(E, ids), [-1, D]), rows) → Gather(E, Gather(Reshape(ids, [-1]), rows)), every id
+    still checked: the ids' Gather from a [V, 0] table (no bytes, onnxruntime's bounds check and message) joins
+    the selected ids as an empty part, so an id out of the table at a row that is not selected (a padded history
+    position) raises as the raw lookup does."""
+    name, out, dtype = m.root.name, m.root.outputs[0], m["ids"].dtype
     flat = m.constant(f"{name}/flat", np.array([-1], np.int64))
-    (ids,) = m.op("Reshape", [m["ids"], flat], name=f"{name}/ids_flat", dtype=m["ids"].dtype)
-    (picked,) = m.op("Gather", [ids, m["rows"]], {"axis": 0}, name=f"{name}/ids_selected", dtype=m["ids"].dtype)
+    (ids,) = m.op("Reshape", [m["ids"], flat], name=f"{name}/ids_flat", dtype=dtype)
+    bounds = m.constant(f"{name}/bounds", np.zeros((m.const("table").shape[0], 0), np.dtype(dtype)))
+    (checked,) = m.op("Gather", [bounds, m["ids"]], {"axis": 0}, name=f"{name}/ids_checked", dtype=dtype)
+    (none,) = m.op("Reshape", [checked, flat], name=f"{name}/no_ids", dtype=dtype)
+    (ids,) = m.op("Concat", [ids, none], {"axis": 0}, name=f"{name}/ids_all_checked", dtype=dtype)
+    (picked,) = m.op("Gather", [ids, m["rows"]], {"axis": 0}, name=f"{name}/ids_selected", dtype=dtype)
     return m.op("Gather", [m["table"], picked], {"axis": 0}, name=f"{name}/lookup_selected",
                 dtype=out.dtype, shape=out.shape)
 

@@ -28,19 +28,14 @@ def zero_at_padding(mask_op: gs.Node, cond: gs.Tensor, negate: bool) -> bool:
 
 
 def position_rows(b: Builder, region, valid: gs.Tensor) -> gs.Tensor:
-    """[N + 1]: the row of each of a rebuilt region's positions (position // T), made once (by `b`) and kept on
+    """[N]: the row of each of a rebuilt region's positions (position // T), made once (by `b`) and kept on
     the region's builder."""
     if region.batch_rows is None:
         steps = b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))],
                      {"axis": 0}, name="steps")
+        steps = b.op("Max", [steps, b.const("one", np.array(1, np.int64))], name="steps_1")  # T = 0: no positions
         region.batch_rows = b.op("Div", [region.positions, steps], name="batch_rows")
     return region.batch_rows
-
-
-def _but_origin(b: Builder, t: gs.Tensor) -> gs.Tensor:
-    """`t` per position without its last row (the origin the region always adds)."""
-    return b.op("Slice", [t, b.const("from", np.array([0], np.int64)), b.const("but_last", np.array([-1], np.int64))],
-                name="valid_only")
 
 
 def _reads(w: gs.Tensor, weights: gs.Tensor) -> bool:
@@ -58,7 +53,7 @@ def _reads(w: gs.Tensor, weights: gs.Tensor) -> bool:
 def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, region, valid: gs.Tensor,
                          sizes: list[tuple[int, int]], probe: Probe) -> int:
     """Each pooling of `weights` ([B, T], zero at padded positions) → a scatter-add over the rebuilt `region`'s
-    positions (flat b·T + t, the last one the always-added origin) of its valid scores times the pooled values there
+    positions (flat b·T + t) of its valid scores times the pooled values there
     (the rows the region gathered, when the pooled values are one of its entries). Returns how many."""
     positions, scores_valid, done = region.positions, region.scores_valid, 0
     b = Builder(graph, f"{weights.name}/pooled")
@@ -69,15 +64,15 @@ def pool_valid_positions(graph: gs.Graph, weights: gs.Tensor, region, valid: gs.
                 any(len(s) != 3 or tuple(s[:2]) != bt or s[2] != shapes[0][2] for s, bt in zip(shapes, sizes)):
             continue
         width = shapes[0][2]
-        weight = b.op("Reshape", [_but_origin(b, scores_valid), b.const("column", np.array([-1, 1], np.int64))],
+        weight = b.op("Reshape", [scores_valid, b.const("column", np.array([-1, 1], np.int64))],
                       name="weights")
-        rows = b.op("Unsqueeze", [_but_origin(b, position_rows(b, region, valid)),
+        rows = b.op("Unsqueeze", [position_rows(b, region, valid),
                                   b.const("last", np.array([1], np.int64))], name="rows")
         if id(e) in region.entry_rows:
-            values = _but_origin(b, region.entry_rows[id(e)])
+            values = region.entry_rows[id(e)]
         else:
             values = b.op("Gather", [b.op("Reshape", [e, b.const("as_rows", np.array([-1, width], np.int64))]),
-                                     _but_origin(b, positions)], {"axis": 0}, name="values")
+                                     positions], {"axis": 0}, name="values")
         batch = b.op("Slice", [b.op("Shape", [valid]), b.const("from", np.array([0], np.int64)),
                                b.const("one", np.array([1], np.int64))])
         zero = gs.Constant(b.name("zero"), np.zeros(1, probe.value(e).dtype))
