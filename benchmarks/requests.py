@@ -22,7 +22,8 @@ user for the whole batch, a wrong dtype and a wrong rank.
 
 Outcome per case: `equal` (atol 1e-4, rtol 1e-4, NaN in the same places), `both_raise`, `silent` (the raw export
 raises, the optimized model answers), `opt_raises` (only the optimized model raises), `differ`, `crash` (the worker
-died), `hang` (no answer within --timeout). Besides, where the optimized model answers: the same case run again and
+died in the optimized model), `hang` (no answer within --timeout), `raw_crash` (the worker died in the raw export,
+after the optimized model answered or raised: the export's own bug, counted apart). Besides, where the optimized model answers: the same case run again and
 at 2 threads must give the same bits (else the case is listed `nondeterministic`, "raw too" when the raw export
 also changes with the threads).
 
@@ -65,7 +66,9 @@ CTROPT = [sys.executable, "-m", "ctropt"]
 MARKS = ("<!-- requests table: benchmarks/requests.py writes it -->", "<!-- end of requests table -->")
 VARIANTS = {"default": [], "no_kernels": ["--option", "ort_kernels=off"], "openvino": ["--target", "openvino"],
             "user_inputs": None}   # --user-inputs VALUE from one_user.CASES
-CLASSES = ("equal", "both_raise", "silent", "opt_raises", "differ", "crash", "hang")
+# raw_crash: the raw export takes onnxruntime down (some abort at batch 0) after the optimized model answered or
+# raised: the raw export's own bug, counted apart from ctropt's
+CLASSES = ("equal", "both_raise", "silent", "opt_raises", "differ", "crash", "hang", "raw_crash")
 BAD = ("crash", "hang", "silent", "differ", "opt_raises")   # worst first
 ATOL = RTOL = 1e-4
 PREFIX = "@@ "   # a worker's result lines; anything else on its stdout is noise
@@ -523,7 +526,7 @@ class Pool:
                     continue
                 if record is None or "died" in record:
                     cls, msg = ("hang", f"no answer in {self.timeout:g} s") if record is None else \
-                        ("crash", self._death(record["died"]))
+                        ("raw_crash" if phase.startswith("raw") else "crash", self._death(record["died"]))
                     results.append({"i": i, "class": cls, "msg": f"{msg}, in the {phase}" if phase else msg,
                                     "nondet": "", "seconds": None})
                     i += 1
@@ -572,13 +575,22 @@ def check(raw: Path, variant: str, quick: bool = False, timeout: float = 60.0, m
     with tempfile.TemporaryDirectory(prefix="ctropt-requests-") as tmp:
         opt = Path(tmp) / "opt.onnx"
         error = optimize(raw, opt, variant)
-        results = []
+        results, size = [], None
         if not error:
+            size = model_bytes(opt) / model_bytes(raw)
             results, error = Pool(raw, opt, cases, Path(tmp), timeout, memory_gb).run()
     for r in results:
         r.update(case=cases[r["i"]].name, family=cases[r["i"]].family)
     return {"export": raw.stem, "variant": variant, "cases": len(cases), "error": error,
-            "seconds": round(time.perf_counter() - t0, 1), "results": results}
+            "seconds": round(time.perf_counter() - t0, 1), "size": size, "results": results}
+
+
+def model_bytes(path: Path) -> int:
+    """A saved model's bytes: its file and the external data its tensors point at."""
+    model = onnx.load(str(path), load_external_data=False)
+    external = sum(int(dict((e.key, e.value) for e in t.external_data).get("length", 0) or 0)
+                   for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    return path.stat().st_size + external
 
 
 def measure(raw: Path, variants: list[str], args) -> list[dict]:
@@ -615,17 +627,19 @@ def findings(row: dict) -> list[dict]:
 
 
 def table(rows: list[dict], listed: int = 12) -> str:
-    head = "| export | variant | cases | " + " | ".join(CLASSES) + " | nondeterministic | s |"
+    head = "| export | variant | cases | " + " | ".join(CLASSES) + " | nondeterministic | size | s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         if row["error"]:
             lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {row['error'].replace('|', '/')} |"
-                         + " |" * (len(CLASSES) + 1) + f" {row['seconds']:.0f} |")
+                         + " |" * (len(CLASSES) + 2) + f" {row['seconds']:.0f} |")
             continue
         c = _counts(row)
         cells = " | ".join(str(c[k]) if c[k] else "·" for k in CLASSES + ("nondeterministic",))
-        lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {cells} | {row['seconds']:.0f} |")
+        size = f"{row['size']:.3f}×" if row.get("size") else "·"
+        lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {cells} | {size} | {row['seconds']:.0f} |")
     lines.append("")
+    lines += totals(rows)
     for row in rows:
         bad = findings(row)
         if bad:
@@ -638,6 +652,20 @@ def table(rows: list[dict], listed: int = 12) -> str:
             if len(bad) > listed:
                 lines.append(f"  - … {len(bad) - listed} more (`--log` keeps them all)")
     return "\n".join(lines).rstrip()
+
+
+def totals(rows: list[dict]) -> list[str]:
+    """The totals per class over every row, and the largest optimized/raw size ratio."""
+    total = collections.Counter()
+    for row in rows:
+        total.update(_counts(row))
+    sizes = [(row["size"], row["export"], row["variant"]) for row in rows if row.get("size")]
+    line = f"Totals over {len(rows)} (export, variant) pairs: " + ", ".join(
+        f"{k} {total[k]}" for k in CLASSES + ("nondeterministic",)) + f"; {sum(bool(r['error']) for r in rows)} errors."
+    if sizes:
+        ratio, export, variant = max(sizes)
+        line += f" Largest optimized / raw size: {ratio:.3f}× ({export}, {variant})."
+    return [line, ""]
 
 
 def cpu_name() -> str:
@@ -656,6 +684,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take before it is a hang")
     ap.add_argument("--memory-gb", type=float, default=6.0, help="address-space cap of a worker")
     ap.add_argument("--quick", action="store_true", help="the reduced case list of tests/test_requests.py")
+    ap.add_argument("--from-log", type=Path, nargs="+", help="the table from kept runs (each pair's last row), "
+                    "without measuring: shards run side by side with --log, joined")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -664,6 +694,8 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.from_log:
+        return report(from_logs(args.from_log), args, "the kept runs' logs")
     load_before, t0, rows = os.getloadavg(), time.time(), []
     for raw in exports(only):
         done = measure(raw, variants, args)
@@ -671,10 +703,25 @@ def main() -> None:
         if args.log:
             with args.log.open("a") as log:
                 log.writelines(json.dumps(r) + "\n" for r in done)
-    cmd = "python benchmarks/requests.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--write")
     load_after = os.getloadavg()
-    text = (f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {(time.time() - t0) / 60:.0f} min), {cpu_name()}, "
-            f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after. Raw export vs each optimized "
+    report(rows, args, f"{(time.time() - t0) / 60:.0f} min, load average {load_before[0]:.2f} before, "
+                       f"{load_after[0]:.2f} after")
+
+
+def from_logs(paths: list[Path]) -> list[dict]:
+    """Each (export, variant)'s last row in the logs, in corpus order."""
+    last = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            last[(row["export"], row["variant"])] = row
+    order = {p.stem: i for i, p in enumerate(exports([]))}
+    return sorted(last.values(), key=lambda r: (order.get(r["export"], len(order)), list(VARIANTS).index(r["variant"])))
+
+
+def report(rows: list[dict], args, how: str) -> None:
+    cmd = "python benchmarks/requests.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--write")
+    text = (f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {how}), {cpu_name()}. Raw export vs each optimized "
             f"form on adversarial variants of its real batch, onnxruntime CPU; a finding per case beneath.\n\n"
             + table(rows))
     print(text)
