@@ -19,11 +19,14 @@
  *            optional): the output is written as Transpose(Y, y_perm) (heads merged back by the export)
  *
  * A row of scores is what onnxruntime computes for the decomposed form (its MatMul, Mul, Add and Softmax): the row's
- * max subtracted, exp, the sum, times 1/sum; a row of -inf (all masked) gives NaN here as there. The rounding differs
- * only by the order of sums. One head at a time: its Kᵀ and V copied into zero-padded scratch, so each loop runs
- * LANES columns at a time with up to BLOCK vectors of accumulators in registers; blocks of heads are spread over
- * onnxruntime's intra-op threads.
+ * max subtracted, exp, the sum, times 1/sum; a row of -inf (all masked) gives NaN here as there, and so does a key
+ * weighed 0 whose V holds an inf or a NaN (0 · inf). An input with no elements (no rows) gives the empty or zero Y
+ * the decomposed form gives. The rounding differs only by the order of sums. One head at a time: its Kᵀ and V copied
+ * into zero-padded scratch, so each loop runs LANES columns at a time with up to BLOCK vectors of accumulators in
+ * registers; blocks of heads are spread over onnxruntime's intra-op threads.
  */
+#include <math.h>
+
 #include "kernels.h"
 
 #if defined(__AVX2__)
@@ -108,12 +111,20 @@ static inline vec bias_column(const Job *j, const float *bias, const uint8_t *fl
     return pick(set, splat(j->k->mask_value), splat(0.0f));
 }
 
+/* Whether row l of V holds only finite values (a key weighed 0 then adds 0 to every output: 0 · inf is NaN). */
+static int finite_values(const Job *j, const float *v, int64_t l) {
+    for (int64_t c = 0; c < j->dv; ++c)
+        if (!isfinite(v[l * j->vs[2] + c * j->vs[3]])) return 0;
+    return 1;
+}
+
 /* Scores of a block of LANES query rows (lane i: row i; qt: the rows' Q transposed, [dk][LANES]; bias or flags (the
  * mask): see bias_column, both NULL without) into e [kept][LANES], scaled and biased, for the keys kept (their indices into
  * keys): a key the bias masks (-inf) for every row of the block weighs 0 in each softmax, so it is skipped (key
- * padding, the future under a causal mask). Returns their max per lane. */
-static vec scores(const Job *j, const float *qt, const float *k, const float *bias, const uint8_t *flags,
-                  const int64_t *at, float *e, int64_t *keys, int64_t *kept) {
+ * padding, the future under a causal mask), unless its row of V holds an inf or a NaN (0 times it is NaN in
+ * onnxruntime's MatMul: kept, so here too). Returns their max per lane. */
+static vec scores(const Job *j, const float *qt, const float *k, const float *v, const float *bias,
+                  const uint8_t *flags, const int64_t *at, float *e, int64_t *keys, int64_t *kept) {
     const int64_t dk = j->dk, k_step = j->ks[3], k_row = j->ks[2];
     const vec none = splat(-__builtin_inff());
     vec top = none;
@@ -126,7 +137,7 @@ static vec scores(const Job *j, const float *qt, const float *k, const float *bi
             mask masked = b == none;
             int all = 1;
             for (int i = 0; i < LANES; ++i) all &= masked[i] != 0;
-            if (all) continue;
+            if (all && finite_values(j, v, l)) continue;
         }
         const float *kl = k + l * k_row;
         vec x = {0}, x2 = {0};   /* two chains over the depth */
@@ -165,8 +176,8 @@ static void run_head(const Job *j, int64_t n, float *e) {
             bias_at[i] = (i < rows ? i : rows - 1) * j->bs[2];
         }
         for (int64_t d = 0; d < dk; ++d) store(qt + d * LANES, gather(q + s0 * j->qs[2] + d * j->qs[3], q_at));
-        const vec top = scores(j, qt, k, bias ? bias + s0 * j->bs[2] : NULL, flags ? flags + s0 * j->bs[2] : NULL, bias_at,
-                               e, keys, &kept);
+        const vec top = scores(j, qt, k, v, bias ? bias + s0 * j->bs[2] : NULL, flags ? flags + s0 * j->bs[2] : NULL,
+                               bias_at, e, keys, &kept);
         vec sum = {0};
         for (int64_t l = 0; l < kept; ++l) {
             const vec x = exp_vec(load(e + l * LANES) - top);
@@ -307,8 +318,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     const float *in[5];
     Job j;
     TRY(ort->KernelContext_GetInputCount(ctx, &n_in));
-    for (size_t i = 0; i < 5; ++i)
+    static const float no_data = 0.0f;
+    for (size_t i = 0; i < 5; ++i) {
         TRY(read_input(ctx, n_in, i, &in[i], d[i], &rank[i], i < 3 ? 5 : 4, "AttentionCore: an input has rank > 4"));
+        if (!in[i] && rank[i]) in[i] = &no_data;   /* empty: onnxruntime gives a value it made no data */
+    }
     TRY(layout(kernel, in, rank, d, &j, &out_rank));
     TRY(output_layout(kernel, &j, out_rank, written));
     OrtValue *out;

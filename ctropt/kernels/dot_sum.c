@@ -11,7 +11,8 @@
  *              every Xₖ has the same rows (the product of its leading dims)
  *   attributes sigmoid (int, 0 or 1): y through 1 / (1 + e^-y)
  *   outputs  0 Y: X₁'s dims with the last 1
- * The sums' order differs from onnxruntime's GEMM's (each row's products summed a vector of lanes at a time).
+ * The sums' order differs from onnxruntime's GEMM's (each row's products summed a vector of lanes at a time); an inf
+ * or a NaN in X is multiplied once, as there (a row's last LANES, read again for its tail, count its new lanes only).
  */
 #include <stdio.h>
 
@@ -30,6 +31,7 @@ typedef struct {
     const float *x[MAX_TERMS], *w[MAX_TERMS];
     int64_t K[MAX_TERMS];
     vec tail[MAX_TERMS];   /* K ≥ LANES: w's last LANES, 0 where the loop of whole vectors has read x already */
+    mask fresh[MAX_TERMS]; /* and those lanes of x: the others read as 0 (an inf or NaN read twice is not 0·inf) */
     int64_t terms, rows, blocks, sigmoid;
     float bias, *y;
 } Job;
@@ -40,8 +42,8 @@ static inline float lanes_sum(vec v) {
     return v[0] + v[1];
 }
 
-/* A row of K floats times term t's w: whole vectors, then the row's last LANES times the tail (K ≥ LANES), or one by
- * one (K < LANES). */
+/* A row of K floats times term t's w: whole vectors, then the row's last LANES (its fresh lanes, the others 0) times
+ * the tail (K ≥ LANES), or one by one (K < LANES). */
 static inline float dot(const Job *j, int64_t t, const float *x) {
     const int64_t K = j->K[t];
     const float *w = j->w[t];
@@ -53,7 +55,7 @@ static inline float dot(const Job *j, int64_t t, const float *x) {
     vec acc = load(x) * load(w);
     int64_t k = LANES;
     for (; k + LANES <= K; k += LANES) acc += load(x + k) * load(w + k);
-    if (k < K) acc += load(x + K - LANES) * j->tail[t];
+    if (k < K) acc += pick(j->fresh[t], load(x + K - LANES), splat(0.0f)) * j->tail[t];
     return lanes_sum(acc);
 }
 
@@ -88,7 +90,10 @@ static OrtStatus *read_term(OrtKernelContext *ctx, Job *j, int64_t t, int64_t *o
     j->K[t] = dx[rx - 1];
     if (n != j->K[t]) return error("DotSum: a w's size is not its X's last dim");
     const int64_t K = j->K[t], fresh = K % LANES;   /* the tail's new columns */
-    for (int l = 0; l < LANES; ++l) j->tail[t][l] = K >= LANES && l >= LANES - fresh ? j->w[t][K - LANES + l] : 0.0f;
+    for (int l = 0; l < LANES; ++l) {
+        j->fresh[t][l] = K >= LANES && l >= LANES - fresh ? -1 : 0;
+        j->tail[t][l] = j->fresh[t][l] ? j->w[t][K - LANES + l] : 0.0f;
+    }
     if (t == 0) {
         j->rows = rows, *ro = rx;
         memcpy(out, dx, rx * sizeof(int64_t));

@@ -11,7 +11,8 @@
  *            scale (float, default 1): the result times scale;
  *            reduce (int): 0, or the columns summed: 1 without their axis, 2 keeping it as 1
  *   outputs  0 Y: [B, 1, D] or [B, D]; with reduce, that shape's last axis dropped (1) or 1 (2)
- * The sums' order differs from onnxruntime's (the fields summed in order, the columns a vector of lanes at a time).
+ * The sums' order differs from onnxruntime's (the fields summed in order, the columns a vector of lanes at a time);
+ * the square of the sum is rounded as its Mul rounds it (no fused multiply-add with the Sub).
  */
 #include "kernels.h"
 
@@ -29,6 +30,18 @@ typedef struct {
     float scale;
 } Job;
 
+/* The square of the sum as a value of its own: an empty asm the compiler cannot see through keeps it from being
+ * contracted with the Sub into a fused multiply-add, so it is rounded as the Mul this replaces rounds it (and
+ * overflows to inf as it does: inf - inf is NaN there, where s·s - q in one FMA would be -inf). */
+static inline vec rounded(vec v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+static inline float rounded1(float v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 static void fm_block(void *data, size_t blk) {
     Job *j = data;
     const int64_t first = j->rows * (int64_t)blk / j->blocks, end = j->rows * ((int64_t)blk + 1) / j->blocks;
@@ -45,7 +58,7 @@ static void fm_block(void *data, size_t blk) {
                 s += v;
                 q += v * v;
             }
-            const vec r = (s * s - q) * j->scale;
+            const vec r = (rounded(s * s) - q) * j->scale;
             if (j->reduce) lanes += r;
             else store(y + c, r);
         }
@@ -56,7 +69,7 @@ static void fm_block(void *data, size_t blk) {
                 s += v;
                 q += v * v;
             }
-            const float r = (s * s - q) * j->scale;
+            const float r = (rounded1(s * s) - q) * j->scale;
             if (j->reduce) total += r;
             else y[c] = r;
         }

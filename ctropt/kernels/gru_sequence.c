@@ -8,11 +8,14 @@
  *            4 Rn_bias [H]    hidden bias of n (linear_before_reset only)                          optional
  *            5 h0 [B, H]      initial state                                                        optional
  *            6 f  [B, T]      per-step attention factor (att, or 1 - att)                          optional
- *            7 lengths [B]    int64: steps t >= lengths[b] keep the state                          optional
+ *            7 lengths [B]    int64: steps t >= lengths[b] keep the state (any length: read as clamped to
+ *                             [0, T], as a Scan/Loop's masking does, unless check_lengths)         optional
  *            8 mask [B, T]    float: steps with mask == 0 keep the state (instead of lengths)      optional
  *   outputs  0 Y_h [B, H]     the state after the last valid step
  *            1 Y [B, T, H]    every state (0 at masked steps if padded_output_zero, else the kept state)
  *   attributes hidden_size, linear_before_reset, padded_output_zero,
+ *            check_lengths (optional, 0): 1 = a length outside [0, T] is an error, as in the ONNX GRU op the
+ *                  layer was read from (its message),
  *            mode: the candidate's weight c in h' = h + c (n - h), with g = sigmoid(x·W_g + h·R_g + bias_g):
  *                  0: c = g (GRU: g is u = 1 - z)   1: c = g f (AUGRU)   2: c = 1 - g f (AUGRU scaling the
  *                  keep gate: g = z, f = 1 - att)   3: c = f (AGRU)   4: c = g, x scaled by f (AIGRU)
@@ -20,10 +23,13 @@
  * Rows are independent over the whole sequence, so the kernel runs blocks of ROWS rows from the first step to
  * the block's last valid one (rows sorted by it), with W and R in cache; blocks are spread over onnxruntime's
  * intra-op threads. Steps after a row's last valid one cost nothing, and neither does their input projection (nor,
- * for AIGRU, that of steps after the row's last nonzero factor: their x is scaled to 0).
+ * for AIGRU, that of steps after the row's last nonzero factor whose x is finite: their x is scaled to 0; an inf or a
+ * NaN scaled by 0 is NaN, as in the op).
  * Each gate's columns start at a multiple of LANES (G = H rounded up, zero weights in between), so a row's update
  * runs LANES columns at a time (AIGRU scales each row of x·W by its factor first).
  */
+#include <math.h>
+
 #include "kernels.h"
 
 #define ROWS 6
@@ -31,7 +37,7 @@
 #define MAX_I 4096
 
 typedef struct {
-    int64_t hidden, lbr, zero_pad, mode;
+    int64_t hidden, lbr, zero_pad, mode, check_lens;
 } Kernel;
 
 
@@ -68,10 +74,12 @@ static int64_t steps_of(const Job *j, int64_t b) {
     return n;
 }
 
-/* AIGRU: steps from fed[b] on read f x = 0, so x·W is 0 there (for finite x). */
+/* all_finite: kernels.h */
+/* AIGRU: steps from fed[b] on read f x = 0, so x·W is 0 there: f = 0 and x finite (0 times an inf or a NaN is
+ * NaN, which the step then reads, as the op's Mul makes it). */
 static int64_t fed_of(const Job *j, int64_t b, int64_t steps) {
     int64_t n = steps;
-    while (n > 0 && j->f[b * j->T + n - 1] == 0.0f) --n;
+    while (n > 0 && j->f[b * j->T + n - 1] == 0.0f && all_finite(j->x + (b * j->T + n - 1) * j->I, j->I)) --n;
     return n;
 }
 
@@ -290,6 +298,16 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     /* an empty tensor's data is NULL too: with no rows (all of them filtered out before the layer) f is
        [0, T] and may read as absent */
     if (k->mode > 0 && !in[6] && B > 0) return error("GRUScan: this mode needs f");
+    if (k->check_lens && in[7] && !in[8])
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t len = ((const int64_t *)in[7])[b];
+            if (len < 0 || len > T) {
+                char msg[160];
+                snprintf(msg, sizeof msg, "GRUScan: Invalid value/s in sequence_lens. All values must be >= 0 and "
+                         "<= seq_length. seq_length=%lld", (long long)T);
+                return error(msg);
+            }
+        }
 
     size_t n_out;
     TRY(ort->KernelContext_GetOutputCount(ctx, &n_out));
@@ -360,6 +378,7 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *api, 
     if (!s) s = ort->KernelInfoGetAttribute_int64(info, "padded_output_zero", &k->zero_pad);
     if (!s) s = ort->KernelInfoGetAttribute_int64(info, "mode", &k->mode);
     if (!s && (k->mode < 0 || k->mode > 4)) s = error("GRUScan: mode must be 0..4");
+    if (!s) k->check_lens = int_attribute(info, "check_lengths", 0);
     if (s) {
         free(k);
         return s;

@@ -103,13 +103,25 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
 }
 
 static inline vec splat(float f) { return (vec){0} + f; }
+
+/* Whether n floats are all finite (no ±inf, no NaN): their exponent bits are not all ones. */
+static inline int all_finite(const float *x, int64_t n) {
+    uint32_t worst = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        worst |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return !worst;
+}
 static inline vec pick(mask m, vec a, vec b) { return (vec)(((mask)a & m) | ((mask)b & ~m)); }
 
 /* exp on LANES values at most 0 (the row's max subtracted): Cephes' expf (x = n ln2 + r, a degree-5 polynomial in r;
- * about 1 ulp), 0 below -87.3 (so -inf gives 0); NaN (a row of -inf) stays NaN through the arithmetic. */
+ * about 1 ulp). Below -87.3 the result is a denormal, as onnxruntime's: computed at x + 32 ln2 and scaled by 2^-32
+ * (one rounding); 0 below -103.98 (so -inf gives 0); NaN (a row of -inf) stays NaN through the arithmetic. */
 static inline vec exp_vec(vec x) {
-    mask tiny = x < -87.3f;
-    vec c = pick(tiny, splat(-87.3f), x);
+    mask tiny = x < -87.3f, gone = x < -103.98f;
+    vec c = pick(gone, splat(-87.3f), pick(tiny, x + 22.1807098f, x));
     vec fx = c * 1.44269504088896341f + 0.5f;
     vec fl = __builtin_convertvector(__builtin_convertvector(fx, mask), vec);   /* toward 0, then down: floor */
     fl = pick(fl > fx, fl - 1.0f, fl);
@@ -122,7 +134,8 @@ static inline vec exp_vec(vec x) {
     y = y * (r * r) + r + 1.0f;
     mask bits = (__builtin_convertvector(fl, mask) + 127) << 23;
     y = y * (vec)bits;
-    return pick(tiny, splat(0.0f), y);
+    y = pick(tiny, y * 2.3283064365386963e-10f, y);   /* 2^-32 */
+    return pick(gone, splat(0.0f), y);
 }
 
 /* tanh on LANES values at once: the rational approximation (clamped to [-9, 9]) with the float coefficients of

@@ -3,7 +3,8 @@
  *
  * onnxruntime runs each elementwise op as its own pass over [N, D], and a vector that broadcasts along the rows
  * (a bias [D]) a row at a time: a PaddleRec DCN cross layer's three ops over [256, 221] take 1.68× the kernel's time
- * (benchmarks/small_ops.py). Rounded as the ops it replaces: the product, then each sum in turn (no fused multiply-add).
+ * (benchmarks/small_ops.py). Rounded as the ops it replaces: the product, then each sum in turn (no fused multiply-add;
+ * a value broadcast keeps its sign of zero), so equal to them bit for bit; no rows (an empty input) give an empty y.
  *
  * Node (domain "ai.ctropt.kernels", made by mul-add-kernel):
  *   inputs   0 a, 1 b, 2 c, 3 d (optional): float, each broadcastable to the output [..., D] in one of four ways,
@@ -39,7 +40,14 @@ static inline float rounded1(float v) {
     return v;
 }
 
-/* Operand k at columns c.. of a row: its own values (col_step 1) or the row's one value, splat. */
+/* x in every lane: a broadcast, not (vec){0} + x (0 + -0.0 is +0.0, and -0.0 · b is not +0.0 · b). */
+static inline vec broadcast(float x) {
+    vec v;
+    for (int l = 0; l < LANES; ++l) v[l] = x;
+    return v;
+}
+
+/* Operand k at columns c.. of a row: its own values (col_step 1) or the row's one value, broadcast. */
 static inline vec at(const Job *j, size_t k, const float *const *p, const vec *splat, int64_t c) {
     return j->col_step[k] ? load(p[k] + c) : splat[k];
 }
@@ -52,7 +60,7 @@ static void mul_add_block(void *data, size_t b) {
     for (int64_t r = first; r < end; ++r) {
         for (size_t k = 0; k < j->n; ++k) {
             p[k] = j->p[k] + r * j->row_step[k];
-            splat[k] = (vec){0} + p[k][0];
+            splat[k] = broadcast(p[k][0]);
         }
         float *y = j->y + r * j->D;
         int64_t c = 0;
@@ -103,7 +111,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.n = n_in > MAX_INPUTS ? MAX_INPUTS : n_in;
     for (size_t k = 0; k < j.n; ++k) {
         TRY(read_input(ctx, j.n, k, &j.p[k], dims[k], &rank[k], MAX_RANK, "MulAdd: an input has rank > 8"));
-        if (!j.p[k]) return error("MulAdd: an input is missing");
+        if (!j.p[k] && !rank[k]) return error("MulAdd: an input is missing");   /* data NULL with dims: empty */
         ro = rank[k] > ro ? rank[k] : ro;
     }
     for (size_t x = 0; x < ro; ++x) {   /* numpy broadcasting, aligned on the last axis */

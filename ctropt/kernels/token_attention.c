@@ -59,12 +59,14 @@ typedef struct {
     int32_t *head_of;       /* [Ep]: the head of each column of an output row (0 past E) */
     int32_t *pair_head;     /* [Pp]: the head of each (query, head) pair, query-major (past T·H: p % H still) */
     int64_t blocks, per_block, direct;   /* direct: y's rows are output rows in whole vectors */
+    int follow;                          /* rows may follow anchors: T <= MAX_T, w and b finite */
     struct Anchors *sets;                /* [blocks]: each block's anchors, in its room */
 } Job;
 
 typedef struct {   /* a row's projections, and its softmax partials over a set of shared keys */
     int64_t row;   /* -1: none */
     uint64_t keys;
+    int finite;    /* its tokens are all finite (else no row follows it: the merge's arithmetic needs finite values) */
     float *q, *k, *v;   /* [T][H][dk], [T][H][dk], [T][H][dv] (then LANES floats of slack) */
     float *qd, *kd;     /* Q and K by depth, (token, head) pairs in lanes [dk][Pp] */
     float *pm, *ps;     /* the partials over `keys` by pair: max, sum [Pp] */
@@ -259,6 +261,13 @@ static inline int same_token(const float *x, const float *y, int64_t D) {
 }
 
 /* The positions where row b's tokens (xq's and xkv's) have the anchor's bits; 0 when more than a quarter differ. */
+/* Whether row b's token t (xq's, and xkv's) holds finite values only: ±inf or NaN projections break the merge of
+ * softmax partials (inf - inf), so such a row is computed in full, as the decomposed graph computes it. */
+static int finite_token(const Job *j, int64_t b, int64_t t) {
+    return all_finite(j->xq + (b * j->T + t) * j->D, j->D) &&
+           (j->xkv == j->xq || all_finite(j->xkv + (b * j->T + t) * j->D, j->D));
+}
+
 static uint64_t shared_tokens(const Job *j, int64_t b, int64_t a) {
     uint64_t same = 0;
     const int64_t D = j->D;
@@ -266,8 +275,8 @@ static uint64_t shared_tokens(const Job *j, int64_t b, int64_t a) {
         if (same_token(j->xq + (b * j->T + t) * D, j->xq + (a * j->T + t) * D, D) &&
             (j->xkv == j->xq || same_token(j->xkv + (b * j->T + t) * D, j->xkv + (a * j->T + t) * D, D)))
             same |= (uint64_t)1 << t;
-        else if (++differ >= (j->T / 4 + 1 < MAX_OWN ? j->T / 4 + 1 : MAX_OWN))   /* at most a quarter differ */
-            return 0;
+        else if (++differ >= (j->T / 4 + 1 < MAX_OWN ? j->T / 4 + 1 : MAX_OWN) || !finite_token(j, b, t))
+            return 0;   /* at most a quarter differ, each finite */
     }
     return same;
 }
@@ -503,6 +512,8 @@ static void full_row(const Job *j, int64_t b, Anchor *a, const Scratch *x) {
         project(j, b, t, a->q + t * H * dk, a->k + t * H * dk, a->v + t * H * dv, x->tmp);
     a->row = b;
     a->keys = 0;
+    a->finite = 1;
+    for (int64_t t = 0; t < T && a->finite; ++t) a->finite = finite_token(j, b, t);
     transpose_anchor(j, a);
     for (int64_t i = 0; i < T; ++i) own_query(j, b, a, i, a->q + i * H * dk, NULL, 0, x);
     if (j->wo) project_out(j, b, x->rows, 0, T);
@@ -571,8 +582,8 @@ static void run_rows(const Job *j, Anchors *set, const Scratch *x, int64_t first
     Anchor *an = set->an;
     for (int64_t b = first; b < end; ++b) {
         int followed = 0;
-        for (int i = 0; i < ANCHORS && !followed && j->T <= MAX_T; ++i) {   /* longer: no sets, each row in full */
-            const uint64_t shared = an[i].row < 0 ? 0 : shared_tokens(j, b, an[i].row);
+        for (int i = 0; i < ANCHORS && !followed && j->follow; ++i) {   /* else no sets, each row in full */
+            const uint64_t shared = an[i].row < 0 || !an[i].finite ? 0 : shared_tokens(j, b, an[i].row);
             if (shared && same_mask(j, b, an[i].row, shared)) {
                 follow(j, b, &an[i], shared, x);
                 followed = 1;
@@ -663,6 +674,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     j.Ep = (j.E + LANES - 1) / LANES * LANES;
     j.Pp = (j.T * j.H + LANES - 1) / LANES * LANES;
     j.direct = !j.wo && j.ys[3] == 1 && j.ys[1] == j.dv && j.E % LANES == 0;
+    j.follow = j.T <= MAX_T && all_finite(j.w, j.D * j.C) && (!j.b || all_finite(j.b, j.C));
     j.per_block = ANCHORS * anchor_floats(&j) + scratch_floats(&j);
     j.room = malloc((size_t)(j.blocks * j.per_block) * sizeof(float));
     j.head_of = malloc((size_t)(j.Ep + j.Pp) * sizeof(int32_t));
