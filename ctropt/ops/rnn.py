@@ -18,6 +18,8 @@ Kinds, with u = 1 - z the weight of the candidate n:
     AIGRU  a GRU over a*x
 Steps that are masked (t >= sequence_lens, or mask == 0) keep the state; their Y is 0 (padded_output
 "zero", what dynamic_rnn and the ONNX GRU op write) or the kept state (padded_output "state").
+Lengths outside [0, T] read as clamped (t < len decides: a Scan/Loop's masking accepts any length), or, with
+lengths_checked=1 (a layer read from an ONNX GRU op, which rejects them), raise (``checked_lengths``).
 
 The node's function body is :func:`build_sequence` itself: a Scan over time whose body holds only the
 recurrent part (the input projection X·W + biases is one MatMul over all steps, hoisted out of the loop).
@@ -48,26 +50,32 @@ class SequenceAttrs:
     linear_before_reset: int = 0
     att_keep: int = 0
     padded_output: str = "zero"
+    lengths_checked: int = 0  # 1: sequence_lens outside [0, T] raise (the ONNX GRU op's check); 0: clamped
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
         if self.padded_output not in ("zero", "state"):
             raise ValueError("padded_output must be 'zero' or 'state'")
+        if self.lengths_checked not in (0, 1):
+            raise ValueError("lengths_checked must be 0 or 1")
 
     @property
     def op_type(self) -> str:
         return f"{self.kind}Sequence"
 
     def as_node_attrs(self) -> dict:
-        return {"kind": self.kind, "hidden_size": self.hidden_size, "linear_before_reset": self.linear_before_reset,
-                "att_keep": self.att_keep, "padded_output": self.padded_output}
+        attrs = {"kind": self.kind, "hidden_size": self.hidden_size, "linear_before_reset": self.linear_before_reset,
+                 "att_keep": self.att_keep, "padded_output": self.padded_output}
+        if self.lengths_checked:  # only where set: clamping layers' nodes (and function variants) stay as they were
+            attrs["lengths_checked"] = 1
+        return attrs
 
     @classmethod
     def of(cls, node: gs.Node) -> "SequenceAttrs":
         a = node.attrs
         return cls(str(a["kind"]), int(a["hidden_size"]), int(a.get("linear_before_reset", 0)),
-                   int(a.get("att_keep", 0)), str(a.get("padded_output", "zero")))
+                   int(a.get("att_keep", 0)), str(a.get("padded_output", "zero")), int(a.get("lengths_checked", 0)))
 
 
 def is_sequence_node(node: gs.Node) -> bool:
@@ -90,7 +98,10 @@ def reference(attrs: SequenceAttrs, X, W, R, B, sequence_lens=None, initial_h=No
     h = np.zeros((batch, H)) if initial_h is None else np.asarray(initial_h, np.float64).copy()
     valid = np.ones((batch, steps), bool)
     if sequence_lens is not None:
-        valid = np.arange(steps)[None, :] < np.asarray(sequence_lens).reshape(-1, 1)
+        lens = np.asarray(sequence_lens).reshape(-1)
+        if attrs.lengths_checked and np.any((lens < 0) | (lens > steps)):
+            raise ValueError(f"sequence_lens must be in [0, {steps}] (lengths_checked)")
+        valid = np.arange(steps)[None, :] < lens.reshape(-1, 1)
     if mask is not None:
         valid = np.asarray(mask) != 0
     Y = np.zeros((batch, steps, H))
@@ -177,19 +188,23 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     x_t = _time_major(e, x_in)                                        # [T, B, I]: X is narrower than X·W
     W_zr, W_n = e.op("Split", [Wf, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 1}, outputs=2)
     b_zr, b_n = e.op("Split", [x_bias, e.const("const", np.array([2 * H, H], np.int64))], {"axis": 0}, outputs=2)
-    # One Gemm (bias included) per gate group over all T*B rows, viewed back as [T, B, k].
-    if not isinstance(W, gs.Constant):  # function body: 3-D MatMul
+    # One Gemm (bias included) per gate group over all T*B rows, viewed back as [T, B, k] (a Reshape with allowzero:
+    # at batch 0 the shape's 0 is meant, not "copy the input's dim"; opset 13 has no allowzero: 3-D MatMul there).
+    opset = int(e.graph.opset or OPSET)
+    if not isinstance(W, gs.Constant) or opset < 14:  # function body: 3-D MatMul
         xw_zr = e.op("Add", [e.op("MatMul", [x_t, W_zr]), b_zr])   # [T, B, 2H]
         xw_n = e.op("Add", [e.op("MatMul", [x_t, W_n]), b_n])      # [T, B, H]
     else:
-        tb = e.op("Shape", [x_t], {"end": 2}) if int(e.graph.opset or OPSET) >= 15 else \
+        tb = e.op("Shape", [x_t], {"end": 2}) if opset >= 15 else \
             e.op("Slice", [e.op("Shape", [x_t]), e.const("const", np.array([0], np.int64)),
                            e.const("const", np.array([2], np.int64))])
         x_2d = e.op("Reshape", [x_t, e.const("const", np.array([-1, W.shape[0]], np.int64))])
         xw_zr = e.op("Reshape", [e.op("Gemm", [x_2d, W_zr, b_zr]),
-                                 e.op("Concat", [tb, e.const("const", np.array([2 * H], np.int64))], {"axis": 0})])
+                                 e.op("Concat", [tb, e.const("const", np.array([2 * H], np.int64))], {"axis": 0})],
+                     {"allowzero": 1})
         xw_n = e.op("Reshape", [e.op("Gemm", [x_2d, W_n, b_n]),
-                                e.op("Concat", [tb, e.const("const", np.array([H], np.int64))], {"axis": 0})])
+                                e.op("Concat", [tb, e.const("const", np.array([H], np.int64))], {"axis": 0})],
+                    {"allowzero": 1})
 
     step_mask = None
     if lens is not None or mask is not None:
@@ -203,6 +218,8 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
             lens64 = e.op("Cast", [lens], {"to": onnx.TensorProto.INT64})
             if lens.shape is None or len(lens.shape) != 1:
                 lens64 = e.op("Reshape", [lens64, e.const("const", np.array([-1], np.int64))])
+            if attrs.lengths_checked:
+                lens64 = checked_lengths(e, lens64, steps)
             valid = e.op("Less", [e.op("Unsqueeze", [rng, e.const("const", np.array([0], np.int64))]),
                                   e.op("Unsqueeze", [lens64, e.const("const", np.array([1], np.int64))])])  # [B, T]
         step_mask = time_major(valid)
@@ -277,6 +294,20 @@ def build_sequence(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs:
     if "Y" in outputs:
         graph.nodes.append(gs.Node("Transpose", e.name("Transpose"), attrs={"perm": [1, 0, 2]},
                                    inputs=[scan_outs[1]], outputs=[outputs["Y"]]))
+
+
+def checked_lengths(e: Builder, lens: gs.Tensor, steps: gs.Tensor) -> gs.Tensor:
+    """`lens` (int64 [B]) through a check that raises, as the ONNX GRU op does, when a length lies outside
+    [0, steps] (`steps`: T, int64, 0-d or [1]): a Gather from a one-element tensor at the count of bad lengths
+    ("indices element out of data bounds" from the node named sequence_lens_must_be_in_0_T), added to `lens`
+    (0 when none is bad). Seven ops on [B] values; OpenVINO's Gather reads an out-of-range index as 0 instead."""
+    i64 = onnx.TensorProto.INT64
+    zero = e.const("zero", np.zeros(1, np.int64))
+    bad = e.op("Or", [e.op("Less", [lens, zero], dtype=np.bool_), e.op("Greater", [lens, steps], dtype=np.bool_)],
+               dtype=np.bool_)
+    count = e.op("ReduceSum", [e.op("Cast", [bad], {"to": i64}, dtype=np.int64)], {"keepdims": 1}, dtype=np.int64)
+    offset = e.op("Gather", [zero, count], {"axis": 0}, name="sequence_lens_must_be_in_0_T", dtype=np.int64)
+    return e.op("Add", [lens, offset], dtype=np.int64)
 
 
 def _time_major(e: Builder, x: gs.Tensor) -> gs.Tensor:

@@ -10,7 +10,10 @@ subgraph OpenVINO's loose matcher fuses computes different numbers once fused if
 - ONNX ``GRU`` op → ``GRUSequence`` (runtime type RNNSeq), linear_before_reset 0 and 1. The CPU plugin ignores
   ``sequence_lens`` and onnxruntime writes 0 (not initial_h) as Y_h of an empty row, so the op runs unmasked
   and the lengths are applied after it (Where on Y, Y_h gathered at length-1, initial_h for empty rows): exact,
-  since a forward GRU's states before a row's length do not depend on the steps after it.
+  since a forward GRU's states before a row's length do not depend on the steps after it. onnxruntime (these
+  models run there too) aborts on a GRU op over an empty batch or history: the op reads X with at least one row
+  and one step, in place for OpenVINO (`_emit_gru_op`). Lengths of a layer read from a GRU op (lengths_checked)
+  are checked first (`_check_lengths_first`; onnxruntime raises, OpenVINO's Gather reads on).
   OpenVINO 2026.4 bug: the CPU plugin's OptimizeGRUSequenceTransposes replaces the Transpose in front of a
   GRUSequence whose Y is used by a Reshape for *all* consumers of that Transpose, so a second GRUSequence on the
   same (CSE-merged) Transpose computes garbage. Only the first GRU layer on an input gets the GRU op.
@@ -47,13 +50,17 @@ runs only with that T (any other T fails in the Split, it never gives wrong numb
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from ...graph import CtroptError, iter_graphs
 from ...ops import DOMAIN
-from ...ops.rnn import INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
+from ...ops.rnn import (INPUTS, MIN_OPSET, OUTPUTS, SequenceAttrs, build_sequence, checked_lengths,
+                        is_sequence_node)
 from ...graph.edit import Builder, const_value, dtype_of, shape_of, unique_name
 from ...patterns import Match, P, Rewrite
 from ..cleanup import tidy
@@ -125,8 +132,18 @@ def _gru_sources(root: gs.Graph) -> set:
             x = n.inputs[0] if n.op == "GRU" and n.inputs else None
             if x is not None and len(x.inputs) == 1 and x.inputs[0].op == "Transpose" \
                     and list(x.inputs[0].attrs.get("perm", [])) == [1, 0, 2]:
-                found.add((id(x.inputs[0].inputs[0]),))
+                found.add((id(_unpadded(x.inputs[0].inputs[0])),))
     return found
+
+
+def _unpadded(t: gs.Tensor) -> gs.Tensor:
+    """X where t is `_at_least_one`'s Reshape(Concat(Reshape(X), zeros)), else t."""
+    chain = t
+    for op in ("Reshape", "Concat", "Reshape"):
+        if len(chain.inputs) != 1 or chain.inputs[0].op != op:
+            return t
+        chain = chain.inputs[0].inputs[0]
+    return chain
 
 
 def _kept_gru_sources(root: gs.Graph) -> set:
@@ -185,6 +202,7 @@ def _lower(root: gs.Graph, g: gs.Graph, node: gs.Node, form: str, static_t, opse
     if not outputs:
         return "removed (no output used)"
     b = _Builder(root, g, node.name or attrs.op_type, opset)
+    inputs, attrs = _check_lengths_first(g, root, attrs, inputs, b.base)
     if chosen == "gru-op":
         _emit_gru_op(b, attrs, inputs, outputs, known, *[np.asarray(w, np.float32) for w in weights])
     elif chosen == "augru-unrolled":
@@ -201,6 +219,25 @@ def _lower(root: gs.Graph, g: gs.Graph, node: gs.Node, form: str, static_t, opse
 # ----------------------------------------------------------------------------------------- emitting
 
 
+def _check_lengths_first(graph: gs.Graph, root: gs.Graph, attrs: SequenceAttrs, inputs: dict, base: str):
+    """(inputs, attrs) with sequence_lens checked once, up front, where the layer raises on lengths outside [0, T]
+    (lengths_checked: read from an ONNX GRU op, which the CPU plugin runs unmasked); each form after it then reads
+    them as clamped (lengths_checked 0). Else as given: every form here accepts any length, read as clamped."""
+    if not attrs.lengths_checked or "sequence_lens" not in inputs or "mask" in inputs:
+        return inputs, attrs
+    b = Builder(graph, f"{base}/lengths", np.int64, root=root)
+    lens = b.op("Cast", [inputs["sequence_lens"]], {"to": onnx.TensorProto.INT64})
+    if inputs["sequence_lens"].shape is None or len(inputs["sequence_lens"].shape) != 1:  # a squeezed [B, 1]
+        lens = b.op("Reshape", [lens, b.const("minus1", [-1], np.int64)])
+    if int(root.opset or 13) >= 15:
+        steps = b.op("Shape", [inputs["X"]], {"start": 1, "end": 2})
+    else:
+        steps = b.op("Gather", [b.op("Shape", [inputs["X"]]), b.const("time_axis", [1], np.int64)], {"axis": 0})
+    checked = checked_lengths(b, lens, steps)
+    checked.shape = [None]  # rank 1, as the forms read it (no dim name: one may mean another size in the model)
+    return dict(inputs, sequence_lens=checked), dataclasses.replace(attrs, lengths_checked=0)
+
+
 class _Builder(Builder):
     """Appends nodes to `g`, names unique in the whole model; small constants are shared by value within `g`."""
 
@@ -210,34 +247,98 @@ class _Builder(Builder):
 
 
 def _emit_gru_op(b: _Builder, attrs: SequenceAttrs, inputs: dict, outputs: dict, steps: int | None, W, R, B) -> None:
-    """Transpose → GRU (unmasked) → lengths applied after it; AIGRU scales X by the attention first."""
+    """Transpose → GRU (unmasked) → lengths applied after it; AIGRU scales X by the attention first.
+
+    The model must also run in onnxruntime, whose GRU op aborts the process on an empty batch or history
+    (onnxruntime 1.32), so the GRU op reads X with at least one row and one step (`_at_least_one`: zeros where
+    X has none) and its outputs are cut back to X's rows and steps; the answer is then the op's (no rows; no
+    steps: the initial state, or 0). For X [B, T, I] that is a Reshape to [B·T, I], a Concat with an empty
+    tensor, a Reshape back, and a Split of Y with an empty part, which OpenVINO's CPU plugin does in place: one
+    GRU layer (T=100, I=H=36, 1 thread) 1.00× at B=256, 0.97-0.99× at B=1-64, where an If(empty) around the
+    GRU op measured 0.90-0.93× at B=256 (OpenVINO copies an If's inputs and outputs)."""
     H = attrs.hidden_size
     x = inputs["X"]
     if attrs.kind == "AIGRU":
         x = b.op("Mul", [x, b.op("Unsqueeze", [_float(b, inputs["att"]), b.const("axis2", [2], np.int64)])],
                  dtype=np.float32)
+    x, grid = _at_least_one(b, x)
     x_t = b.op("Transpose", [x], {"perm": [1, 0, 2]}, dtype=np.float32)
     h0 = inputs.get("initial_h")
     gru_in = [x_t, b.const("W", W.T[None]), b.const("R", R.T[None]), b.const("B", B[None])]
-    if h0 is not None:
+    if h0 is not None:  # [B', H]: zero rows added where X got one
+        h0 = b.op("Concat", [h0, b.op("ConstantOfShape", [b.op("Concat", [grid.extra_rows, b.const("H", [H], np.int64)],
+                                                                      {"axis": 0}, dtype=np.int64)],
+                                      {"value": gs.Constant(unique_name(b.root, f"{b.base}/zero_h"),
+                                                            np.zeros(1, np.float32))}, dtype=np.float32)],
+                  {"axis": 0}, dtype=np.float32)
         gru_in += [gs.Variable.empty(), b.op("Unsqueeze", [h0, b.const("axis0", [0], np.int64)], dtype=np.float32)]
     lens = inputs.get("sequence_lens")
+    if lens is not None:  # [B'], read up to X's own T (an added step never counts)
+        lens = b.op("Cast", [lens], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
+        if shape_of(inputs["sequence_lens"]) is None or len(shape_of(inputs["sequence_lens"])) != 1:
+            lens = b.op("Reshape", [lens, b.const("minus1", [-1], np.int64)], dtype=np.int64)  # a squeezed [B, 1]
+        lens = b.op("Min", [lens, grid.steps], dtype=np.int64)
+        lens = b.op("Concat", [lens, b.op("ConstantOfShape", [grid.extra_rows], {"value": gs.Constant(
+            unique_name(b.root, f"{b.base}/zero_len"), np.zeros(1, np.int64))}, dtype=np.int64)], {"axis": 0},
+            dtype=np.int64)
     want_y = "Y" in outputs or lens is not None
+    cut = {k: gs.Variable(unique_name(b.root, f"{b.base}/{k}_padded"), np.float32) for k in outputs}
     y4 = gs.Variable(unique_name(b.root, f"{b.base}/Y4"), np.float32) if want_y else gs.Variable.empty()
     yh3 = gs.Variable(unique_name(b.root, f"{b.base}/Yh3"), np.float32) if lens is None and "Y_h" in outputs \
         else gs.Variable.empty()
     b.op("GRU", gru_in, {"hidden_size": H, "linear_before_reset": attrs.linear_before_reset}, out=[y4, yh3])
     if yh3.name:
-        b.op("Squeeze", [yh3, b.const("axis0", [0], np.int64)], out=[outputs["Y_h"]])
-    if not want_y:
-        return
-    y_tm = b.op("Squeeze", [y4, b.const("axis1", [1], np.int64)], dtype=np.float32)  # [T, B, H]
-    if lens is None:
-        b.op("Transpose", [y_tm], {"perm": [1, 0, 2]}, out=[outputs["Y"]])
-        return
-    y = _apply_lengths(b, attrs, y_tm, 0, lens, h0, outputs, steps)
-    if y is not None:
-        b.op("Transpose", [y], {"perm": [1, 0, 2]}, out=[outputs["Y"]])
+        y_h = b.op("Squeeze", [yh3, b.const("axis0", [0], np.int64)], dtype=np.float32)
+        # with no steps (T = 0) the state is the initial one: not the one after the added step of zeros
+        b.op("Where", [grid.has_steps, y_h, h0 if h0 is not None else b.const("zero_y", np.zeros((), np.float32))],
+             out=[cut["Y_h"]], dtype=np.float32)
+    if want_y:
+        y_tm = b.op("Squeeze", [y4, b.const("axis1", [1], np.int64)], dtype=np.float32)  # [T', B', H]
+        if lens is None:
+            b.op("Transpose", [y_tm], {"perm": [1, 0, 2]}, out=[cut["Y"]])
+        else:
+            y = _apply_lengths(b, attrs, y_tm, 0, lens, h0, cut, steps)
+            if y is not None:
+                b.op("Transpose", [y], {"perm": [1, 0, 2]}, out=[cut["Y"]])
+    if "Y_h" in outputs:  # X's rows of [B', H]
+        b.op("Split", [cut["Y_h"], b.op("Concat", [grid.rows, grid.extra_rows], {"axis": 0}, dtype=np.int64)],
+             {"axis": 0}, out=[outputs["Y_h"], gs.Variable(unique_name(b.root, f"{b.base}/Y_h_added"), np.float32)])
+    if "Y" in outputs and b.opset >= 14:  # X's rows and steps of [B', T', H]: the first B·T of its B'·T' rows of H
+        flat = b.op("Reshape", [cut["Y"], b.const("rows_of_h", [-1, H], np.int64)], dtype=np.float32)
+        kept = b.op("Split", [flat, b.op("Concat", [grid.cells, grid.extra_cells], {"axis": 0}, dtype=np.int64)],
+                    {"axis": 0}, outputs=2, dtype=np.float32)[0]
+        b.op("Reshape", [kept, b.op("Concat", [grid.rows, grid.steps, b.const("H", [H], np.int64)], {"axis": 0},
+                                    dtype=np.int64)], {"allowzero": 1}, out=[outputs["Y"]])
+    elif "Y" in outputs:  # opset 13: no Reshape to a shape with a 0 in it (allowzero); rows, then steps
+        rows = b.op("Split", [cut["Y"], b.op("Concat", [grid.rows, grid.extra_rows], {"axis": 0}, dtype=np.int64)],
+                    {"axis": 0}, outputs=2, dtype=np.float32)[0]
+        extra_steps = b.op("Sub", [b.op("Max", [grid.steps, b.const("one", [1], np.int64)], dtype=np.int64),
+                                   grid.steps], dtype=np.int64)
+        b.op("Split", [rows, b.op("Concat", [grid.steps, extra_steps], {"axis": 0}, dtype=np.int64)], {"axis": 1},
+             out=[outputs["Y"], gs.Variable(unique_name(b.root, f"{b.base}/Y_added_step"), np.float32)])
+
+
+def _at_least_one(b: _Builder, x):
+    """(x [B, T, I] as [B', T', I] = [max(B, 1), max(T, 1), I], zeros after its values (its B·T rows of I first,
+    then B'·T' - B·T rows of zeros, viewed as [B', T', I]): a Reshape, a Concat with an empty tensor, a Reshape
+    while B, T >= 1; the shapes that cut the results back, each [1] int64: rows B, steps T, cells B·T,
+    extra_rows B' - B, extra_cells B'·T' - B·T, and has_steps T > 0, a bool)."""
+    one = b.const("one", [1], np.int64)
+    rows, steps, width = _dim(b, x, 0), _dim(b, x, 1), _dim(b, x, 2)
+    rows1, steps1 = b.op("Max", [rows, one], dtype=np.int64), b.op("Max", [steps, one], dtype=np.int64)
+    cells, cells1 = b.op("Mul", [rows, steps], dtype=np.int64), b.op("Mul", [rows1, steps1], dtype=np.int64)
+    extra_cells = b.op("Sub", [cells1, cells], dtype=np.int64)
+    flat = b.op("Reshape", [x, b.op("Concat", [b.const("all", [-1], np.int64), width], {"axis": 0}, dtype=np.int64)],
+                dtype=np.float32)
+    zeros = b.op("ConstantOfShape", [b.op("Concat", [extra_cells, width], {"axis": 0}, dtype=np.int64)],
+                 {"value": gs.Constant(unique_name(b.root, f"{b.base}/zero_x"), np.zeros(1, np.float32))},
+                 dtype=np.float32)
+    padded = b.op("Reshape", [b.op("Concat", [flat, zeros], {"axis": 0}, dtype=np.float32),
+                              b.op("Concat", [rows1, steps1, width], {"axis": 0}, dtype=np.int64)], dtype=np.float32)
+    grid = SimpleNamespace(rows=rows, steps=steps, cells=cells, extra_cells=extra_cells,
+                 extra_rows=b.op("Sub", [rows1, rows], dtype=np.int64),
+                 has_steps=b.op("Greater", [steps, b.const("zero", [0], np.int64)], dtype=np.bool_))
+    return padded, grid
 
 
 def _time_index(b: _Builder, steps, static_steps: int | None, time_axis: int):

@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 from ... import kernels
 from ...graph import CtroptError
 from ...ops import DOMAIN
-from ...ops.rnn import INPUTS, KINDS, OUTPUTS, SequenceAttrs, build_sequence, is_sequence_node
+from ...ops.rnn import INPUTS, KINDS, OUTPUTS, SequenceAttrs, build_sequence, checked_lengths, is_sequence_node
 from ...graph.edit import Builder, add_constant, add_node, const_value, unique_name
 from ...patterns import Match, P, Rewrite
 from ..cleanup import tidy
@@ -21,7 +21,9 @@ from ..registry import PassContext, register_pass
 ORT_FORMS = ("auto", "standard", "scan", "gru-op", "kernel")
 # onnxruntime's GRU op runs the whole sequence in one kernel but each step slower than the lean Scan's ops:
 # `python benchmarks/rnn_forms.py` (T=100, H=36, 1 thread), time(GRU op)/time(Scan): 0.03-0.10 at batch 1,
-# 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch.
+# 0.5-0.65 at 32, 0.73-0.84 at 64, 0.89-0.96 at 128, 0.99-1.11 at 256. So: the GRU op below this batch (and
+# above 0: onnxruntime 1.32's GRU op aborts the process on an empty batch, or history without lengths, see
+# `when_not_empty`; lengths outside [0, T] it rejects are clamped first unless the layer was read from a GRU op).
 GRU_OP_MAX_BATCH = 192
 
 
@@ -34,8 +36,71 @@ def _gru_op_ok(node: gs.Node, attrs: SequenceAttrs) -> bool:
         and not (has(4) and has(5))
 
 
+def _empty_test(graph: gs.Graph, root: gs.Graph, x: gs.Tensor, base: str):
+    """([B, T] of x, int64 [2]; whether B or T is 0, a 0-d bool)."""
+    b = Builder(graph, base, np.int64, root=root)
+    if int(root.opset or 13) >= 15:  # Shape's start/end attributes are opset 15
+        dims = b.op("Shape", [x], {"start": 0, "end": 2}, name="batch_steps")
+    else:
+        dims = b.op("Slice", [b.op("Shape", [x]), b.const("start", [0], np.int64), b.const("end", [2], np.int64)],
+                    name="batch_steps")
+    empty = b.op("Equal", [b.op("ReduceMin", [dims], {"keepdims": 0}, name="fewest"),
+                           b.const("zero", np.array(0, np.int64))], name="is_empty", dtype=np.bool_)
+    return dims, empty
+
+
+def when_not_empty(graph: gs.Graph, root: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, base: str,
+                   emit, test=None) -> None:
+    """If(batch == 0 or T == 0, the op's answer for no rows or no steps, `emit(branch, outs)`): onnxruntime's GRU
+    op aborts the process on an empty batch (SIGABRT/SIGSEGV, onnxruntime 1.32), and on an empty history without
+    sequence_lens; a Scan over no steps fails. With no step to run, Y is [B, T, H] of nothing and Y_h the initial
+    state (0 without one), as in ``reference``; a layer read from a GRU op still rejects lengths outside [0, T]
+    (lengths_checked). `test`: `_empty_test`'s (dims, empty) of X, if made already. In onnxruntime an If costs a
+    few microseconds (no copies), less than its Shape/ReduceMin/Equal test."""
+    H = attrs.hidden_size
+    dims, empty = test if test is not None else _empty_test(graph, root, inputs["X"], f"{base}/empty")
+    keys = [k for k in OUTPUTS if k in outputs]
+    branches = []
+    for tag in ("no_steps", "steps"):
+        branch = gs.Graph(name=unique_name(root, f"{base}/{tag}"), opset=graph.opset)
+        outs = {k: gs.Variable(unique_name(root, f"{base}/{tag}/{k}"), np.float32) for k in keys}
+        if tag == "steps":
+            emit(branch, outs)
+        else:
+            e = Builder(branch, f"{base}/{tag}", np.int64, root=root)
+            zero = gs.Constant(unique_name(root, f"{base}/{tag}/zero"), np.zeros(1, np.float32))
+            batch = e.op("Gather", [dims, e.const("first", [0], np.int64)], {"axis": 0})
+            if attrs.lengths_checked and "sequence_lens" in inputs and "mask" not in inputs:
+                lens = e.op("Reshape", [e.op("Cast", [inputs["sequence_lens"]], {"to": onnx.TensorProto.INT64}),
+                                        e.const("minus1", [-1], np.int64)])
+                steps = e.op("Gather", [dims, e.const("second", [1], np.int64)], {"axis": 0})
+                batch = e.op("Shape", [checked_lengths(e, lens, steps)])  # the rows, once the lengths are checked
+            if "Y" in outs:
+                shape = e.op("Concat", [batch, e.op("Gather", [dims, e.const("second", [1], np.int64)], {"axis": 0}),
+                                        e.const("H", [H], np.int64)], {"axis": 0})
+                e.op("ConstantOfShape", [shape], {"value": zero}, out=outs["Y"])
+            if "Y_h" in outs and "initial_h" in inputs:
+                e.op("Identity", [inputs["initial_h"]], out=outs["Y_h"])
+            elif "Y_h" in outs:
+                e.op("ConstantOfShape", [e.op("Concat", [batch, e.const("H", [H], np.int64)], {"axis": 0})],
+                     {"value": zero}, out=outs["Y_h"])
+        branch.outputs = [outs[k] for k in keys]
+        branches.append(branch)
+    graph.nodes.append(gs.Node("If", unique_name(root, f"{base}/unless_empty"),
+                               {"then_branch": branches[0], "else_branch": branches[1]}, [empty],
+                               [outputs[k] for k in keys]))
+
+
 def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dict, attrs: SequenceAttrs,
                      base: str) -> None:
+    """The ONNX GRU op between batch-major views (names unique in `root`, nodes appended to `graph`), unless the
+    batch or the history is empty (`when_not_empty`)."""
+    when_not_empty(graph, root, attrs, inputs, outputs, base,
+                   lambda branch, outs: _gru_op_nodes(branch, root, inputs, outs, attrs, base))
+
+
+def _gru_op_nodes(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dict, attrs: SequenceAttrs,
+                  base: str) -> None:
     """The ONNX GRU op between batch-major views (names unique in `root`, nodes appended to `graph`)."""
     H = attrs.hidden_size
     name = unique_name(root, f"{base}/gru")
@@ -46,13 +111,18 @@ def _lower_to_gru_op(graph: gs.Graph, root: gs.Graph, inputs: dict, outputs: dic
     graph.nodes.append(gs.Node("Transpose", f"{name}/transpose_x", {"perm": [1, 0, 2]}, [inputs["X"]], [x_t]))
     ins = [x_t, c("W", w.T[None]), c("R", r.T[None]), c("B", b[None]), gs.Variable.empty()]
     if "sequence_lens" in inputs:
-        ins[4] = var("lens32", np.int32)
+        e = Builder(graph, f"{name}/lens", np.int64, root=root)
         lens = inputs["sequence_lens"]
         if lens.shape is None or len(lens.shape) != 1:  # a [B, 1] squeezed without axes is a scalar at batch 1
-            lens = var("lens_1d", None)
-            graph.nodes.append(gs.Node("Reshape", f"{name}/lens_1d", {}, [inputs["sequence_lens"],
-                                                                         c("minus1", np.array([-1], np.int64))], [lens]))
-        graph.nodes.append(gs.Node("Cast", f"{name}/cast_lens", {"to": 6}, [lens], [ins[4]]))
+            lens = e.op("Reshape", [lens, e.const("minus1", [-1], np.int64)], dtype=lens.dtype)
+        if not attrs.lengths_checked:
+            # clamped into [0, T]: a Scan/Loop's masking (t < length) takes any length, the GRU op rejects those
+            # outside ("Invalid value/s in sequence_lens"), as a layer read from a GRU op must (lengths_checked)
+            steps = e.op("Shape", [x_t], {"start": 0, "end": 1}) if int(root.opset or 13) >= 15 else \
+                e.op("Slice", [e.op("Shape", [x_t]), e.const("t0", [0], np.int64), e.const("t1", [1], np.int64)])
+            lens = e.op("Cast", [lens], {"to": onnx.TensorProto.INT64})
+            lens = e.op("Min", [e.op("Max", [lens, e.const("zero", [0], np.int64)]), steps])
+        ins[4] = e.op("Cast", [lens], {"to": onnx.TensorProto.INT32}, dtype=np.int32)
     if "initial_h" in inputs:
         ins.append(var("h0"))
         graph.nodes.append(gs.Node("Unsqueeze", f"{name}/unsqueeze_h0", {},
@@ -108,40 +178,36 @@ def _lower_to_kernel(graph: gs.Graph, inputs: dict, outputs: dict, attrs: Sequen
     outs = [outputs.get("Y_h") or gs.Variable(unique_name(graph, f"{base}/Y_h"), np.float32)]
     if "Y" in outputs:
         outs.append(outputs["Y"])
-    graph.nodes.append(gs.Node("GRUScan", unique_name(graph, f"{base}/GRUScan"),
-                               {"hidden_size": H, "linear_before_reset": lbr, "mode": mode,
-                                "padded_output_zero": int(attrs.padded_output == "zero")},
-                               ins, outs, domain=kernels.DOMAIN))
+    kernel_attrs = {"hidden_size": H, "linear_before_reset": lbr, "mode": mode,
+                    "padded_output_zero": int(attrs.padded_output == "zero")}
+    if attrs.lengths_checked and "mask" not in inputs and "sequence_lens" in inputs:
+        kernel_attrs["check_lengths"] = 1  # raise on lengths outside [0, T], as the GRU op it replaces did
+    graph.nodes.append(gs.Node("GRUScan", unique_name(graph, f"{base}/GRUScan"), kernel_attrs, ins, outs,
+                               domain=kernels.DOMAIN))
 
 
 def _by_batch(graph: gs.Graph, attrs: SequenceAttrs, inputs: dict, outputs: dict, base: str) -> None:
-    """If(batch >= GRU_OP_MAX_BATCH, lean Scan, GRU op): each form where it is the faster one."""
+    """If(batch >= GRU_OP_MAX_BATCH or batch == 0 or T == 0, lean Scan, GRU op): each form where it is the faster
+    one, and never the GRU op where it would abort the process; the lean Scan's side answers an empty batch or
+    history as the op means (`when_not_empty`: a Scan over no steps fails). A layer read from a GRU op
+    (lengths_checked) has its lengths checked by the GRU op, or in the lean Scan (`checked_lengths`)."""
+    dims, empty = _empty_test(graph, graph, inputs["X"], f"{base}/empty")
+    b = Builder(graph, base, np.int64)
+    batch = b.op("Gather", [dims, b.const("first", np.array(0, np.int64))], {"axis": 0}, name="batch")
+    big = b.op("GreaterOrEqual", [batch, b.const("max_batch", np.array(GRU_OP_MAX_BATCH, np.int64))],
+               name="is_large_batch", dtype=np.bool_)
+    cond = b.op("Or", [big, empty], name="cond", dtype=np.bool_)
     branches = []
     for form in ("scan", "gru-op"):
         branch = gs.Graph(name=unique_name(graph, f"{base}/{form}"), opset=graph.opset)
         outs = {k: gs.Variable(unique_name(graph, f"{base}/{form}/{k}"), np.float32) for k in outputs}
         if form == "scan":
-            build_sequence(branch, attrs, inputs, outs, prefix=unique_name(graph, f"{base}/{form}"))
+            when_not_empty(branch, graph, attrs, inputs, outs, f"{base}/{form}", lambda body, o: build_sequence(
+                body, attrs, inputs, o, prefix=unique_name(graph, f"{base}/{form}")), test=(dims, empty))
         else:
-            _lower_to_gru_op(branch, graph, inputs, outs, attrs, f"{base}/{form}")
+            _gru_op_nodes(branch, graph, inputs, outs, attrs, f"{base}/{form}")
         branch.outputs = [outs[k] for k in OUTPUTS if k in outs]
         branches.append(branch)
-    batch = gs.Variable(unique_name(graph, f"{base}/batch"), np.int64)
-    big = gs.Variable(unique_name(graph, f"{base}/large_batch"), np.bool_)
-    if int(graph.opset or 13) >= 15:  # Shape's start/end attributes are opset 15
-        graph.nodes.append(gs.Node("Shape", f"{base}/shape", {"start": 0, "end": 1}, [inputs["X"]], [batch]))
-    else:
-        shape = gs.Variable(unique_name(graph, f"{base}/x_shape"), np.int64)
-        graph.nodes.append(gs.Node("Shape", f"{base}/shape", {}, [inputs["X"]], [shape]))
-        graph.nodes.append(gs.Node("Slice", f"{base}/batch", {}, [shape] + [
-            gs.Constant(unique_name(graph, f"{base}/{k}"), np.array([v], np.int64)) for k, v in (("b0", 0), ("b1", 1))],
-            [batch]))
-    graph.nodes.append(gs.Node("GreaterOrEqual", f"{base}/is_large_batch", {},
-                               [batch, gs.Constant(unique_name(graph, f"{base}/max_batch"),
-                                                   np.array([GRU_OP_MAX_BATCH], np.int64))], [big]))
-    cond = gs.Variable(unique_name(graph, f"{base}/cond"), np.bool_)
-    graph.nodes.append(gs.Node("Squeeze", f"{base}/cond", {}, [big, gs.Constant(unique_name(graph, f"{base}/ax0"),
-                                                                                 np.array([0], np.int64))], [cond]))
     graph.nodes.append(gs.Node("If", unique_name(graph, f"{base}/by_batch"),
                                {"then_branch": branches[0], "else_branch": branches[1]}, [cond],
                                [outputs[k] for k in OUTPUTS if k in outputs]))

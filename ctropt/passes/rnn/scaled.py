@@ -8,6 +8,8 @@ the per-step weight a row at a time). The weights' shape is read on the probe.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -52,7 +54,7 @@ def attention_from_scaled_inputs(graph: gs.Graph) -> list[str]:
         b = Builder(graph, node.name, a.dtype)
         att = b.op("Flatten", [a], {"axis": 1}, name="att")  # [B, T] (a Reshape [0, -1] fails at batch 0)
         attrs = SequenceAttrs.of(node)
-        attrs = SequenceAttrs("AIGRU", attrs.hidden_size, attrs.linear_before_reset, 0, attrs.padded_output)
+        attrs = dataclasses.replace(attrs, kind="AIGRU", att_keep=0)  # lengths_checked kept
         replace_sequence_node(graph, node, attrs, {"X": x, "att": att})
         notes.append(f"{node.name}: a GRU over its inputs times per-step weights ({mul.name}) → AIGRU reading "
                      "the weights")

@@ -2,11 +2,11 @@
 
 :func:`fuse_gru_ops` turns each ONNX ``GRU`` node (forward, one layer, default activations, no clip) into a
 ``GRUSequence``: weights in the canonical layout (W [I, 3H] = W_onnx[0].T, R = R_onnx[0].T, B = B_onnx[0]),
-``sequence_lens`` carried as is (the op's "zero" padded output is the GRU op's own meaning; with an initial_h,
-onnxruntime's GRU gives rows of length 0 the state 0, which a Where keeps). The time-major glue
-exporters write around the op (Transpose [B,T,I]→[T,B,I] before, Squeeze of the direction axis and Transpose
-back after, dynamo's Transpose/Reshape/Transpose) is absorbed; where it cannot be, a Transpose/Unsqueeze makes
-the value the old consumers expect.
+``sequence_lens`` carried as is, with lengths_checked (the GRU op rejects lengths outside [0, T]; the op's "zero"
+padded output is the GRU op's own meaning; with an initial_h, onnxruntime's GRU gives rows of length 0 the state 0,
+which a Where keeps). The time-major glue exporters write around the op (Transpose [B,T,I]→[T,B,I] before, Squeeze
+of the direction axis and Transpose back after, dynamo's Transpose/Reshape/Transpose) is absorbed; where it cannot
+be, a Transpose/Unsqueeze makes the value the old consumers expect.
 
 :func:`fuse_unrolled_cells` finds a GRU-family cell exported once per step of a Python loop (PyTorch,
 paddle2onnx):
@@ -157,7 +157,8 @@ def _fuse_gru_op(graph: gs.Graph, node: gs.Node, opset: int, shapes: Shapes) -> 
         else:
             hb = b.axes_op("Squeeze", h0, [axis], dtype=np.float32)
 
-    attrs = SequenceAttrs("GRU", H, lbr, 0, "zero")
+    # lengths_checked: the GRU op raises on lengths outside [0, T] ("Invalid value/s in sequence_lens"), so does the op
+    attrs = SequenceAttrs("GRU", H, lbr, 0, "zero", lengths_checked=int(_present(lens)))
     inputs = {"X": Xb, "W": b.const("W", W), "R": b.const("R", R), "B": b.const("B", B)}
     if _present(lens):
         inputs["sequence_lens"] = lens
