@@ -23,7 +23,8 @@ user for the whole batch, a wrong dtype and a wrong rank.
 Outcome per case: `equal` (atol 1e-4, rtol 1e-4, NaN in the same places), `both_raise`, `silent` (the raw export
 raises, the optimized model answers), `opt_raises` (only the optimized model raises), `differ`, `crash` (the worker
 died in the optimized model), `hang` (no answer within --timeout), `raw_crash` (the worker died in the raw export,
-after the optimized model answered or raised: the export's own bug, counted apart). Besides, where the optimized model answers: the same case run again and
+after the optimized model answered or raised: the export's own bug, counted apart), `both_crash` (the optimized
+model takes the worker down, and so does the raw export run alone on the case). Besides, where the optimized model answers: the same case run again and
 at 2 threads must give the same bits (else the case is listed `nondeterministic`, "raw too" when the raw export
 also changes with the threads).
 
@@ -67,8 +68,8 @@ MARKS = ("<!-- requests table: benchmarks/requests.py writes it -->", "<!-- end 
 VARIANTS = {"default": [], "no_kernels": ["--option", "ort_kernels=off"], "openvino": ["--target", "openvino"],
             "user_inputs": None}   # --user-inputs VALUE from one_user.CASES
 # raw_crash: the raw export takes onnxruntime down (some abort at batch 0) after the optimized model answered or
-# raised: the raw export's own bug, counted apart from ctropt's
-CLASSES = ("equal", "both_raise", "silent", "opt_raises", "differ", "crash", "hang", "raw_crash")
+# raised: the raw export's own bug, counted apart from ctropt's; both_crash: both take it down
+CLASSES = ("equal", "both_raise", "silent", "opt_raises", "differ", "crash", "hang", "raw_crash", "both_crash")
 BAD = ("crash", "hang", "silent", "differ", "opt_raises")   # worst first
 ATOL = RTOL = 1e-4
 PREFIX = "@@ "   # a worker's result lines; anything else on its stdout is noise
@@ -462,6 +463,7 @@ class Pool:
 
     def __init__(self, raw: Path, opt: Path, cases: list[Case], work: Path, timeout: float, memory_gb: float):
         self.raw, self.opt, self.cases, self.timeout, self.memory = raw, opt, cases, timeout, memory_gb
+        work.mkdir(exist_ok=True)
         self.cases_file, self.stderr = work / "cases.pkl", work / "worker.stderr"
         with open(self.cases_file, "wb") as f:
             pickle.dump([c.feeds for c in cases], f)   # plain dicts: the worker runs this file as __main__
@@ -502,6 +504,13 @@ class Pool:
         self.proc.wait()
         self.proc.stdout.close()
 
+    def _raw_dies_too(self, i: int) -> bool:
+        """Whether the raw export, run in the optimized model's place, takes a worker down on case i as well."""
+        other = Pool(self.raw, self.raw, self.cases[i:i + 1], self.cases_file.parent / "alone", self.timeout,
+                     self.memory)
+        results, error = other.run()
+        return not error and bool(results) and results[0]["class"] in ("crash", "both_crash")
+
     def _death(self, code: int) -> str:
         names = {-s.value: s.name for s in signal.Signals}
         why = f"signal {names.get(code, -code)}" if code < 0 else f"exit {code}"
@@ -527,6 +536,8 @@ class Pool:
                 if record is None or "died" in record:
                     cls, msg = ("hang", f"no answer in {self.timeout:g} s") if record is None else \
                         ("raw_crash" if phase.startswith("raw") else "crash", self._death(record["died"]))
+                    if cls == "crash" and self.raw != self.opt and self._raw_dies_too(i):
+                        cls, msg = "both_crash", msg + "; the raw export alone dies on it too"
                     results.append({"i": i, "class": cls, "msg": f"{msg}, in the {phase}" if phase else msg,
                                     "nondet": "", "seconds": None})
                     i += 1
