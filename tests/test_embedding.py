@@ -1,5 +1,6 @@
 """The embedding passes on every dialect: per-feature lookups, partitioned tables, bags, indicator columns."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -377,13 +378,21 @@ def test_bags_of_two_tables_become_one_lookup_and_one_scatter(torch_two_bags, ki
 
 # Padded bags: [B, L] ids, -1 where a row has fewer ids, pooled by a segment sum.
 BAG_TABLE = np.random.default_rng(3).normal(size=(9, 4)).astype(np.float32)
+# the ids of a padded bag's Gather on a zero row and its table: padding (< 0) to the zero row, the others id + 1 (so
+# an id from the table's rows on is past it, and the Gather raises as the export's does)
+PADDED_IDS = ["Less", "Add", "Where"]
 
 
 def segment_bag(i: int, combiner: str = "sum", valid: str = "GreaterOrEqual") -> list:
     """Bag i as ONNX exporters write a gather + segment sum: NonZero of the valid ids, GatherND, a Gather of the
-    flat ids, ScatterND(add) by row (÷ ScatterND of ones for mean). `valid`: Greater makes 0 padding too."""
+    flat ids, ScatterND(add) by row (÷ ScatterND of ones for mean). `valid`: Greater makes 0 padding too;
+    NotMinusOne keeps every id but -1 (embedding_lookup_sparse: -2 reads the table's end, below -rows raises)."""
     p = f"b{i}_"
-    nodes = [node(valid, [f"ids{i}", "zero"], [p + "valid"]), node("NonZero", [p + "valid"], [p + "nz"]),
+    if valid == "NotMinusOne":
+        nodes = [node("Equal", [f"ids{i}", "minus_one"], [p + "none"]), node("Not", [p + "none"], [p + "valid"])]
+    else:
+        nodes = [node(valid, [f"ids{i}", "zero"], [p + "valid"])]
+    nodes += [node("NonZero", [p + "valid"], [p + "nz"]),
              node("Transpose", [p + "nz"], [p + "where"], perm=[1, 0]),
              node("GatherND", [f"ids{i}", p + "where"], [p + "flat"]),
              node("Slice", [p + "where", "s0", "s1", "s1"], [p + "rows"]),
@@ -404,10 +413,13 @@ def segment_bag(i: int, combiner: str = "sum", valid: str = "GreaterOrEqual") ->
 
 
 def padded_bags_model(combiners=("sum", "mean"), lengths=(3, 5), valid="GreaterOrEqual"):
-    nodes = [n for i, c in enumerate(combiners) for n in segment_bag(i, c, valid)]
+    """`valid`: one for every bag, or one per bag."""
+    valid = [valid] * len(combiners) if isinstance(valid, str) else list(valid)
+    nodes = [n for i, c in enumerate(combiners) for n in segment_bag(i, c, valid[i])]
     nodes.append(node("Concat", [f"e{i}" for i in range(len(combiners))], ["y"], axis=1))
     inits = [init("table", BAG_TABLE), init("zero", np.array(0)), init("s0", np.array([0])), init("s1", np.array([1])),
              init("width", np.array([4])), init("one", np.array(1, np.float32))]
+    inits += [init("minus_one", np.array(-1))] if "NotMinusOne" in valid else []
     return make_model(nodes, [vi(f"ids{i}", I64, ["B", n]) for i, n in enumerate(lengths)],
                       [vi("y", F, ["B", 4 * len(combiners)])], inits)
 
@@ -425,16 +437,16 @@ def padded_feeds(lengths=(3, 5), batch=6, seed=0):
 def test_padded_segment_sum_bags_become_one_gather_and_a_row_sum():
     model = padded_bags_model()
     out, ctx = check_pass(model, "vectorize-embedding-bags",
-                          ["Less", "Where", "Gather", "ReduceSum"] * 2 + ["Not", "Cast", "ReduceSum", "Max", "Div",
-                                                                         "Concat"], feeds=padded_feeds())
+                          PADDED_IDS * 2 + ["Gather", "ReduceSum"] * 2 + ["Not", "Cast", "ReduceSum", "Max", "Div",
+                                                                          "Concat"], feeds=padded_feeds())
     assert ctx.rewrites == 2
     for batch in (1, 3, 17):
         feeds = padded_feeds(batch=batch, seed=batch) if batch > 1 else {k: v[1:2] for k, v in padded_feeds().items()}
         assert_same_outputs(model, out, feeds)
     assert_same_outputs(model, out, {k: np.full_like(v, -1) for k, v in padded_feeds().items()})  # no id at all
-    fused, ctx = check_pass(out, "fuse-parallel-embeddings", ops(out)[:0] + [
-        "Less", "Where", "Less", "Where", "Concat", *FIELD_ROWS, "Gather", "MatMul", "Gather", "Gather", "Not", "Cast",
-        "ReduceSum", "Max", "Div", "Concat"], feeds=padded_feeds())
+    fused, ctx = check_pass(out, "fuse-parallel-embeddings", PADDED_IDS * 2 + [
+        "Concat", *FIELD_ROWS, "Gather", "MatMul", "Gather", "Gather", "Not", "Cast", "ReduceSum", "Max", "Div",
+        "Concat"], feeds=padded_feeds())
     assert_same_outputs(model, fused, padded_feeds(batch=9, seed=4))
 
 
@@ -450,6 +462,102 @@ def test_a_lookup_summed_over_its_ids_is_no_bag():
                        [init("table", BAG_TABLE), init("s1", np.array([1]))])
     out, ctx = run_pass(model, "vectorize-embedding-bags")
     assert ctx.rewrites == 0 and ops(out) == ops(model)
+
+
+def with_id(feeds, name, value, at=0):
+    """The feeds with input `name`'s element `at` (flat index) set to `value`."""
+    x = feeds[name].copy()
+    x.flat[at] = value
+    return {**feeds, name: x}
+
+
+def outcomes(model, cases: dict) -> dict:
+    """Each case's outputs, None where the model raises."""
+    runner = ctropt.runtime.Runner(model)
+    found = {}
+    for label, feeds in cases.items():
+        try:
+            found[label] = runner.run(feeds)
+        except Exception:  # an id outside its table: what the case asks about
+            found[label] = None
+    return found
+
+
+def assert_same_answers(raw, opt, cases: dict, atol=1e-5) -> set:
+    """opt raises on the cases where raw raises and answers the others as raw does (issue 47); returns the cases
+    that raised."""
+    want, got = outcomes(raw, cases), outcomes(opt, cases)
+    wrong = {k: "raw raises, optimized answers" if want[k] is None else "raw answers, optimized raises"
+             for k in cases if (want[k] is None) != (got[k] is None)}
+    assert not wrong, wrong
+    for k in cases:
+        for name in want[k] or {}:
+            np.testing.assert_allclose(got[k][name], want[k][name], atol=atol, rtol=1e-4, err_msg=str(k))
+    return {k for k in cases if want[k] is None}
+
+
+def first_raising_id(model, feeds, name, at=0, top=1 << 24) -> int:
+    """V: the smallest id at which `model` raises when input `name`'s element `at` holds it (ids from 0 up
+    answer until then)."""
+    runner, lo, hi = ctropt.runtime.Runner(model), 0, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            runner.run(with_id(feeds, name, mid, at))
+            lo = mid
+        except Exception:  # past the table
+            hi = mid
+    return hi
+
+
+def id_cases(feeds, name, values, at=0) -> dict:
+    return {(name, int(v)): with_id(feeds, name, v, at) for v in values}
+
+
+@pytest.mark.parametrize("valid", ["GreaterOrEqual", "NotMinusOne"])
+def test_padded_bags_answer_ids_outside_the_table_as_the_export_does(valid):
+    """A segment-sum bag over ids >= 0 (safe_embedding_lookup_sparse, gather + unsorted_segment_sum) drops every
+    negative id; embedding_lookup_sparse drops only -1: -2 .. -rows read the table's end and below raises. Either
+    way an id from the table's rows on raises: the rewrite raises there too (id rows read its zero row) and reads
+    -2 from the end where the export does (it was padding)."""
+    model = padded_bags_model(valid=valid)
+    out, ctx = run_pass(model, "vectorize-embedding-bags")
+    assert ctx.rewrites == 2
+    rows, feeds = BAG_TABLE.shape[0], padded_feeds()
+    top, bottom = int(np.iinfo(np.int64).max), int(np.iinfo(np.int64).min)
+    values = [0, rows - 1, -1, -2, -rows, rows, rows + 1, rows + 1000, -rows - 1, -(1 << 31), 1 << 40, top, bottom]
+    for bag in ("ids0", "ids1"):
+        raised = assert_same_answers(model, out, id_cases(feeds, bag, values, at=4))
+        beyond = {-rows - 1, -(1 << 31), bottom} if valid == "NotMinusOne" else set()
+        assert {v for _, v in raised} == {rows, rows + 1, rows + 1000, 1 << 40, top} | beyond
+
+
+@pytest.mark.parametrize("target,options", [("ort", {}), ("ort", {"ort_kernels": "off"}), ("openvino", {})])
+def test_an_optimized_model_with_padded_bags_raises_where_the_export_raises(target, options):
+    """The whole pipeline (bags vectorized, then fused into one lookup checked per field, ctropt's GatherRows or
+    standard ops) on a bag of each kind."""
+    model = padded_bags_model(valid=("GreaterOrEqual", "NotMinusOne"))
+    out = ctropt.optimize(model, speed=False, target=target, options=options).model
+    rows, feeds = BAG_TABLE.shape[0], padded_feeds()
+    cases = {**id_cases(feeds, "ids0", [0, -2, -rows - 1, rows, 1 << 40], at=4),
+             **id_cases(feeds, "ids1", [0, -2, -rows, -rows - 1, rows, 1 << 40], at=4)}
+    assert assert_same_answers(model, out, cases) == {("ids0", rows), ("ids0", 1 << 40), ("ids1", -rows - 1),
+                                                      ("ids1", rows), ("ids1", 1 << 40)}
+
+
+def test_zoo_dlrm_tf2onnx_bags_raise_where_the_export_raises():
+    """tf2onnx's embedding_lookup_sparse (bag2: only -1 is padding) and gather + unsorted_segment_sum (bag6: every
+    negative id is): id V, and -2^31 in bag2, raise after ctropt as in the export (they read a zero row)."""
+    path = ctropt.exporters.zoo.shipped_path("dlrm")
+    model = load(path)
+    out = ctropt.optimize(model, speed=False).model
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    cases = {}
+    for bag in ("bag2", "bag6"):
+        v = first_raising_id(model, feeds, bag)
+        cases.update(id_cases(feeds, bag, [0, v - 1, -1, -2, -v, v, v + 1000, -v - 1, -(1 << 31), 1 << 40]))
+    raised = assert_same_answers(model, out, cases)
+    assert ("bag6", first_raising_id(model, feeds, "bag6")) in raised and ("bag2", -(1 << 31)) in raised
 
 
 def test_zoo_dlrm_tf2onnx_bags_vectorize_and_fuse():
@@ -508,6 +616,59 @@ def test_partitioned_lookup_becomes_one_gather(strategy):
         np.testing.assert_allclose(ctropt.runtime.run_model(once, {"ids": ids})["emb"],
                                    exp.run_framework({"ids": ids})["emb"], atol=1e-6)
     assert run_pass(once, "merge-partitioned-embeddings")[1].rewrites == 0
+
+
+@pytest.mark.parametrize("strategy, rows", [("mod", 10), ("mod", 9), ("div", 10), ("div", 9)])
+def test_a_merged_lookup_answers_ids_outside_the_table_as_the_shards_did(strategy, rows):
+    """The partitioned lookup (tf2onnx's lowering) raises on every id from its rows on, but not on every negative
+    one: mod puts id -k·N in shard 0 (row -k from its end), div reads -1 .. -(rows of shard 0 - 1) from shard 0's
+    end, other negative ids fall in no shard and the stitch raises. The merged Gather does the same on every id
+    (it read every negative id from the table's end); the ids past ±2^31 where div's int32 shard wraps around
+    are named in a note."""
+    exp = partitioned_lookup(strategy, rows)
+    once, ctx = run_pass(exp.model, "merge-partitioned-embeddings")
+    assert ctx.rewrites == 1
+    values = [*range(-2 * rows - 5, rows + 5), 1 << 31, 1 << 40, -(1 << 31), -(1 << 31) + 1]
+    cases = {v: {"ids": np.array([3, v, 0, rows - 1])} for v in values}
+    raised = assert_same_answers(exp.model, once, cases)
+    assert set(range(rows, rows + 5)) <= raised and set(range(-2 * rows - 5, -2 * rows)) <= raised
+    assert set(range(-rows, 0)) - raised and set(range(-rows, 0)) & raised  # a plain Gather answers all of these
+    notes = [n for n in ctx.notes if "wraps around in int32" in n]  # div: -2^40's shard index wraps to shard 0
+    odd = {int(x) for x in re.findall(r"-?\d+", notes[0].split("ids ", 1)[1].split(" are")[0])} if notes else set()
+    assert (-(1 << 40) in odd) == (strategy == "div") and all(x <= -(1 << 40) for x in odd)
+
+
+def test_zoo_wdl_merged_tables_answer_ids_outside_the_table_as_the_shards_did():
+    """C9 reads a 4-shard table by div (the deep part: -1 .. -213 answered) and by mod (the linear part: every
+    fourth negative id from -856 on answered): the model answers -4, raises on -1 and -856."""
+    path = ctropt.exporters.zoo.shipped_path("wdl")
+    model = load(path)
+    once, ctx = run_pass(model, "merge-partitioned-embeddings")
+    assert ctx.rewrites == 52 and not ctx.notes
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    v = first_raising_id(model, feeds, "C9")
+    rng = np.random.default_rng(0)
+    values = {*range(-24, 0), *range(-v - 8, -v + 8), *range(-860, -848), *rng.integers(-2 * v, v + 5, 40).tolist(),
+              0, v - 1, v, v + 1, 1 << 40, -(1 << 31), -856}
+    raised = assert_same_answers(model, once, id_cases(feeds, "C9", sorted(values)))
+    assert {("C9", -1), ("C9", -856), ("C9", v)} <= raised and ("C9", -4) not in raised
+
+
+@pytest.mark.parametrize("target,options", [("ort", {}), ("ort", {"ort_kernels": "off"}), ("openvino", {})])
+def test_zoo_wdl_optimized_answers_ids_outside_the_table_as_the_export(target, options):
+    """The whole pipeline: fuse-parallel-embeddings joins the merged lookups on their ids and reads each column's
+    negative ids by its lookup's rule, once for all the columns (one Mod for the 26 mod-partitioned tables)."""
+    path = ctropt.exporters.zoo.shipped_path("wdl")
+    model = load(path)
+    out = ctropt.optimize(model, speed=False, target=target, options=options).model
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    cases = {}
+    for name in ("C1", "C9", "C26"):
+        v = first_raising_id(model, feeds, name)
+        cases.update(id_cases(feeds, name, [0, v - 1, v, v + 1000, -1, -2, -4, -12, -v, -v - 1, -856, 1 << 40]))
+    raised = assert_same_answers(model, out, cases)
+    assert ("C9", -1) in raised and ("C9", -4) not in raised
+    assert ops(out).count("Mod") == 1 and ops(out).count("Where") <= 8  # not 5 for each of the 52 tables
 
 
 def test_zoo_wdl_partitioned_tables_merge():
@@ -655,6 +816,43 @@ def test_a_lookup_that_reads_negative_ids_from_the_end_is_no_sparse_column():
                        [init("table", BAG_TABLE), init("two", np.array(2, np.float32))])
     out, ctx = run_pass(model, "rewrite-sparse-columns")
     assert ctx.rewrites == 0 and ops(out) == ops(model)
+
+
+def test_feature_columns_raise_on_ids_past_their_table():
+    """safe_embedding_lookup_sparse drops every negative id and raises on an id from the table's rows on; the
+    rewrite's zero row answered id rows (11)."""
+    model = load(SPARSE_COLUMNS)
+    once, ctx = run_pass(model, "rewrite-sparse-columns")
+    assert ctx.rewrites == 5
+    feeds = dict(np.load(SPARSE_COLUMNS.with_suffix(".npz")))
+    cases = {}
+    for name in ("one:0", "bag_sum:0", "bag_mean:0", "bag_sqrtn:0", "hist:0"):
+        v = first_raising_id(model, feeds, name, at=1)
+        assert v == 11
+        cases.update(id_cases(feeds, name, [0, v - 1, -1, -2, -v, -v - 1, -(1 << 31), v, v + 1000, 1 << 40], at=1))
+    raised = assert_same_answers(model, once, cases, atol=1e-6)
+    assert {v for _, v in raised} == {11, 1011, 1 << 40}
+
+
+@pytest.mark.parametrize("name", ["DIEN", "WDL"])
+def test_deeprec_columns_over_shards_raise_on_ids_past_their_table(name):
+    """DeepRec's feature columns over partitioned tables, merged then rewritten: an id of V raises as the export's
+    stitch does (it was answered with the zero row), negative ids stay padding, ids inside answer the same."""
+    path = DATA / f"deeprec_{name}_tf2onnx.onnx"
+    raw = load(path)
+    merged, ctx = run_pass(raw, "merge-partitioned-embeddings")
+    assert ctx.rewrites > 0
+    once, ctx = run_pass(merged, "rewrite-sparse-columns")
+    assert ctx.rewrites > 0
+    feeds = dict(np.load(path.with_suffix(".npz")))
+    names = ["UID:0", "ITEM:0", "CATEGORY:0", "HISTORY_ITEM:0", "HISTORY_CATEGORY:0"] if name == "DIEN" else \
+        ["C1:0", "C5:0"]
+    cases = {}
+    for k in names:
+        v = first_raising_id(raw, feeds, k)
+        cases.update(id_cases(feeds, k, [0, v - 1, -1, -2, -v - 1, -(1 << 31), v, v + 1000, 1 << 40]))
+    raised = assert_same_answers(raw, once, cases)
+    assert {v for _, v in raised} >= {1 << 40} and all((k, first_raising_id(raw, feeds, k)) in raised for k in names)
 
 
 @pytest.mark.parametrize("name", ["DIN", "MMoE", "DCNv2"])

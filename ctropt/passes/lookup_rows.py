@@ -12,6 +12,7 @@ the selection alone, so the full lookup goes away.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..graph import annotate_shapes
@@ -45,15 +46,15 @@ def _lookup_rows(m: Match) -> list:
     name, out, dtype = m.root.name, m.root.outputs[0], m["ids"].dtype
     flat = m.constant(f"{name}/flat", np.array([-1], np.int64))
     (ids,) = m.op("Reshape", [m["ids"], flat], name=f"{name}/ids_flat", dtype=dtype)
-    ids = _all_checked(m, ids, m.const("table").shape[0], flat)
+    ids = _all_checked(m, ids, flat)
     (picked,) = m.op("Gather", [ids, m["rows"]], {"axis": 0}, name=f"{name}/ids_selected", dtype=dtype)
     return m.op("Gather", [m["table"], picked], {"axis": 0}, name=f"{name}/lookup_selected",
                 dtype=out.dtype, shape=out.shape)
 
 
-def _all_checked(m: Match, ids: gs.Tensor, rows: int, flat: gs.Tensor) -> gs.Tensor:
-    """The flat ids joined with an empty value that is made only if every id is in [-rows, rows): the largest id
-    (0 at least) and the smallest (0 at most) looked up in a [rows, 0] table (no bytes: onnxruntime's bounds check
+def _all_checked(m: Match, ids: gs.Tensor, flat: gs.Tensor) -> gs.Tensor:
+    """The flat ids joined with an empty value that is made only if every id is in the table's [-V, V): the table's
+    rows at the largest id (0 at least) and the smallest (0 at most), none of them kept (onnxruntime's bounds check
     and message; 0 for an empty batch). Two indices, not one per id: Gather costs ~8 ns an index."""
     name, dtype = m.root.name, ids.dtype
     zero = m.constant(f"{name}/zero", np.zeros(1, np.dtype(dtype)))
@@ -62,9 +63,12 @@ def _all_checked(m: Match, ids: gs.Tensor, rows: int, flat: gs.Tensor) -> gs.Ten
     (high,) = m.op("Max", [high, zero], name=f"{name}/ids_max_0", dtype=dtype)
     (low,) = m.op("Min", [low, zero], name=f"{name}/ids_min_0", dtype=dtype)
     (ends,) = m.op("Concat", [high, low], {"axis": 0}, name=f"{name}/ids_ends", dtype=dtype)
-    bounds = m.constant(f"{name}/bounds", np.zeros((rows, 0), np.dtype(dtype)))
-    (checked,) = m.op("Gather", [bounds, ends], {"axis": 0}, name=f"{name}/ids_checked", dtype=dtype)
-    (none,) = m.op("Reshape", [checked, flat], name=f"{name}/no_ids", dtype=dtype)
+    (rows,) = m.op("Gather", [m["table"], ends], {"axis": 0}, name=f"{name}/ids_checked", dtype=m["table"].dtype)
+    none = m.constant(f"{name}/none", np.zeros(1, np.int64))
+    (rows,) = m.op("Slice", [rows, none, none, none], name=f"{name}/no_rows", dtype=m["table"].dtype)
+    (rows,) = m.op("Cast", [rows], {"to": onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))},
+                   name=f"{name}/as_ids", dtype=dtype)
+    (none,) = m.op("Reshape", [rows, flat], name=f"{name}/no_ids", dtype=dtype)
     return m.op("Concat", [ids, none], {"axis": 0}, name=f"{name}/ids_all_checked", dtype=dtype)[0]
 
 

@@ -255,7 +255,8 @@ def _attr_tensor(v: int) -> gs.Constant:
 # Padded bags: ids [B, L] with -1 where a row has fewer than L ids, pooled per row by whatever the exporter made
 # of TF's sparse lookups (embedding_lookup_sparse, safe_embedding_lookup_sparse, gather + unsorted_segment_sum:
 # NonZero/GatherND, Unique, a Gather per bag, a segment sum, ...). Which tensor holds the pooled [B, D] and how it
-# was pooled is found by evaluating the region on probe ids, as merge-partitioned-embeddings does.
+# was pooled is found by evaluating the region on probe ids, as merge-partitioned-embeddings does; what it does
+# with ids outside the table (which are padding, which raise: PADDINGS) too, on the same probes with one id changed.
 COMBINERS = {
     "sum": lambda total, count: total,
     "mean": lambda total, count: total / np.maximum(count, 1),
@@ -310,9 +311,9 @@ def _bag_candidates(gather: gs.Node, width: int, hops: int = 12) -> list[gs.Tens
             if out.outputs and out.shape is not None and len(out.shape) == 2 and out.shape[1] == width]
 
 
-def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor, str] | str | None:
-    """(ids input, pooled tensor, combiner) of a padded bag ending in a lookup of `gather`'s table; a reason
-    when it looked like one but did not evaluate as one; None when it is no bag."""
+def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor, str, str] | str | None:
+    """(ids input, pooled tensor, combiner, padding rule) of a padded bag ending in a lookup of `gather`'s table; a
+    reason when it looked like one but did not evaluate as one; None when it is no bag."""
     table = const_value(gather.inputs[0])
     values, _ = input_sources(gather.inputs[1], graph)
     by_name = {x.name: x for x in graph.inputs}
@@ -342,7 +343,15 @@ def _padded_bag(graph: gs.Graph, gather: gs.Node) -> tuple[gs.Tensor, gs.Tensor,
     for t, _ in reversed(candidates):  # the farthest pooled tensor: mean's division included
         for combiner in COMBINERS:
             if all(same_values(out[t.name], lookup_values(table, probe, combiner)) for probe, out in results):
-                return (ids, t, combiner) if region_nodes(t, ids) > REWRITTEN_NODES[combiner] else None
+                if region_nodes(t, ids) <= REWRITTEN_NODES[combiner]:
+                    return None
+                probe, _ = results[0]
+                sizes = [np.zeros([len(probe)] + [d if isinstance(d, int) else 1 for d in x.shape[1:]],
+                                  dtype=np.dtype(x.dtype)) for x in shape_only]
+                padding = padding_rule(lambda x: region.run([x, *sizes], outputs=[t])[0], probe, table, combiner)
+                if padding is None:
+                    return f"{gather.name}: ids outside the table are not padding or raising as a lookup's are"
+                return ids, t, combiner, padding
     return f"{gather.name}: no tensor downstream pools the bag ({', '.join(COMBINERS)})"
 
 
@@ -373,9 +382,10 @@ def padded_bag_tables(graph: gs.Graph) -> set[str]:
     return {g.inputs[0].name for g, found in _padded_bags(graph) if not isinstance(found, str)}
 
 
-def lookup_values(table: np.ndarray, ids: np.ndarray, combiner: str) -> np.ndarray | None:
-    """What pooled_lookup computes for `ids` (None: a combiner over ids that are not [B, L])."""
-    valid = ids >= 0
+def lookup_values(table: np.ndarray, ids: np.ndarray, combiner: str, padding: str = "negative") -> np.ndarray | None:
+    """What pooled_lookup computes for `ids` (None: a combiner over ids that are not [B, L]; IndexError for an id
+    outside the table)."""
+    valid = ids >= 0 if padding == "negative" else ids != -1
     rows = table[np.where(valid, ids, 0)] * valid[..., None]
     if combiner == "rows":
         return rows
@@ -388,19 +398,81 @@ def same_values(got: np.ndarray, want: np.ndarray | None) -> bool:
     return want is not None and got.shape == want.shape and np.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: str, name: str) -> gs.Tensor:
-    """Gather on the table and a zero row that negative ids (padding) read (combiner "rows": that is all), summed
-    over L; ÷ count for mean, ÷ √count for sqrtn (the count at least 1: a row without ids gives zeros)."""
+# Ids outside the table (issue 47): the exporters' lookups drop padding and raise on the rest, two ways.
+PADDINGS = {
+    "negative": "every id < 0 is padding (safe_embedding_lookup_sparse, a segment sum over ids >= 0)",
+    "minus_one": "only -1 is padding; other negative ids read from the table's end, as Gather does, and raise "
+                 "below -rows (embedding_lookup_sparse over the ids that are not -1)",
+}  # in both, an id from the table's rows on raises
+
+
+def padding_rule(evaluate, probe: np.ndarray, table: np.ndarray, combiner: str) -> str | None:
+    """Which of PADDINGS a padded lookup follows, found by running it (`evaluate(ids)`: its output, or it raises) on
+    `probe` (valid ids, padded with -1) with one valid id changed: an id past the table and a huge one must raise,
+    negative ones be padding, read from the end or raise as the rule says. None: it does something else with them
+    (a default row for ids out of range, a hash): pooled_lookup would not answer as it does."""
+    rows, dtype = table.shape[0], probe.dtype
+    at = tuple(np.argwhere(probe >= 0)[0])
+
+    def changed(v):
+        x = probe.copy()
+        x[at] = v
+        return x
+
+    def answers(v, padding):
+        try:
+            got = evaluate(changed(v))
+        except Exception:  # raising is the answer tested elsewhere
+            return False
+        return same_values(got, lookup_values(table, changed(v), combiner, padding))
+
+    def raises(v):
+        try:
+            evaluate(changed(v))
+        except Exception:  # what a Gather does with an id outside its table
+            return True
+        return False
+
+    info = np.iinfo(dtype)
+    if not all(raises(v) for v in sorted({rows, rows + 1, info.max, min(1 << 40, info.max)})):
+        return None
+    from_end = sorted({v for v in (-2, -rows) if v >= -rows})
+    beyond = sorted({-rows - 1, info.min, max(-(1 << 40), info.min)})
+    if all(answers(v, "negative") for v in from_end + beyond):
+        return "negative"
+    if all(answers(v, "minus_one") for v in from_end) and all(raises(v) for v in beyond):
+        return "minus_one"
+    return None
+
+
+def pooled_lookup(graph: gs.Graph, table: np.ndarray, ids: gs.Tensor, combiner: str, name: str,
+                  padding: str = "negative") -> gs.Tensor:
+    """Gather on a zero row and the table (row id + 1), the zero row read by padding ids (combiner "rows": that is
+    all), summed over L; ÷ count for mean, ÷ √count for sqrtn (the count at least 1: a row without ids gives
+    zeros). An id outside the table (as `padding` says, PADDINGS) lands past the table's last row, so the Gather
+    raises as the lookup did."""
     rows = table.shape[0]
     id_dtype = np.dtype(ids.dtype)
-    padded = add_constant(graph, f"{name}/table", np.concatenate([table, np.zeros_like(table[:1])]))
+    padded = add_constant(graph, f"{name}/table", np.concatenate([np.zeros_like(table[:1]), table]))
 
     b = Builder(graph, name, table.dtype)
     op = b.op
 
-    padding = op("Less", [ids, add_constant(graph, f"{name}/zero", np.array(0, dtype=id_dtype))], dtype=np.bool_)
-    safe = op("Where", [padding, add_constant(graph, f"{name}/pad_row", np.array(rows, dtype=id_dtype)), ids],
-              dtype=id_dtype)
+    def const(what, value):
+        return add_constant(graph, f"{name}/{what}", np.array(value, dtype=id_dtype))
+
+    # id + 1 for an id >= 0: from the table's rows on, past its last row (and int max + 1 wraps below its first)
+    shifted = op("Add", [ids, const("one_row", 1)], dtype=id_dtype)
+    if padding == "negative":
+        padding = op("Less", [ids, const("zero", 0)], dtype=np.bool_)
+        safe = op("Where", [padding, const("pad_row", 0), shifted], dtype=id_dtype)
+    else:  # -1 + 1 is the zero row; -2 .. -rows read as they are, from the end (rows + 1 + id); below, past the end
+        minus_one = const("minus_one", -1)
+        kept = op("Where", [op("Less", [ids, minus_one], dtype=np.bool_), ids, shifted], dtype=id_dtype)
+        beyond = op("Less", [ids, const("minus_rows", -rows)], dtype=np.bool_)
+        safe = op("Where", [beyond, const("past", rows + 1), kept], dtype=id_dtype)
+        padding = None if combiner in ("rows", "sum") else \
+            op("Equal", [ids, minus_one], dtype=np.bool_)  # what mean and sqrtn do not count
 
     def row_sum(x, keepdims):
         return b.axes_op("ReduceSum", x, [1], {"keepdims": keepdims})
@@ -448,9 +520,9 @@ def vectorize_embedding_bags(ctx: PassContext) -> None:
         if isinstance(found, str):
             ctx.note(found)
             continue
-        ids, pooled, combiner = found
+        ids, pooled, combiner, padding = found
         table = const_value(gather.inputs[0])
-        out = pooled_lookup(graph, table, ids, combiner, unique_name(graph, f"{gather.name}/bag"))
+        out = pooled_lookup(graph, table, ids, combiner, unique_name(graph, f"{gather.name}/bag"), padding)
         replace_outputs(graph, pooled.inputs[0], [out if o is pooled else None for o in pooled.inputs[0].outputs])
         ctx.rewrites += 1
     if ctx.rewrites:

@@ -14,6 +14,7 @@ from ...graph import annotate_shapes, iter_graphs
 from ...graph.edit import Builder, add_constant, add_node, const_value, dtype_of, replace_outputs, shape_of, unique_name
 from ..cleanup import tidy
 from ..registry import PassContext, register_pass
+from .partitioned import read_merged_ids
 
 
 @dataclasses.dataclass
@@ -28,6 +29,13 @@ class Lookup:
     start: int = 0  # the first column of its unit among the fused lookup's ids
     block: list | None = None  # lookups joined on their last axis, laid out interleaved (see _interleave)
     lane: int = 0  # its place in the block
+    negatives: tuple | None = None  # a merged partitioned lookup's (reach, step, shift): `ids` read as it reads them
+
+    def rule(self) -> tuple[int, int, int]:
+        """(reach, step, shift) of its negative ids: those in [-reach, 0) that step divides read row id + shift,
+        the others raise; a Gather's own (rows, 1, rows) unless merge-partitioned-embeddings said otherwise."""
+        rows = int(self.values.shape[0])
+        return self.negatives or (rows, 1, rows)
 
     @property
     def k(self) -> int:
@@ -76,6 +84,10 @@ def _lookups(graph: gs.Graph, batch: set[str]) -> list[Lookup]:
         if node.op != "Gather" or node.attrs.get("axis", 0) != 0:
             continue
         values, ids = const_value(node.inputs[0]), node.inputs[1]
+        merged, negatives = read_merged_ids(ids), None
+        if merged is not None and values is not None and values.ndim >= 1 and merged[2] == values.shape[0]:
+            ids, fit = merged[0], merged[1]  # its negative ids' rule joins the others' (_negative_ids)
+            negatives = (fit.reach, fit.step, fit.shift)
         shape, dtype = shape_of(ids), dtype_of(ids)
         if values is None or values.ndim != 2 or values.dtype.kind != "f" or not shape or dtype is None:
             continue
@@ -95,7 +107,7 @@ def _lookups(graph: gs.Graph, batch: set[str]) -> list[Lookup]:
             else:
                 break
         if id(out) not in outputs:
-            found.append(Lookup(node, values, ids, out, out_shape))
+            found.append(Lookup(node, values, ids, out, out_shape, negatives=negatives))
     return found
 
 
@@ -173,12 +185,13 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
         return add_node(graph, "Cast", [x], {"to": onnx.helper.np_dtype_to_tensor_dtype(id_dtype)},
                         name=f"{name}/cast", dtype=id_dtype)[0]
 
-    sizes, offsets, columns, start = [], [], [], 0
+    sizes, offsets, rules, columns, start = [], [], [], [], 0
     for unit in _units(group):
         rows = [lk.values.shape[0] for lk in unit]
         at = [starts[first[id(lk.gather.inputs[0])]] for lk in unit]
         sizes += rows * unit[0].k  # a block's columns run over its lanes first
         offsets += at * unit[0].k
+        rules += [lk.rule() for lk in unit] * unit[0].k
         x = cast(unit[0].ids)
         if len(unit) > 1:
             last = add_constant(graph, f"{name}/last", np.array([-1]))
@@ -205,9 +218,34 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
                                 name=f"{name}/cols", dtype=id_dtype)
             ids.append(x)
     (x,) = add_node(graph, "Concat", ids, {"axis": 1}, name=f"{name}/ids", dtype=id_dtype) if len(ids) > 1 else ids
-    x = field_rows(Builder(graph, name, id_dtype), x, np.array(sizes, id_dtype), np.array(offsets, id_dtype), starts[-1])
+    b = Builder(graph, name, id_dtype)
+    if any(lk.negatives for lk in group):
+        x = _negative_ids(b, x, np.array(sizes, id_dtype), np.array(rules, id_dtype))
+    x = field_rows(b, x, np.array(sizes, id_dtype), np.array(offsets, id_dtype), starts[-1])
     table = add_constant(graph, f"{name}/table", np.concatenate(tables, axis=0))
     return add_node(graph, "Gather", [table, x], {"axis": 0}, name=name, dtype=table.values.dtype)[0]
+
+
+def _negative_ids(b: Builder, x: gs.Tensor, sizes: np.ndarray, rules: np.ndarray) -> gs.Tensor:
+    """The ids x ([..., K]) of lookups that merge-partitioned-embeddings made (rules[c] = (reach, step, shift): what
+    their shards did with negative ids, partitioned.Negatives) and of plain ones ((rows, 1, rows)), each column
+    read as its lookup reads it: a negative id that its rule answers → id + shift, one it does not → sizes[c]
+    (past the field: field_rows then sends it past the joined table). The rules' few elementwise ops once on
+    all the columns instead of on each lookup's ids."""
+    shape = b.op("Shape", [x], dtype=np.int64)
+
+    def per_column(what, values):
+        return b.op("Expand", [b.const(what, values), shape])
+
+    negative = b.op("Less", [x, b.const("zero", np.zeros((), sizes.dtype))], dtype=np.bool_)
+    row = b.op("Where", [negative, b.op("Add", [x, per_column("shift", rules[:, 2])]), x])
+    bad = b.op("Less", [x, per_column("reach", -rules[:, 0])], dtype=np.bool_)
+    if (rules[:, 1] > 1).any():
+        divided = b.op("Equal", [b.op("Mod", [x, per_column("step", rules[:, 1])]),
+                                 b.const("zero", np.zeros((), sizes.dtype))], dtype=np.bool_)
+        bad = b.op("Or", [bad, b.op("And", [negative, b.op("Not", [divided], dtype=np.bool_)], dtype=np.bool_)],
+                   dtype=np.bool_)
+    return b.op("Where", [bad, per_column("past", sizes), row])
 
 
 def field_rows(b: Builder, x: gs.Tensor, sizes: np.ndarray, offsets: np.ndarray, total: int) -> gs.Tensor:

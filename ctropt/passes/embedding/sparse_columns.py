@@ -10,7 +10,8 @@ and for `sequence_` columns the [B, T, D] rows themselves, zeros where the id is
 The lookup is found by meaning, not by names: from each Gather of a constant table, the int graph input its
 ids come from, then the farthest value downstream that depends on that input only and evaluates, on hostile
 probe ids (-1 and -2 anywhere, empty rows, repeated ids, both table ends, two batch and history sizes), to
-one of those meanings; only then is it replaced.
+one of those meanings; only then is it replaced. Ids outside the table are probed too (bags.padding_rule): the
+lookup must drop every negative id and raise from the table's rows on, as the replacement does (issue 47).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ...graph.edit import const_value, redirect_consumers, replace_outputs, uniq
 from ...runtime.subgraph import Subgraph
 from ..cleanup import tidy
 from ..registry import PassContext, register_pass
-from .bags import (COMBINERS, REWRITTEN_NODES, input_sources, lookup_values, pooled_lookup, region_nodes,
-                   same_values, table_lookups)
+from .bags import (COMBINERS, REWRITTEN_NODES, input_sources, lookup_values, padding_rule, pooled_lookup,
+                   region_nodes, same_values, table_lookups)
 
 FORMS = ("rows", *COMBINERS)  # rows: W[id] per position ([B] ids → [B, D], [B, T] → [B, T, D])
 MIN_ID_NODES = 6  # between the input and the table's Gather (tf2onnx's to_sparse_input + pruning: 20 and more)
@@ -42,6 +43,7 @@ class Column:
     ids: gs.Tensor
     out: gs.Tensor
     form: str
+    padding: str = "negative"  # which ids are padding, and what the others outside the table do (PADDINGS)
 
 
 def _ids_input(graph: gs.Graph, gather: gs.Node) -> gs.Tensor | None:
@@ -147,7 +149,14 @@ def _identify(graph: gs.Graph, gather: gs.Node) -> Column | str | None:
                if all(same_values(v, lookup_values(table, probe[0], form)) for probe, v in got)]
     if matches:  # the one that computes the most: a mean's division and the empty rows' zeros included
         out, form = max(matches, key=lambda m: region_nodes(m[0], ids))  # ties: the first form (fewest nodes)
-        return Column(gather, ids, out, form) if region_nodes(out, ids) > REWRITTEN_NODES[form] else None
+        if region_nodes(out, ids) <= REWRITTEN_NODES[form]:
+            return None
+        (probe, *sizes), _ = results[outs.index(out)][0]
+        region = Subgraph([out], [ids, *shape_only], graph.opset, dtypes=[table.dtype])
+        padding = padding_rule(lambda x: region.run([x, *sizes])[0], probe, table, form)
+        if padding is None:
+            return f"{gather.name}: ids outside the table are not padding or raising as a lookup's are"
+        return Column(gather, ids, out, form, padding)
     return f"{gather.name}: no value downstream of the lookup combines its valid ids ({', '.join(FORMS)})"
 
 
@@ -162,7 +171,8 @@ def rewrite_sparse_columns(ctx: PassContext) -> None:
             ctx.note(found)
             continue
         table = const_value(gather.inputs[0])
-        out = pooled_lookup(graph, table, found.ids, found.form, unique_name(graph, f"{gather.name}/column"))
+        out = pooled_lookup(graph, table, found.ids, found.form, unique_name(graph, f"{gather.name}/column"),
+                            found.padding)
         producer = found.out.inputs[0]
         if len(producer.outputs) == 1:
             replace_outputs(graph, producer, [out])
