@@ -16,8 +16,9 @@ import onnx
 
 from .. import kernels
 from ..graph import CtroptError, iter_proto_nodes
-from ..ops import DOMAIN as FUSED_DOMAIN
 from . import strings
+
+FUSED_DOMAIN = "ai.ctropt"   # ctropt.ops.DOMAIN (the runtime layer does not import ops)
 
 # com.microsoft ops OpenVINO 2026.4's ONNX frontend has a conversion rule for (each read alone; the others of
 # onnxruntime's contrib schemas say "No conversion rule found"). tests/test_runtime_check.py probes them.
