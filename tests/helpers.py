@@ -77,3 +77,26 @@ def kernel_session(nodes, inputs, inits=(), out_type=F, threads=2):
     so.intra_op_num_threads = threads
     kernels.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def built_kernels(tmp_path_factory):
+    """The kernel library (a module fixture's body): the one already built, else built into a temporary folder,
+    else skipped (required where CTROPT_KERNEL_TESTS=required)."""
+    import os
+    import shutil
+
+    import pytest
+
+    from ctropt import kernels
+
+    saved = os.environ.get("CTROPT_KERNELS_DIR")
+    if not kernels.available():
+        if shutil.which("gcc") is None and os.environ.get("CTROPT_KERNEL_TESTS") != "required":
+            pytest.skip("gcc not found: the kernel library cannot be built here")
+        os.environ["CTROPT_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
+        kernels.build()
+    yield kernels.library_path()
+    if saved is None:
+        os.environ.pop("CTROPT_KERNELS_DIR", None)
+    else:
+        os.environ["CTROPT_KERNELS_DIR"] = saved

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
-from helpers import F, I64, make_model
+from helpers import F, I64, built_kernels, make_model
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -59,18 +58,7 @@ ODDS = [0.0, 0.0, 0.03, 0.3, 1.0]        # share of the edge values in an exampl
 
 @pytest.fixture(scope="module", autouse=True)
 def library(tmp_path_factory):
-    """The kernel library: the one already built, else built into a temporary folder, else skipped."""
-    saved = os.environ.get("CTROPT_KERNELS_DIR")
-    if not kernels.available():
-        if shutil.which("gcc") is None and os.environ.get("CTROPT_KERNEL_TESTS") != "required":
-            pytest.skip("gcc not found: the kernel library cannot be built here")
-        os.environ["CTROPT_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-        kernels.build()
-    yield kernels.library_path()
-    if saved is None:
-        os.environ.pop("CTROPT_KERNELS_DIR", None)
-    else:
-        os.environ["CTROPT_KERNELS_DIR"] = saved
+    yield from built_kernels(tmp_path_factory)
 
 
 # ----------------------------------------------------------------------------------------------- models, runs

@@ -7,8 +7,6 @@ CTROPT_KERNEL_TESTS=required, so there a failed build fails."""
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ from ctropt.graph import CtroptError, interface, load, to_model
 from ctropt.ops.rnn import SequenceAttrs
 from ctropt.passes.rnn.lower_ort import lower_sequence_node
 from ctropt.runtime import Runner, compare_outputs
-from tests.helpers import make_model
+from tests.helpers import built_kernels, make_model
 from tests.test_rnn_op import H, MASKING, VARIANTS, _layer
 
 ZOO = Path(ctropt.__file__).parent / "exporters" / "zoo" / "data"
@@ -31,18 +29,7 @@ THIRDPARTY = Path(__file__).parent / "data" / "thirdparty"
 
 @pytest.fixture(scope="module", autouse=True)
 def library(tmp_path_factory):
-    """The kernel library: the one already built, else built into a temporary folder, else skipped."""
-    saved = os.environ.get("CTROPT_KERNELS_DIR")
-    if not kernels.available():
-        if shutil.which("gcc") is None and os.environ.get("CTROPT_KERNEL_TESTS") != "required":
-            pytest.skip("gcc not found: the kernel library cannot be built here")
-        os.environ["CTROPT_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-        kernels.build()
-    yield kernels.library_path()
-    if saved is None:
-        os.environ.pop("CTROPT_KERNELS_DIR", None)
-    else:
-        os.environ["CTROPT_KERNELS_DIR"] = saved
+    yield from built_kernels(tmp_path_factory)
 
 
 def _session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:

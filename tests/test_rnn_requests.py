@@ -5,8 +5,6 @@ Scan/Loop's masking, an error where it was an ONNX GRU op (``lengths_checked``).
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +15,12 @@ import onnx_graphsurgeon as gs
 import pytest
 
 import ctropt
-from ctropt import kernels
 from ctropt.graph import to_graph, to_model
 from ctropt.ops.rnn import SequenceAttrs, add_sequence_node, reference
 from ctropt.passes.rnn import lower_ort
 from ctropt.passes.rnn.lower_ort import lower_sequence_node
 from ctropt.runtime import Runner
-from tests.helpers import make_model
+from tests.helpers import built_kernels, make_model
 
 Bn, T, I, H = 5, 7, 4, 3
 OUTSIDE = np.array([T + 5, -1, 0, 3, T], np.int64)  # above T, negative, and the edges
@@ -33,18 +30,7 @@ FORMS = ["function", "scan", "gru-op", "standard", "standard-large-batch", "kern
 
 @pytest.fixture(scope="module", autouse=True)
 def library(tmp_path_factory):
-    """The kernel library (as tests/test_kernels.py gets it): the one built, else built here, else skipped."""
-    saved = os.environ.get("CTROPT_KERNELS_DIR")
-    if not kernels.available():
-        if shutil.which("gcc") is None and os.environ.get("CTROPT_KERNEL_TESTS") != "required":
-            pytest.skip("gcc not found: the kernel library cannot be built here")
-        os.environ["CTROPT_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-        kernels.build()
-    yield kernels.library_path()
-    if saved is None:
-        os.environ.pop("CTROPT_KERNELS_DIR", None)
-    else:
-        os.environ["CTROPT_KERNELS_DIR"] = saved
+    yield from built_kernels(tmp_path_factory)
 
 
 # (lengths, initial_h, outputs) per layer: what the GRU op forms take (no lengths with initial_h on onnxruntime)
