@@ -30,18 +30,8 @@ typedef struct {
     float scale;
 } Job;
 
-/* The square of the sum as a value of its own: an empty asm the compiler cannot see through keeps it from being
- * contracted with the Sub into a fused multiply-add, so it is rounded as the Mul this replaces rounds it (and
- * overflows to inf as it does: inf - inf is NaN there, where s·s - q in one FMA would be -inf). */
-static inline vec rounded(vec v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-static inline float rounded1(float v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-
+/* rounded(): kernels.h (the square of the sum rounded as the Mul this replaces rounds it, and overflowing to inf as
+ * it does: inf - inf is NaN there, where s·s - q in one FMA would be -inf). */
 static void fm_block(void *data, size_t blk) {
     Job *j = data;
     const int64_t first = j->rows * (int64_t)blk / j->blocks, end = j->rows * ((int64_t)blk + 1) / j->blocks;

@@ -104,6 +104,18 @@ static inline void copy_row(float *restrict to, const float *restrict from, int6
 
 static inline vec splat(float f) { return (vec){0} + f; }
 
+/* A value as a value of its own: an empty asm the compiler cannot see through keeps it from being contracted with
+ * the next add or sub into a fused multiply-add (gcc and clang alike), so a product is rounded as the Mul a kernel
+ * replaces rounds it. */
+static inline vec rounded(vec v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+static inline float rounded1(float v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* Whether n floats are all finite (no ±inf, no NaN): their exponent bits are not all ones. */
 static inline int all_finite(const float *x, int64_t n) {
     uint32_t worst = 0;

@@ -29,16 +29,7 @@ typedef struct {
     int64_t rows, D, blocks;
 } Job;
 
-/* The product as a value of its own: an empty asm the compiler cannot see through keeps it from being contracted
- * with the sum into an FMA (gcc and clang alike), so it is rounded as the Mul this replaces rounds it. */
-static inline vec rounded(vec v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-static inline float rounded1(float v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
+/* rounded(): kernels.h (the product rounded as the Mul this replaces rounds it). */
 
 /* x in every lane: a broadcast, not (vec){0} + x (0 + -0.0 is +0.0, and -0.0 · b is not +0.0 · b). */
 static inline vec broadcast(float x) {
