@@ -331,7 +331,7 @@ def _key_dtype(seeds: list[gs.Tensor], probe: Probe):
     return np.float64
 
 
-def probe_width(s: gs.Tensor, probe: Probe) -> int | None:
+def _probe_width(s: gs.Tensor, probe: Probe) -> int | None:
     """The columns of seed s per row where the probe saw the same number at every size; None where they vary."""
     widths = {int(np.prod(shape[1:], dtype=np.int64)) for shape in (probe.shapes(s) or [])}
     return widths.pop() if len(widths) == 1 else None
@@ -347,7 +347,7 @@ def _rewrite(graph: gs.Graph, seeds: list[gs.Tensor], nodes: list[gs.Node], prob
     # Flatten, not Reshape [0, -1]: an empty batch has no elements to infer the -1 from
     parts = [s if len(s.shape or []) == 2 and s.dtype == dtype else op("Cast", [op("Flatten", [s], {"axis": 1})], {"to": to})
              for s in seeds]   # [B, k] seeds of the key's type as they are: a lookup's ids concatenated are the same
-    if not any(isinstance(w, (int, np.integer)) and w > 0 for w in (probe_width(s, probe) for s in seeds)):
+    if not any((_probe_width(s, probe) or 0) > 0 for s in seeds):
         # histories alone, whose length may be 0: onnxruntime's Unique aborts the process on rows of no width
         rows = op("Slice", [op("Shape", [parts[0]]), b.const("zero", np.array([0], np.int64)),
                             b.const("one", np.array([1], np.int64))])
