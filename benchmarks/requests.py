@@ -20,8 +20,10 @@ input or packed id column (V = the table size `analyze_inputs` reads off the gra
 axis is dynamic, all-padding rows, lengths that contradict the histories (T+5, 0, -1), unseen and odd strings, one
 user for the whole batch, a wrong dtype and a wrong rank.
 
-Outcome per case: `equal` (atol 1e-4, rtol 1e-4, NaN in the same places), `both_raise`, `silent` (the raw export
-raises, the optimized model answers), `opt_raises` (only the optimized model raises), `differ`, `crash` (the worker
+Outcome per case: `equal` (atol 1e-4, rtol 1e-4, NaN in the same places), `both_raise`, `repaired` (the raw export
+raises through its own bug, and the optimized model answers exactly what the raw export answers for the same
+request in a form it takes: the same rows within the real batch, or a history of one padded position for one of
+length 0), `silent` (the raw export raises, the optimized model answers anything else), `opt_raises` (only the optimized model raises), `differ`, `crash` (the worker
 died in the optimized model), `hang` (no answer within --timeout), `raw_crash` (the worker died in the raw export,
 after the optimized model answered or raised: the export's own bug, counted apart), `both_crash` (the optimized
 model takes the worker down, and so does the raw export run alone on the case). Besides, where the optimized model answers: the same case run again and
@@ -69,7 +71,12 @@ VARIANTS = {"default": [], "no_kernels": ["--option", "ort_kernels=off"], "openv
             "user_inputs": None}   # --user-inputs VALUE from one_user.CASES
 # raw_crash: the raw export takes onnxruntime down (some abort at batch 0) after the optimized model answered or
 # raised: the raw export's own bug, counted apart from ctropt's; both_crash: both take it down
-CLASSES = ("equal", "both_raise", "silent", "opt_raises", "differ", "crash", "hang", "raw_crash", "both_crash")
+# repaired: the raw export raises through its own bug (a Div by the batch size at batch 0, a GRU's lengths squeezed
+# to a scalar at batch 1, a Mul of [B, 0] by [B, T]) and the optimized model answers what the raw export answers for
+# the same request in a form it takes (`Case.witness`): the same rows inside the real batch; for a history of
+# length 0, a history of one padded position. Without a witness, or answering anything else: silent.
+CLASSES = ("equal", "both_raise", "repaired", "silent", "opt_raises", "differ", "crash", "hang", "raw_crash",
+           "both_crash")
 BAD = ("crash", "hang", "silent", "differ", "opt_raises")   # worst first
 ATOL = RTOL = 1e-4
 PREFIX = "@@ "   # a worker's result lines; anything else on its stdout is noise
@@ -148,6 +155,8 @@ class Case:
     name: str
     family: str
     feeds: dict
+    witness: dict | None = None    # the same request in a form the raw export may take (see CLASSES: repaired)
+    rows: np.ndarray | None = None  # the witness' output rows that answer this case (None: all of them)
 
 
 def _with(ex: Export, **changed) -> dict:
@@ -232,7 +241,8 @@ def batch_cases(ex: Export, sizes=(0, 1, 3, 4097)) -> list[Case]:
     cases = []
     for size in sizes:
         rows = np.arange(size) % ex.batch
-        cases.append(Case(f"batch {size}", "batch", _with(ex, **{n: ex.feeds[n][rows] for n in ex.batched()})))
+        cases.append(Case(f"batch {size}", "batch", _with(ex, **{n: ex.feeds[n][rows] for n in ex.batched()}),
+                          witness=dict(ex.feeds), rows=rows))
     return cases
 
 
@@ -254,16 +264,24 @@ def history_cases(ex: Export, lengths=(0, 1, 2)) -> list[Case]:
     cases = []
     for size in lengths:
         new = size * t if size == 2 else size
-        changed = _lengths_to(ex, new)
-        for n in names:
-            a = ex.feeds[n]
-            if new <= a.shape[1]:
-                changed[n] = a[:, :new]
-            else:
-                pad = np.full((a.shape[0], new - a.shape[1]) + a.shape[2:], ex.pad_value(n), a.dtype)
-                changed[n] = np.concatenate([a, pad], axis=1)
-        cases.append(Case(f"history T={new}", "history", _with(ex, **changed)))
+        cases.append(Case(f"history T={new}", "history", _with(ex, **_histories_to(ex, names, new)),
+                          witness=_with(ex, **_histories_to(ex, names, 1, pad=True)) if new == 0 else None))
     return cases
+
+
+def _histories_to(ex: Export, names: list[str], new: int, pad: bool = False) -> dict:
+    """The histories cut (or padded) to `new` positions, lengths clipped to match; `pad`: every position padding."""
+    changed = _lengths_to(ex, 0 if pad else new)
+    for n in names:
+        a = ex.feeds[n]
+        if new <= a.shape[1]:
+            changed[n] = a[:, :new]
+        else:
+            fill = np.full((a.shape[0], new - a.shape[1]) + a.shape[2:], ex.pad_value(n), a.dtype)
+            changed[n] = np.concatenate([a, fill], axis=1)
+        if pad:
+            changed[n] = np.full_like(changed[n], ex.pad_value(n))
+    return changed
 
 
 def padding_cases(ex: Export) -> list[Case]:
@@ -309,9 +327,17 @@ def string_cases(ex: Export) -> list[Case]:
     cases = [Case(f"string {names[0]} row0={label}", "strings",
                   _with(ex, **{names[0]: _set(ex.feeds[names[0]].astype(object), (0,) * ex.feeds[names[0]].ndim, v)
                                .astype(str)})) for label, v in odd]
-    cases.append(Case("every string input ''", "strings",
-                      _with(ex, **{n: np.full_like(ex.feeds[n], "") for n in names})))
+    feeds = _with(ex, **{n: np.full_like(ex.feeds[n], "") for n in names})
+    cases.append(Case("every string input ''", "strings", feeds, *_alongside(ex, feeds)))
     return cases
+
+
+def _alongside(ex: Export, feeds: dict) -> tuple[dict, np.ndarray]:
+    """A witness for a case whose rows stand alone (see CLASSES: repaired): its rows followed by the real batch's,
+    and which of the witness' rows are the case's."""
+    rows = len(feeds[ex.batched()[0]])
+    return {n: np.concatenate([feeds[n], ex.feeds[n]]) if n in ex.batched() else feeds[n] for n in feeds}, \
+        np.arange(rows)
 
 
 def user_cases(ex: Export) -> list[Case]:
@@ -397,8 +423,15 @@ def _like(raw: dict, opt: dict, ranks: dict) -> dict:
             else v for k, v in raw.items()}
 
 
-def classify(raw: dict | None, raw_err: str, opt: dict | None, opt_err: str, ranks: dict) -> tuple[str, str]:
-    """(class, short message) of one case."""
+def classify(raw: dict | None, raw_err: str, opt: dict | None, opt_err: str, ranks: dict,
+             witness: dict | None = None) -> tuple[str, str]:
+    """(class, short message) of one case; `witness`: the raw export's answer to the same request in a form it
+    takes, where it has one."""
+    if raw is None and opt is not None and witness is not None:
+        diffs = compare_outputs(_like(witness, opt, ranks), opt, atol=ATOL, rtol=RTOL)
+        if all(d.ok for d in diffs):
+            return "repaired", f"raw raises: {raw_err}; the optimized model answers as the raw export does the same rows"
+        return "silent", f"raw raises: {raw_err}; and the optimized model's answer is not the raw export's: {summary(diffs)}"[:240]
     if raw is None:
         return ("both_raise", raw_err) if opt is None else ("silent", f"raw raises: {raw_err}")
     if opt is None:
@@ -425,6 +458,18 @@ def determinism(sessions: dict, feeds: dict, first: dict) -> str:
     return "1 vs 2 threads: different bits" + (" (raw too)" if raw1 is not None and not _same_bits(raw1, raw2) else "")
 
 
+def _witness(runner, case: dict) -> dict | None:
+    """The raw export's answer to the case's witness (see CLASSES: repaired), cut to the case's rows: the outputs
+    whose first axis is the witness' batch are cut; None where there is none or the raw export raises on it too."""
+    if case["witness"] is None:
+        return None
+    out = _run(runner, case["witness"])[0]
+    if out is None or case["rows"] is None:
+        return out
+    batch = {a.shape[0] for a in case["witness"].values() if getattr(a, "ndim", 0)}
+    return {k: v[case["rows"]] if v.ndim and v.shape[0] in batch else v for k, v in out.items()}
+
+
 def _emit(record: dict) -> None:
     sys.stdout.write(PREFIX + json.dumps(record) + "\n")
     sys.stdout.flush()
@@ -433,7 +478,8 @@ def _emit(record: dict) -> None:
 def worker(raw: str, opt: str, cases_file: str, start: int) -> None:
     """Load both models once, run cases[start:] in order, a result line each (see `Pool`)."""
     with open(cases_file, "rb") as f:
-        feeds_list = pickle.load(f)
+        cases = pickle.load(f)
+    feeds_list = [c["feeds"] for c in cases]
     try:
         sessions = {"raw": Runner(raw, "ort-cpu", 1), "opt": Runner(opt, "ort-cpu", 1),
                     "opt2": Runner(opt, "ort-cpu", 2), "raw_path": raw}
@@ -450,7 +496,7 @@ def worker(raw: str, opt: str, cases_file: str, start: int) -> None:
         outcome = f"raises: {o_err}" if o is None else "answers"
         _emit({"at": i, "phase": f"raw export (the optimized model {outcome})"})
         r, r_err = _run(sessions["raw"], feeds)
-        cls, msg = classify(r, r_err, o, o_err, ranks)
+        cls, msg = classify(r, r_err, o, o_err, ranks, _witness(sessions["raw"], cases[i]) if r is None else None)
         _emit({"at": i, "phase": "determinism check"})
         nondet = determinism(sessions, feeds, o) if o is not None else ""
         _emit({"i": i, "class": cls, "msg": msg, "nondet": nondet, "seconds": round(time.perf_counter() - t0, 3)})
@@ -466,7 +512,8 @@ class Pool:
         work.mkdir(exist_ok=True)
         self.cases_file, self.stderr = work / "cases.pkl", work / "worker.stderr"
         with open(self.cases_file, "wb") as f:
-            pickle.dump([c.feeds for c in cases], f)   # plain dicts: the worker runs this file as __main__
+            pickle.dump([{"feeds": c.feeds, "witness": c.witness, "rows": c.rows} for c in cases], f)  # plain dicts:
+            # the worker runs this file as __main__
 
     def _limit(self) -> None:   # in the child: cap its memory, so a runaway allocation kills the worker only
         import resource

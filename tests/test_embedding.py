@@ -103,6 +103,49 @@ def test_unsqueezed_lookups_and_a_shared_table():
     assert list(table.dims) == [5 + 9, 4]  # the shared table is stored once
 
 
+def din_shared_tables_model():
+    """DIN/DIEN (DeepCTR, tf2onnx): the history's item and category lookups ([B, T]) are concatenated, the target's
+    ([B]) are read by other ops, from the same two tables."""
+    nodes = [node("Gather", ["t0", "hist0"], ["h0"]), node("Gather", ["t1", "hist1"], ["h1"]),
+             node("Concat", ["h0", "h1"], ["y"], axis=-1),
+             node("Gather", ["t0", "id0"], ["q0"]), node("Gather", ["t1", "id1"], ["q1"]), node("Add", ["q0", "q1"], ["z"])]
+    inputs = [vi("hist0", I64, ["B", 3]), vi("hist1", I64, ["B", 3]), vi("id0", I64, ["B"]), vi("id1", I64, ["B"])]
+    return make_model(nodes, inputs, [vi("y", F, ["B", 3, 8]), vi("z", F, ["B", 4])], TABLES[:2])
+
+
+def din_feeds():
+    return {"hist0": boundary_ids(5, (4, 3)), "hist1": boundary_ids(9, (4, 3)), "id0": boundary_ids(5, (4,)),
+            "id1": boundary_ids(9, (4,))}
+
+
+def test_a_table_also_read_outside_the_fused_lookup_is_stored_once():
+    """The target's lookups read the joined table at their own field's rows (checked as their Gathers were):
+    the item and category tables are not stored twice."""
+    expected = ["Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Reshape", "Add"] + (FIELD_ROWS + ["Gather"]) * 3
+    out, _ = check_pass(din_shared_tables_model(), "fuse-parallel-embeddings", expected, feeds=din_feeds())
+    tables = [list(t.dims) for t in out.graph.initializer if len(t.dims) == 2]
+    assert tables == [[5 + 9, 4]]
+    assert ops(out).count("Gather") == 3
+    for name, bad in [("id0", 5), ("id1", -10), ("id0", 1 << 40)]:
+        feeds = din_feeds()
+        feeds[name][2] = bad
+        with pytest.raises(Exception, match="out of data bounds|out of bounds"):
+            ctropt.runtime.run_model(out, feeds)
+
+
+@pytest.mark.parametrize("target,options", [("ort", {}), ("ort", {"ort_kernels": "off"}), ("openvino", {})])
+def test_optimized_din_stores_each_table_once(target, options):
+    model = din_shared_tables_model()
+    out = ctropt.optimize(model, speed=False, target=target, options=options).model
+    big = [list(t.dims) for t in out.graph.initializer if len(t.dims) == 2 and t.dims[0] >= 5]
+    assert big == [[14, 4]]
+    assert_same_outputs(model, out, din_feeds())
+    feeds = din_feeds()
+    feeds["id1"][0] = 9
+    with pytest.raises(Exception, match="out of data bounds|out of bounds"):
+        ctropt.runtime.run_model(out, feeds)
+
+
 def test_flat_lookups_joined_on_the_last_axis_with_dense_features_around():
     """torch form: ids [B] → [B, D] pieces, Concat(-1) with dense features: the run of lookups is one Reshape."""
     nodes = [node("Gather", [f"t{i}", f"id{i}"], [f"e{i}"]) for i in range(3)]

@@ -416,17 +416,32 @@ def _scatter_back(b: _Builder, site: Site, scores_valid: gs.Tensor, idx: gs.Tens
                               b.const("end", np.array([np.iinfo(np.int64).max], np.int64))])
     else:
         tail = b.const("tail", np.array(tail, np.int64))
-    count_1d = b.op("Reshape", [count, b.const("one_dim", np.array([1], np.int64))])
     dtype = np.dtype(site.scores.dtype or np.float32)
-    zeros = b.op("ConstantOfShape", [b.op("Concat", [count_1d, tail], {"axis": 0})],
+    last = b.const("last", np.array([1], np.int64))
+    at = b.op("Unsqueeze", [idx, last], name="at")  # [N, 1]
+    if site.flat or b.opset >= 14:
+        rows = b.op("Reshape", [count, b.const("one_dim", np.array([1], np.int64))])
+    else:   # opset 13 has no allowzero (a Reshape to [B, 0, ...] reads the 0 as "copy"): write at (b, t) instead
+        rows, at = b.op("Shape", [valid]), _row_and_step(b, idx, valid, at)
+    zeros = b.op("ConstantOfShape", [b.op("Concat", [rows, tail], {"axis": 0})],
                  {"value": gs.Constant("zero", np.zeros(1, dtype))})
-    at = b.op("Unsqueeze", [idx, b.const("last", np.array([1], np.int64))], name="at")  # [N, 1]
-    scattered = b.op("ScatterND", [zeros, at, scores_valid], name="scatter")  # [B·T, ...]
-    if not site.flat:  # back to [B, T, ...]
+    scattered = b.op("ScatterND", [zeros, at, scores_valid], name="scatter")  # [B·T, ...] or [B, T, ...]
+    if not site.flat and b.opset >= 14:  # back to [B, T, ...]; allowzero: histories of length 0 are [B, 0, ...]
         scattered = b.op("Reshape", [scattered, b.op("Concat", [b.op("Shape", [valid]), tail], {"axis": 0})],
-                         name="positional")
+                         {"allowzero": 1}, name="positional")
     scattered.dtype = site.scores.dtype
     return scattered
+
+
+def _row_and_step(b: _Builder, idx: gs.Tensor, valid: gs.Tensor, at: gs.Tensor) -> gs.Tensor:
+    """[N, 2]: (position // T, position % T) of the flat positions idx ([N]; at: [N, 1]) in valid [B, T]."""
+    rows = position_rows(b, b, valid)
+    steps = b.op("Max", [b.op("Gather", [b.op("Shape", [valid]), b.const("history_axis", np.array(1, np.int64))],
+                              {"axis": 0}), b.const("one", np.array(1, np.int64))])
+    last = b.const("last", np.array([1], np.int64))
+    row = b.op("Unsqueeze", [rows, last])
+    step = b.op("Sub", [at, b.op("Mul", [row, steps])])
+    return b.op("Concat", [row, step], {"axis": 1}, name="at")
 
 
 def _before_broadcast(e: gs.Tensor, probe: Probe) -> gs.Tensor:

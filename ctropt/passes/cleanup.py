@@ -200,8 +200,8 @@ NO_OP_RULES = tuple(Rewrite(r.name, r.pattern, r.replace, _keeps_interface(r.con
 
 
 def _reshape_chain(m):
-    (out,) = m.op("Reshape", [m["x"], m["shape"]], {"allowzero": m.root.attrs.get("allowzero", 0)},
-                  dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
+    attrs = {"allowzero": m.root.attrs["allowzero"]} if "allowzero" in m.root.attrs else {}   # from opset 14
+    (out,) = m.op("Reshape", [m["x"], m["shape"]], attrs, dtype=m.root.outputs[0].dtype, shape=m.root.outputs[0].shape)
     return [out]
 
 

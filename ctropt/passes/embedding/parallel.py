@@ -166,8 +166,9 @@ def _units(group: list[Lookup]) -> list[list[Lookup]]:
     return units
 
 
-def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
-    """One Gather on the concatenated tables: ids [B, K] (each lookup's k columns, offset into its table)."""
+def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> tuple[gs.Tensor, dict]:
+    """One Gather on the concatenated tables: ids [B, K] (each lookup's k columns, offset into its table). Returns
+    its output and where each table went: {id(table): (joined table, first row, rows)}."""
     tables, first = [], {}
     for lk in group:
         if id(lk.gather.inputs[0]) not in first:  # a table read by several lookups is stored once
@@ -223,7 +224,8 @@ def _fused_gather(graph: gs.Graph, group: list[Lookup], name: str) -> gs.Tensor:
         x = _negative_ids(b, x, np.array(sizes, id_dtype), np.array(rules, id_dtype))
     x = field_rows(b, x, np.array(sizes, id_dtype), np.array(offsets, id_dtype), starts[-1])
     table = add_constant(graph, f"{name}/table", np.concatenate(tables, axis=0))
-    return add_node(graph, "Gather", [table, x], {"axis": 0}, name=name, dtype=table.values.dtype)[0]
+    placed = {key: (table, int(starts[i]), int(tables[i].shape[0])) for key, i in first.items()}
+    return add_node(graph, "Gather", [table, x], {"axis": 0}, name=name, dtype=table.values.dtype)[0], placed
 
 
 def _negative_ids(b: Builder, x: gs.Tensor, sizes: np.ndarray, rules: np.ndarray) -> gs.Tensor:
@@ -322,7 +324,7 @@ class _Fused:
 
     def __init__(self, graph: gs.Graph, group: list[Lookup], name: str):
         self.graph, self.group, self.name = graph, group, name
-        self.out = _fused_gather(graph, group, name)
+        self.out, self.placed = _fused_gather(graph, group, name)
         self.total = sum(lk.k for lk in group)
         self.dtype = group[0].values.dtype
         self.sliced = []  # lookups read through a Slice of the fused output
@@ -455,12 +457,15 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
         _interleave(graph, group)
         readers = {id(n): (n, list(n.inputs), n.op, dict(n.attrs)) for lk in group for n in lk.out.outputs}
         count = len(graph.nodes)
-        left = _rewire(_Fused(graph, group, unique_name(graph, f"fused_lookup_w{group[0].width}")))
+        fused = _Fused(graph, group, unique_name(graph, f"fused_lookup_w{group[0].width}"))
+        left = _rewire(fused)
         if not left:
             for node, *_ in readers.values():
                 if node.op in ("Concat", "Sum") and len(node.inputs) == 1:
                     replace_outputs(graph, node, list(node.inputs))
+            _read_joined(graph, group, fused.placed)
             return group
+        drop = [lk for lk in left if lk.out.outputs] or left   # read elsewhere first: the others may then be whole
         for node in graph.nodes[count:]:  # undo, and try again without those
             node.inputs.clear()
             node.outputs.clear()
@@ -469,8 +474,39 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
             node.op, node.attrs = op, attrs
             node.inputs.clear()
             node.inputs.extend(inputs)
-        group = [lk for lk in group if lk not in left]
+        group = [lk for lk in group if lk not in drop]
     return []
+
+
+def _read_by_gathers(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
+    """The lookups whose table only row Gathers of `graph` read: once the table is joined, those outside the
+    group read the joined table (`_read_joined`). A table read any other way would be stored twice."""
+    mine = {id(n) for n in graph.nodes}
+
+    def gathers_only(table: gs.Tensor) -> bool:
+        return all(id(n) in mine and n.op == "Gather" and not n.domain and n.attrs.get("axis", 0) == 0 and
+                   n.inputs[0] is table and n.inputs[1] is not table for n in table.outputs)
+    return [lk for lk in group if gathers_only(lk.gather.inputs[0])]
+
+
+def _read_joined(graph: gs.Graph, group: list[Lookup], placed: dict) -> None:
+    """The other Gathers of a joined table's rows read the joined table, each id checked against its own table's
+    rows (field_rows, which gather-rows-kernel reads back): every table is stored once."""
+    fused = {id(lk.gather) for lk in group}
+    for lk in group:
+        table = lk.gather.inputs[0]
+        joined, start, rows = placed[id(table)]
+        total = int(joined.values.shape[0])
+        for node in [n for n in table.outputs if id(n) not in fused]:
+            x = node.inputs[1]
+            dtype = np.dtype(dtype_of(x))
+            if total > np.iinfo(dtype).max:
+                (x,) = add_node(graph, "Cast", [x], {"to": onnx.TensorProto.INT64}, name=f"{node.name}/cast",
+                                dtype=np.int64)
+                dtype = np.dtype(np.int64)
+            b = Builder(graph, f"{node.name}/joined", dtype)
+            x = field_rows(b, x, np.array([rows], dtype), np.array([start], dtype), total)
+            node.inputs[0], node.inputs[1] = joined, x
 
 
 def _fused_groups(graph: gs.Graph):
@@ -480,7 +516,7 @@ def _fused_groups(graph: gs.Graph):
         annotate_shapes(graph)
     for g in list(iter_graphs(graph)):
         for group in _groups(g, _lookups(g, batch), batch):
-            yield group, _fuse(g, group)
+            yield group, _fuse(g, _read_by_gathers(g, group))
 
 
 def parallel_lookup_tables(graph: gs.Graph) -> set[str]:
