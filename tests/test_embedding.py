@@ -911,3 +911,17 @@ def test_deeprec_feature_columns_become_gathers(name):
     for f in hostile_column_feeds(ids, [k for k in ids if k.startswith("HISTORY")]):
         batch = len(next(iter(f.values())))
         assert_same_outputs(raw, once, {k: f.get(k, np.resize(v, (batch,) + v.shape[1:])) for k, v in feeds.items()})
+
+
+def test_openvino_joins_no_tables_past_the_ids_it_computes_exactly():
+    """OpenVINO's CPU plugin runs a fused chain of integer element-wise ops in f32: a joined table of over 2^24 rows
+    would read rounded rows (seen on a 1.8 GB DLRM-style export), so for --target openvino the group stays apart;
+    for onnxruntime it is joined."""
+    rows = (1 << 23) + 1
+    tables = [init(f"t{i}", np.zeros((rows, 1), np.float32)) for i in range(2)]
+    nodes = [node("Gather", [f"t{i}", f"id{i}"], [f"e{i}"]) for i in range(2)] + [node("Concat", ["e0", "e1"], ["y"], axis=1)]
+    model = make_model(nodes, [vi(f"id{i}", I64, ["B", 1]) for i in range(2)], [vi("y", F, ["B", 2, 1])], tables)
+    _, ctx = run_pass(model, "fuse-parallel-embeddings", target="openvino")
+    assert ctx.rewrites == 0 and any("2^24" in n for n in ctx.notes), ctx.notes
+    _, ctx = run_pass(model, "fuse-parallel-embeddings")
+    assert ctx.rewrites == 1

@@ -18,7 +18,8 @@ from rich.markup import escape
 from rich import box
 from rich.table import Table
 
-from ..graph import CtroptError, check_output_path, interface, iter_proto_nodes, load, node_count, save
+from ..graph import (EXTERNAL_DATA_THRESHOLD, CtroptError, check_output_path, initializer_bytes, interface,
+                     iter_proto_nodes, load, node_count, save, weights)
 from ..passes import REGISTRY, PassManager, load_plugin, resolve
 from ..passes.registry import DEVICES
 from ..passes.speed import SpeedCheck
@@ -189,46 +190,69 @@ def optimize(
         for extra in (report, json_out):
             if extra is not None:
                 check_output_path(extra, model, out)
-        m = load(model)
+        m = load(model, keep_external=True)
         check_target(m, target, model.name)
         feeds = load_inputs(inputs, m) if inputs else None
-        status = console.status("starting")
-        done: list[str] = []
+        with weights.WeightStore.opened(near=out.parent) as store:
+            external = bool(weights.stored(m))
+            store.adopt(m, model.parent)  # large tensors stay in files while the passes run (graph/weights.py)
+            _optimize(m, model, out, store, external, feeds=feeds, passes=passes, skip=skip, target=target,
+                      batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
+                      speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
+                      static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
+                      report=report)
 
-        def progress(p, record):
-            if record is None:
-                status.update(f"running [bold]{p.name}[/] ({len(done) + 1}/{len(manager.passes)})")
-            else:
-                done.append(p.name)
 
-        speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes, feeds=feeds) \
-            if (speed_check or bench_passes) and _can_time_on(device) else None
-        manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
-                              verify=verify, strict=strict, on_pass=progress, options=options, speed=speed,
-                              device=device)
-        console.print(f"[bold]{escape(model.name)}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, "
-                      f"target {target}" + (f" on {device}" if device != "cpu" else ""))
-        with status:
-            result = manager.run(m)
-        save(result.model, out, protect=(model,))
-        _print_result(result)
-        if show_diff:
-            print_pass_diffs(console, result.records)
-        if json_out is not None:
-            _write_json(json_out, result, model, out, target)
-        timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
-        console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
-        console.print(f"saved {out}")
-        if report is not None:
-            applied = sum(r.status == "applied" for r in result.records)
-            write_report(report, result.records, title=f"ctropt: {model.name}",
-                         subtitle=f"{model} → {out.name} · target {target} · {node_count(m)} → "
-                                  f"{node_count(result.model)} nodes · {applied}/{len(result.records)} passes applied"
-                                  + ("" if verify else " · outputs NOT verified"))
-            console.print(f"report {report}")
-        if target == "openvino":
-            _print_openvino_check(result.model, feeds or generate_inputs(
-                result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
+def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
+              verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
+              json_out, report) -> None:
+    """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report."""
+    status = console.status("starting")
+    done: list[str] = []
+    piped = not console.is_terminal
+
+    def progress(p, record):
+        if record is None:
+            status.update(f"running [bold]{p.name}[/] ({len(done) + 1}/{len(manager.passes)})")
+            return
+        done.append(p.name)
+        if piped:  # no spinner off a terminal: a line per pass, so a long run is never silent
+            console.print(f"({len(done)}/{len(manager.passes)}) {p.name}: {record.status}, "
+                          f"{record.nodes_before}→{record.nodes_after} nodes, {record.seconds:.1f} s",
+                          highlight=False, soft_wrap=True)
+
+    speed = SpeedCheck(batch=speed_batch, seq_len=static_seq_len, enforce=not bench_passes, feeds=feeds) \
+        if (speed_check or bench_passes) and _can_time_on(device) else None
+    manager = PassManager(passes, skip=skip, target=target, feeds=feeds, batch=batch, atol=atol, rtol=rtol,
+                          verify=verify, strict=strict, on_pass=progress, options=options, speed=speed,
+                          device=device)
+    console.print(f"[bold]{escape(model.name)}[/]: {node_count(m)} nodes, {len(manager.passes)} passes, "
+                  f"target {target}" + (f" on {device}" if device != "cpu" else ""))
+    with status:
+        result = manager.run(m)
+    keep_external = external or initializer_bytes(result.model) > EXTERNAL_DATA_THRESHOLD
+    save(result.model if keep_external else store.inline(result.model), out, protect=(model,))
+    _print_result(result)
+    if show_diff:
+        print_pass_diffs(console, result.records)
+    if json_out is not None:
+        _write_json(json_out, result, model, out, target)
+    timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
+    console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
+    data = out.with_name(out.name + ".data")
+    console.print(f"saved {out}" + (f" + {data.name} ({data.stat().st_size / 2**20:.0f} MiB: the large tensors, "
+                                      "written once; the input's files are not referenced)"
+                                      if keep_external and data.exists() else ""), soft_wrap=True)
+    if report is not None:
+        applied = sum(r.status == "applied" for r in result.records)
+        write_report(report, result.records, title=f"ctropt: {model.name}",
+                     subtitle=f"{model} → {out.name} · target {target} · {node_count(m)} → "
+                              f"{node_count(result.model)} nodes · {applied}/{len(result.records)} passes applied"
+                              + ("" if verify else " · outputs NOT verified"))
+        console.print(f"report {report}")
+    if target == "openvino":
+        _print_openvino_check(result.model, feeds or generate_inputs(
+            result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
 
 
 def _print_openvino_check(model, feeds) -> None:

@@ -15,6 +15,8 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 from google.protobuf.message import DecodeError
 
+from . import weights
+
 # The highest versions onnxruntime 1.31 loads (tests/test_graph.py checks the installed runtime loads them):
 # onnx 1.23 writes IR 14, which 1.31 rejects, so saved models are clamped to these. (1.32 loads IR 14.)
 MAX_IR_VERSION = 13
@@ -43,8 +45,9 @@ class CtroptError(Exception):
 # ----------------------------------------------------------------------------------------- loading
 
 
-def load(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
-    """Load and validate a model file, external data included. Raises CtroptError on bad input."""
+def load(path: str | os.PathLike, *, check: bool = True, keep_external: bool = False) -> onnx.ModelProto:
+    """Load and validate a model file, external data included (`keep_external`: its tensors stay references, for a
+    weight store to adopt). Raises CtroptError on bad input."""
     path = Path(path)
     if not path.exists():
         raise CtroptError(f"{path}: no such file")
@@ -64,7 +67,13 @@ def load(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
         raise CtroptError(f"{path}: not an ONNX model, or the file is truncated (no graph outputs)")
     if any(_uses_external_data(t) for t in _all_initializers(model.graph)):
         try:
-            onnx.load_external_data_for_model(model, str(path.parent))
+            if keep_external:
+                for t in _all_initializers(model.graph):  # found and long enough, read later
+                    ref = weights.external_ref(t) if _uses_external_data(t) else None
+                    if ref and (path.parent / ref[0]).stat().st_size < ref[1] + ref[2]:
+                        raise ValueError(f"{ref[0]} ends before tensor {t.name}'s data")
+            else:
+                onnx.load_external_data_for_model(model, str(path.parent))
         except (OSError, ValueError, onnx.checker.ValidationError) as e:
             raise CtroptError(f"{path}: cannot read its external data: {e}") from None
     if check:
@@ -104,8 +113,8 @@ def check_model(model: onnx.ModelProto, where: str = "model", path: Path | None 
     saved_ir = model.ir_version
     try:
         model.ir_version = min(saved_ir, onnx.IR_VERSION)
-        if path is not None and not _small(model):
-            onnx.checker.check_model(str(path))  # over the protobuf limit: the checker reads the file itself
+        if path is not None and (not _small(model) or any(map(_uses_external_data, _all_initializers(model.graph)))):
+            onnx.checker.check_model(str(path))  # over the limit, or data not read: the checker reads the files
         else:
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
@@ -147,7 +156,8 @@ def save(
 ) -> Path:
     """Write atomically, with an IR version the runtimes accept; large models get a `.data` side file."""
     path = check_output_path(path, *protect)
-    model = onnx.ModelProto.FromString(model.SerializeToString()) if _small(model) else _copy(model)
+    store = weights.active() if weights.stored(model) else None
+    model = onnx.ModelProto.FromString(model.SerializeToString()) if _small(model) or store else _copy(model)
     model.ir_version = runtime_ir_version(model)
     if external_data is None:
         external_data = initializer_bytes(model) > EXTERNAL_DATA_THRESHOLD
@@ -158,7 +168,10 @@ def save(
     tmp = Path(tempfile.mkdtemp(prefix=".ctropt-", dir=path.parent))
     try:
         target = tmp / path.name
-        if external_data:
+        if store is not None:  # its large tensors are a weight store's: written once into PATH.data
+            store.save(model, target)
+            os.replace(tmp / data_name, path.parent / data_name)
+        elif external_data:
             onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name, size_threshold=1024)
             os.replace(tmp / data_name, path.parent / data_name)
@@ -299,6 +312,12 @@ def iter_graphs(graph: gs.Graph) -> Iterator[gs.Graph]:
 
 def to_graph(model: onnx.ModelProto) -> gs.Graph:
     graph = gs.import_onnx(model)
+    store = weights.active()
+    if store is not None:  # stored tensors: read as memory maps where a rule reads them (graph/weights.py)
+        for t in graph.tensors().values():
+            if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues) and \
+                    weights.external_ref(t._values.tensor) is not None:
+                t._values = weights.MappedValues(t._values.tensor, store)
     for g in iter_graphs(graph):
         for n in g.nodes:
             if n.op == "Loop" and isinstance(n.attrs.get("body"), gs.Graph) and len(n.attrs["body"].inputs) >= 2:
@@ -349,7 +368,26 @@ def export_graph(graph: gs.Graph) -> onnx.ModelProto:
         for t in constants:
             if isinstance(t._values, np.ndarray) and t._values.dtype.kind in "OUS":
                 t._values = LazyValues(onnx.numpy_helper.from_array(t._values.astype(object), t.name))
+    _store_large(graph)
     return gs.export_onnx(graph, do_type_check=False)
+
+
+def _store_large(graph: gs.Graph) -> None:
+    """With a weight store active, the main graph's large constants go out as references: a mapped one as the
+    reference it was read from, a new array of weights.THRESHOLD bytes or more written into the store once."""
+    store = weights.active()
+    if store is None:
+        return
+    for t in graph.tensors().values():
+        values = t._values if isinstance(t, gs.Constant) else None
+        if not isinstance(values, np.ndarray) or values.dtype.kind in "OUS":
+            continue
+        ref = store.reference(values)
+        if ref is None and values.nbytes >= weights.THRESHOLD:
+            ref = store.write(values, t.name)
+        if ref is not None:
+            ref = weights._renamed(ref, t.name)
+            t._values = weights.MappedValues(ref, store)
 
 
 def to_model(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:

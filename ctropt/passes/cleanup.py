@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from ..graph import annotate_shapes, iter_graphs, loop_varying_values
+from ..graph import annotate_shapes, iter_graphs, loop_varying_values, weights
 from ..graph.dims import BROADCASTING, is_own_shape, same_size, shape_entries, source_dim
 from ..patterns import Const, P, Rewrite, Var
 from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
@@ -607,6 +607,10 @@ def _keep_declared_outputs(graph: gs.Graph, declared: list) -> None:
 
 def _constant_key(c: gs.Constant):
     values = c.values
+    store = weights.active()
+    ref = store.reference(values) if store is not None else None
+    if ref is not None:  # a stored table: known by where it is, not hashed (gigabytes)
+        return (values.dtype.str, values.shape, str(weights.external_ref(ref)))
     return (values.dtype.str, values.shape, hashlib.sha1(np.ascontiguousarray(values).tobytes()).hexdigest())
 
 

@@ -10,7 +10,8 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ..graph import CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, to_graph, to_model
+from ..graph import (CtroptError, annotate_shapes, interface, iter_proto_graphs, node_count, to_graph, to_model,
+                     weights)
 from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs,
                        model_input_facts, store_input_facts, summary)
 from ..report.diff import ModelDiff, diff_models
@@ -93,6 +94,20 @@ class PassManager:
         return {"seq_len": int(seq_len)} if seq_len else {}
 
     def run(self, model: onnx.ModelProto) -> OptimizeResult:
+        """Optimize `model`. Its large tensors are kept in a weight store (graph/weights.py) while the passes run:
+        the active one (`ctropt optimize` opens one beside the output), else one of its own, whose tensors the
+        result then carries in the proto again."""
+        if weights.active() is not None or not any(
+                weights.external_ref(t) is None and weights.nbytes(t) >= weights.THRESHOLD for t in model.graph.initializer):
+            return self._run(model)
+        with weights.WeightStore.opened() as store:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            result = self._run(store.adopt(copy))
+            result.model = store.inline(result.model)
+            return result
+
+    def _run(self, model: onnx.ModelProto) -> OptimizeResult:
         problem = invalid_reason(model)
         model, repairs = reshape_outputs_as_declared(model) if problem else (model, [])
         original_interface = interface(model)
@@ -231,7 +246,12 @@ class PassManager:
             else:
                 r.speedup, r.speedup_p10, r.speedup_p90 = verdict.ratio, verdict.p10, verdict.p90
         group[-1].seconds += time.perf_counter() - t0
-        if verdict is not None and verdict.slower and guard.check.enforce:
+        if verdict is None and guard.result_wrong:  # verified in onnxruntime, wrong where it is to run
+            for r in group:
+                r.status, r.rewrites, r.nodes_after = "rolled back", 0, r.nodes_before
+                r.message = f"{note.removeprefix('not timed: ')}{others}: rolled back"
+            current, reference = pending.model, pending.reference
+        elif verdict is not None and verdict.slower and guard.check.enforce:
             for r in group:
                 r.status, r.rewrites, r.nodes_after = "slower", 0, r.nodes_before
                 r.message = f"rolled back: {verdict} on {guard.where()}{others}"
@@ -338,11 +358,17 @@ def _openvino_loader(feeds: dict[str, np.ndarray]) -> Callable[[onnx.ModelProto]
 
 
 def invalid_reason(model: onnx.ModelProto) -> str | None:
-    """Why onnx's full checker (node schemas at the model's opsets, strict shape inference) refuses the model."""
+    """Why onnx's full checker (node schemas at the model's opsets, strict shape inference) refuses the model. A
+    model whose tensors a weight store holds is checked from the store's folder (the checker reads its files)."""
+    store = weights.active()
+    path = store.path_for(model) if store is not None and weights.stored(model) else None
     try:
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(str(path) if path else model, full_check=True)
     except Exception as e:  # checker and shape-inference errors
         return str(e).strip().splitlines()[0][:300]
+    finally:
+        if path is not None:
+            path.unlink()
     return None
 
 

@@ -78,6 +78,8 @@ def _to_kernel(m: Match) -> list:
     out, op = m.root.outputs[0], KERNEL_OF[np.dtype(dtype_of(m["table"]))]
     rows = shape_of(m["table"])[0]
     fields = read_field_rows(m["ids"], int(rows)) if isinstance(rows, (int, np.integer)) else None
+    if fields is not None:   # the kernel takes a size and an offset per column of the ids' last axis
+        fields = _per_last_axis(*fields)
     if fields is not None:   # fuse-parallel-embeddings' joined table: each id checked against its own field's rows
         x, sizes, offsets = fields
         attrs = {"sizes": [int(v) for v in sizes]}
@@ -88,6 +90,18 @@ def _to_kernel(m: Match) -> list:
                     name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
     inputs = [m["table"], *(_offset_ids(m["ids"]) or [m["ids"]])]
     return m.op(op, inputs, name=f"{m.root.name}/{op}", domain=kernels.DOMAIN, dtype=out.dtype, shape=out.shape)
+
+
+def _per_last_axis(x: gs.Tensor, sizes: np.ndarray, offsets: np.ndarray) -> tuple | None:
+    """(x, sizes, offsets) with one entry per column of x's last axis (one field's [B, T] ids, which the joined
+    table's other readers have, repeat it); None where that axis is not static (then the ids stay as computed)."""
+    shape = shape_of(x)
+    k = shape[-1] if shape and len(shape) >= 2 else None
+    if k == len(sizes):
+        return x, sizes, offsets
+    if len(sizes) == 1 and isinstance(k, (int, np.integer)) and k > 0:
+        return x, np.repeat(sizes, k), np.repeat(offsets, k)
+    return None
 
 
 _SAME_IDS = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Slice"}   # Slice: a column of X

@@ -71,6 +71,7 @@ class SpeedGuard:
         self.feeds = check.feeds if check.feeds is not None else generate_inputs(
             model, batch=check.batch, seed=2, seq_len=check.seq_len or DEFAULT_SEQ_LEN, one_user=one_user)
         self._runners: dict[int, tuple[onnx.ModelProto, Runner]] = {}  # the model is kept so its id stays its own
+        self.result_wrong = False  # the last try_measure's result gives wrong outputs on the target's runtime
 
     def where(self) -> str:
         return f"{self.backend}, batch {len(next(iter(self.feeds.values()), []))}, {self.check.threads} thread(s)"
@@ -102,9 +103,13 @@ class SpeedGuard:
         return verdict
 
     def try_measure(self, before, after, threshold: float | None = None) -> tuple[SpeedVerdict | None, str]:
+        """The verdict, or None and why not. `result_wrong` tells afterwards whether `after` (alone: `before` is
+        right) gives wrong outputs on the target's runtime, which the manager then rolls back."""
+        self.result_wrong = False
         try:
             wrong = self._wrong_on_target(before, after)
             if wrong:
+                self.result_wrong = wrong.startswith("the result")
                 return None, f"not timed: {wrong}"
             return self.measure(before, after, threshold), ""
         except CtroptError as e:  # e.g. OpenVINO cannot load the graph before its lowering

@@ -12,7 +12,7 @@ import onnx
 from .. import kernels
 from . import strings
 from .runnable import check_runnable, model_name
-from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save
+from ..graph import CtroptError, PROTOBUF_LIMIT, initializer_bytes, runtime_ir_version, save, weights
 
 # backend -> (runtime, device or execution provider)
 BACKENDS = {
@@ -150,12 +150,18 @@ class Runner:
         check_runnable(proto, backend, model_name(model, name))
         self._onnx_outputs = [o.name for o in proto.graph.output]
         self._needs_kernels = kernels.uses_kernels(proto)
+        self._stored = None  # the model, where a weight store holds its large tensors (onnxruntime reads them there)
         self._strings = proto if strings.uses_strings(proto) else None  # string ops: onnxruntime-extensions
-        if isinstance(model, onnx.ModelProto):
-            if initializer_bytes(model) > PROTOBUF_LIMIT // 2:
+        self._keep = []  # OrtValues of a weight store's mapped tensors: they must outlive the session
+        stored = isinstance(model, onnx.ModelProto) and weights.stored(model) and weights.active() is not None
+        if stored and runtime != "ort":  # OpenVINO reads the store's tensors by path
+            source = str(weights.active().path_for(model))
+        elif isinstance(model, onnx.ModelProto):
+            if initializer_bytes(model) > PROTOBUF_LIMIT // 2 and not stored:
                 self._tmp = tempfile.TemporaryDirectory(prefix="ctropt-run-")
                 source = str(save(model, os.path.join(self._tmp.name, "model.onnx"), external_data=True))
-            else:
+            else:  # a weight store's tensors: onnxruntime takes its mapped arrays (_init_ort)
+                self._stored = model if stored else None
                 saved_ir = model.ir_version
                 model.ir_version = runtime_ir_version(model)
                 source = model.SerializeToString()
@@ -175,6 +181,8 @@ class Runner:
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 4
+        if self._stored is not None:
+            self._keep = weights.attach(opts, self._stored)
         for name, value in initializers.items():
             opts.add_initializer(name, value)
         if threads:

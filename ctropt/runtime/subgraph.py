@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 
 from .. import kernels
 from . import strings
-from ..graph import PROTOBUF_LIMIT, export_graph, initializer_bytes, save
+from ..graph import PROTOBUF_LIMIT, export_graph, initializer_bytes, save, weights
 from ..graph.edit import const_value
 
 
@@ -126,8 +126,11 @@ def ort_session(model: onnx.ModelProto, optimize: bool = True):
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     kernels.register_if_used(so, model)
     strings.register_if_used(so, model)
-    if initializer_bytes(model) <= PROTOBUF_LIMIT // 2:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    keep = weights.attach(so, model)  # a weight store's tensors, mapped (graph/weights.py)
+    if keep or initializer_bytes(model) <= PROTOBUF_LIMIT // 2:
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        session._ctropt_keep = keep  # the mapped values must outlive the session
+        return session
     with tempfile.TemporaryDirectory(prefix="ctropt-run-") as tmp:  # the session holds the tensors once made
         path = save(model, os.path.join(tmp, "model.onnx"), external_data=True)
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

@@ -10,6 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...graph import annotate_shapes, iter_graphs, nodes_near
+from ...graph.weights import concatenate as concatenate_tables
 from ...graph.edit import Builder, add_constant, const_value, dtype_of, replace_outputs, shape_of, unique_name
 from ...runtime.subgraph import Subgraph
 from ..cleanup import tidy
@@ -225,7 +226,7 @@ def _collection_bags(graph: gs.Graph, group: list[BagRows]) -> list[gs.Tensor]:
 
     shifted = parallel.checked_rows(b, all_ids, per_id(rows_of, "sizes"), per_id(at, "offsets"), int(starts[-1]))
     dtype = tables[0].dtype
-    rows = op("Gather", [add_constant(graph, f"{name}/table", np.concatenate(tables)), shifted], {"axis": 0},
+    rows = op("Gather", [add_constant(graph, f"{name}/table", concatenate_tables(tables)), shifted], {"axis": 0},
               dtype=dtype)
     if any(r.weights is not None for r in group):
         weights = [op("Expand", [r.weights if r.weights is not None else c("unit", [1.0], dtype=dtype),
