@@ -28,7 +28,9 @@ died in the optimized model), `hang` (no answer within --timeout), `raw_crash` (
 after the optimized model answered or raised: the export's own bug, counted apart), `both_crash` (the optimized
 model takes the worker down, and so does the raw export run alone on the case). Besides, where the optimized model answers: the same case run again and
 at 2 threads must give the same bits (else the case is listed `nondeterministic`, "raw too" when the raw export
-also changes with the threads).
+also changes with the threads). Per (export, variant) the table also gives the optimized model's size over the
+raw export's (`size`: file and external data) and its constants' bytes over the raw export's (`weights`: what
+the size is at production scale, where the graph's own bytes are noise).
 
 Isolation: one worker subprocess per (export, variant) loads the raw and optimized sessions once and runs the cases
 in order, a JSON line on its stdout per case; the parent waits --timeout seconds per case, and when the worker dies
@@ -61,7 +63,7 @@ import onnx
 
 from common import ROOT, THIRD, ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
 
-from ctropt.graph import load, to_graph  # noqa: E402
+from ctropt.graph import iter_proto_graphs, load, to_graph, weights  # noqa: E402
 from ctropt.runtime import Runner, analyze_inputs, compare_outputs, summary  # noqa: E402
 from ctropt.runtime.inputs import user_input_columns, user_input_names  # noqa: E402
 
@@ -134,8 +136,13 @@ class Export:
         return out
 
     def pad_value(self, name: str):
-        f = self.facts[name]
-        return self.feeds[name].min() if f.is_mask and f.additive else 0
+        """What pads a history: an additive mask's minimum; a negative id that ends the real batch's rows where
+        it pads them (DeepRec's sparse columns: -1); else 0."""
+        f, a = self.facts[name], self.feeds[name]
+        if f.is_mask and f.additive:
+            return a.min()
+        tail = a[:, -1] if a.ndim == 2 and a.dtype.kind in "iu" else np.zeros(0)
+        return int(tail.min()) if tail.size and tail.min() < 0 and (a[:, 0] >= 0).all() else 0
 
 
 def load_export(path: Path, user_inputs: str | None = None) -> Export:
@@ -633,14 +640,15 @@ def check(raw: Path, variant: str, quick: bool = False, timeout: float = 60.0, m
     with tempfile.TemporaryDirectory(prefix="ctropt-requests-") as tmp:
         opt = Path(tmp) / "opt.onnx"
         error = optimize(raw, opt, variant)
-        results, size = [], None
+        results, size, constants = [], None, None
         if not error:
             size = model_bytes(opt) / model_bytes(raw)
+            constants = weight_bytes(opt) / max(weight_bytes(raw), 1)
             results, error = Pool(raw, opt, cases, Path(tmp), timeout, memory_gb).run()
     for r in results:
         r.update(case=cases[r["i"]].name, family=cases[r["i"]].family)
     return {"export": raw.stem, "variant": variant, "cases": len(cases), "error": error,
-            "seconds": round(time.perf_counter() - t0, 1), "size": size, "results": results}
+            "seconds": round(time.perf_counter() - t0, 1), "size": size, "weights": constants, "results": results}
 
 
 def model_bytes(path: Path) -> int:
@@ -649,6 +657,17 @@ def model_bytes(path: Path) -> int:
     external = sum(int(dict((e.key, e.value) for e in t.external_data).get("length", 0) or 0)
                    for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
     return path.stat().st_size + external
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of a saved model's constants (initializers and Constant nodes, subgraphs included): what the
+    size is made of at production scale, where the graph's own bytes are noise."""
+    model = onnx.load(str(path), load_external_data=False)
+    total = 0
+    for g in iter_proto_graphs(model.graph):
+        tensors = list(g.initializer) + [a.t for n in g.node if n.op_type == "Constant" for a in n.attribute if a.t.dims]
+        total += sum(weights.nbytes(t) for t in tensors if t.data_type != onnx.TensorProto.STRING)
+    return total
 
 
 def measure(raw: Path, variants: list[str], args) -> list[dict]:
@@ -685,17 +704,19 @@ def findings(row: dict) -> list[dict]:
 
 
 def table(rows: list[dict], listed: int = 12) -> str:
-    head = "| export | variant | cases | " + " | ".join(CLASSES) + " | nondeterministic | size | s |"
+    head = "| export | variant | cases | " + " | ".join(CLASSES) + " | nondeterministic | size | weights | s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         if row["error"]:
             lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {row['error'].replace('|', '/')} |"
-                         + " |" * (len(CLASSES) + 2) + f" {row['seconds']:.0f} |")
+                         + " |" * (len(CLASSES) + 3) + f" {row['seconds']:.0f} |")
             continue
         c = _counts(row)
         cells = " | ".join(str(c[k]) if c[k] else "·" for k in CLASSES + ("nondeterministic",))
         size = f"{row['size']:.3f}×" if row.get("size") else "·"
-        lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {cells} | {size} | {row['seconds']:.0f} |")
+        kept = f"{row['weights']:.3f}×" if row.get("weights") else "·"
+        lines.append(f"| {row['export']} | {row['variant']} | {row['cases']} | {cells} | {size} | {kept} | "
+                     f"{row['seconds']:.0f} |")
     lines.append("")
     lines += totals(rows)
     for row in rows:
@@ -713,7 +734,7 @@ def table(rows: list[dict], listed: int = 12) -> str:
 
 
 def totals(rows: list[dict]) -> list[str]:
-    """The totals per class over every row, and the largest optimized/raw size ratio."""
+    """The totals per class over every row, and the largest optimized/raw size and constant-bytes ratios."""
     total = collections.Counter()
     for row in rows:
         total.update(_counts(row))
@@ -723,6 +744,10 @@ def totals(rows: list[dict]) -> list[str]:
     if sizes:
         ratio, export, variant = max(sizes)
         line += f" Largest optimized / raw size: {ratio:.3f}× ({export}, {variant})."
+    kept = [(row["weights"], row["export"], row["variant"]) for row in rows if row.get("weights")]
+    if kept:
+        ratio, export, variant = max(kept)
+        line += f" Largest optimized / raw constant bytes: {ratio:.3f}× ({export}, {variant})."
     return [line, ""]
 
 
