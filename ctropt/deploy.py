@@ -120,10 +120,13 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
         save(result.model, model_dir / "model.onnx")
         if server == "triton":
             libraries = []   # Triton's onnxruntime backend registers each for this model
-            for uses, path in ((kernels.uses_kernels, kernels.library_path), (strings.uses_strings, strings.library_path)):
+            # (ctropt's: the library registered and the per-CPU builds it loads from beside itself)
+            for uses, files in ((kernels.uses_kernels, kernels.build_paths),
+                                (strings.uses_strings, lambda: [strings.library_path()])):
                 if uses(result.model):
-                    libraries.append(str((out / server / name / path().name).resolve()))
-                    shutil.copyfile(path(), libraries[-1])
+                    libraries.append(str((out / server / name / files()[0].name).resolve()))
+                    for f in files():
+                        shutil.copyfile(f, out / server / name / f.name)
             text = triton_config(result.model, name, buckets, batched=not why_not, op_libraries=tuple(libraries))
             (out / server / name / "config.pbtxt").write_text(text)
             summary["triton"] = str(out / server / name / "config.pbtxt")

@@ -7,6 +7,9 @@ CTROPT_KERNEL_TESTS=required, so there a failed build fails."""
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +254,59 @@ def test_a_read_only_install_builds_into_the_users_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)  # site-packages not writable
     assert kernels.library_path() == tmp_path / "ctropt" / "libctropt_kernels.so"
     assert (kernels.include_dir() / kernels.HEADER).exists()  # the header ctropt ships, at the least
+
+
+def test_one_build_per_instruction_set_and_the_same_answers_on_each(monkeypatch):
+    """The library onnxruntime registers picks the widest build this CPU runs (AVX-512, AVX2 + FMA, the x86-64
+    baseline); $CTROPT_KERNELS_ISA forces one. Every build this CPU can run gives the zoo DIEN's outputs (GRUScan,
+    AttentionCore, GatherRows, ...) as the framework does; an unknown build is a clear error."""
+    raw = load(ZOO / "dien_tf.onnx")
+    opt = ctropt.optimize(raw, speed=False).model
+    assert kernels.uses_kernels(opt)
+    feeds, framework = _npz(ZOO / "dien_tf.npz"), _npz(ZOO / "dien_tf.ref.npz")
+    order = [isa for isa, _ in kernels.isas()]
+    best = kernels.chosen_isa()
+    for isa in order[order.index(best):]:
+        monkeypatch.setenv("CTROPT_KERNELS_ISA", isa)
+        assert kernels.chosen_isa() == isa
+        got = Runner(opt).run(feeds)
+        diffs = compare_outputs(framework, {k: got[k] for k in framework}, atol=1e-5, rtol=1e-4)
+        assert all(d.ok for d in diffs), (isa, diffs)
+    monkeypatch.setenv("CTROPT_KERNELS_ISA", "sse9")
+    with pytest.raises(CtroptError, match="cannot load the sse9 build"):
+        Runner(opt).run(feeds)
+
+
+OLD_ORT = os.environ.get("CTROPT_OLD_ORT_PYTHON")   # a python with onnxruntime 1.16-1.20 (.ci/run makes one)
+
+
+@pytest.mark.skipif(not OLD_ORT, reason="CTROPT_OLD_ORT_PYTHON (a python with an older onnxruntime) is not set")
+def test_an_older_onnxruntime_runs_the_kernels(tmp_path):
+    """The library uses the newest C API version both sides know (built with API 21 headers): Triton's and the
+    distributions' onnxruntime 1.16-1.20 register it and run the zoo DIEN's GRUScan, GatherRows, ... as the
+    framework does (onnxruntime 1.17.3 said `The requested API version [21] is not available` before)."""
+    out = tmp_path / "dien.opt.onnx"
+    ctropt.graph.save(ctropt.optimize(load(ZOO / "dien_tf.onnx"), speed=False).model, out)
+    script = ("import sys, numpy as np, onnxruntime as ort\n"
+              "so = ort.SessionOptions(); so.register_custom_ops_library(sys.argv[2])\n"
+              "s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
+              "f = dict(np.load(sys.argv[3])); y = s.run(None, {i.name: f[i.name] for i in s.get_inputs()})[0]\n"
+              "np.save(sys.argv[4], y); print(ort.__version__)\n")
+    done = subprocess.run([OLD_ORT, "-c", script, str(out), str(kernels.library_path()), str(ZOO / "dien_tf.npz"),
+                           str(tmp_path / "y.npy")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not done.stdout.startswith(ort.__version__.rsplit(".", 1)[0])   # another onnxruntime than this one
+    framework = _npz(ZOO / "dien_tf.ref.npz")
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), next(iter(framework.values())), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not shutil.which("aarch64-linux-gnu-gcc"), reason="no aarch64 cross compiler (.ci/run installs one)")
+def test_the_library_builds_for_aarch64(tmp_path):
+    """The same sources compile for aarch64 (a cross compiler: gcc-aarch64-linux-gnu): its one build and the
+    library that loads it, ELF files for AArch64 (e_machine 183). Not run here (no aarch64 onnxruntime)."""
+    lib = kernels.build(compiler="aarch64-linux-gnu-gcc", folder=tmp_path, machine="aarch64")
+    built = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert built == ["libctropt_kernels.base.so", "libctropt_kernels.so"] and lib == tmp_path / "libctropt_kernels.so"
+    for name in built:
+        header = (tmp_path / name).read_bytes()[:20]
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183, name

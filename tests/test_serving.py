@@ -253,6 +253,8 @@ def test_a_repository_with_kernels_names_the_library_and_the_backend_can_load_it
     config = _parse_triton((folder / "config.pbtxt").read_text())
     (library,) = config.model_operations.op_library_filename
     assert Path(library) == (folder / "libctropt_kernels.so").resolve() and Path(library).exists()
+    from ctropt import kernels   # the library registered loads the build for this CPU from beside itself
+    assert sorted(p.name for p in folder.glob("libctropt_kernels*.so")) == sorted(p.name for p in kernels.build_paths())
     so = ort.SessionOptions()  # what Triton's onnxruntime backend does with op_library_filename
     so.register_custom_ops_library(library)
     model = folder / "1" / "model.onnx"

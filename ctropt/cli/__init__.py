@@ -900,7 +900,7 @@ def kernels_build(
     include: Optional[Path] = typer.Option(None, "--include", help="Folder with onnxruntime_c_api.h "
                                            "(default: $ORT_INCLUDE_DIR, /usr/include/onnxruntime)."),
 ):
-    """Compile the kernel library for this machine (gcc and onnxruntime's C API header needed)."""
+    """Compile the kernel library, one build per instruction set (gcc and onnxruntime's C API header needed)."""
     from .. import kernels
 
     with _user_errors():
@@ -909,11 +909,12 @@ def kernels_build(
 
 @kernels_app.command("status")
 def kernels_status():
-    """Whether the library is built, and where."""
+    """Whether the library is built, where, and which of its builds this CPU runs."""
     from .. import kernels
 
-    state = "built" if kernels.available() else "not built (run `ctropt kernels build`)"
-    console.print(f"{kernels.library_path()}: {state}; header: {kernels.include_dir() or 'not found'}")
+    state = f"built ({', '.join(isa for isa, _ in kernels.isas())}; this CPU runs {kernels.chosen_isa()})" \
+        if kernels.available() else "not built (run `ctropt kernels build`)"
+    console.print(f"{kernels.library_path()}: {state}; header: {kernels.include_dir() or 'not found'}", soft_wrap=True)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""ctropt's onnxruntime kernel library (``ai.ctropt.kernels`` ops), built from C on the machine that runs it.
+"""ctropt's onnxruntime kernel library (``ai.ctropt.kernels`` ops), built from C for any CPU of the architecture:
+one build per instruction set and a library that loads the widest one the CPU runs (``build``, dispatch.c).
 
 ``GRUScan`` (gru_sequence.c) runs a whole GRU-family layer, input projection included, in one kernel;
 lower-rnn-ort emits it when the library loads (``--option rnn_ort_form=kernel`` insists on it). ``AttentionCore``
@@ -15,7 +16,8 @@ such a node needs the library registered in its onnxruntime session: ctropt's ow
 ``register(session_options)``; ``ctropt repository`` names it in the Triton config.
 
 The build needs gcc and onnxruntime's C API header ``onnxruntime_c_api.h`` from any release up to the installed
-onnxruntime: the API is versioned, so a library built against an older header loads in newer onnxruntimes. ctropt
+onnxruntime: the API is versioned, and the library asks for the newest version both know (register.c), so it
+loads in onnxruntime 1.16 and newer whatever header it was built with. ctropt
 ships that header (``include/``: onnxruntime 1.21, API 21, MIT licence beside it), so ``ensure()`` builds the
 library on first use with nothing but gcc; $ORT_INCLUDE_DIR, /usr/include/onnxruntime and
 /usr/local/include/onnxruntime (Debian's ``libonnxruntime-dev``) are looked in first.
@@ -24,6 +26,7 @@ library on first use with nothing but gcc; $ORT_INCLUDE_DIR, /usr/include/onnxru
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -35,6 +38,7 @@ SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", H
            HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c",
            HERE / "gather_fields.c", HERE / "dot_sum.c",
            HERE / "fm_interaction.c", HERE / "gated_sum.c", HERE / "token_attention.c"]  # and kernels.h, which they share
+DISPATCH = HERE / "dispatch.c"   # the library onnxruntime registers: it loads the build for this CPU
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
@@ -50,12 +54,37 @@ def library_path() -> Path:
     return Path(folder) / "libctropt_kernels.so"
 
 
-def available() -> bool:
+def isas(machine: str | None = None) -> list[tuple[str, list[str]]]:
+    """The builds for `machine` (default: this one), widest first: (name, compiler flags). x86-64: AVX-512
+    (x86-64-v4), AVX2 + FMA (x86-64-v3) and the baseline; elsewhere (aarch64, ...) the compiler's default only."""
+    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
+        return [("avx512", ["-march=x86-64-v4"]), ("avx2", ["-march=x86-64-v3"]), ("base", ["-march=x86-64"])]
+    return [("base", [])]
+
+
+def build_paths() -> list[Path]:
+    """The library onnxruntime registers (dispatch.c) and the builds it chooses from, beside it."""
     lib = library_path()
-    sources = SOURCES + [HERE / "kernels.h"]
-    if not lib.exists() or not all(p.exists() for p in sources):   # a source missing: the build says which
+    return [lib] + [lib.with_name(f"libctropt_kernels.{isa}.so") for isa, _ in isas()]
+
+
+def chosen_isa() -> str | None:
+    """The build registering the library loads on this CPU (honouring $CTROPT_KERNELS_ISA); None when not built."""
+    if not library_path().exists():
+        return None
+    import ctypes
+
+    isa = ctypes.CDLL(str(library_path())).ctropt_kernels_isa
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
+
+
+def available() -> bool:
+    sources = SOURCES + [HERE / "kernels.h", DISPATCH]
+    built = build_paths()
+    if not all(p.exists() for p in built + sources):   # a source missing: the build says which
         return False
-    return lib.stat().st_mtime >= max(p.stat().st_mtime for p in sources)
+    return min(p.stat().st_mtime for p in built) >= max(p.stat().st_mtime for p in sources)
 
 
 def include_dir() -> Path | None:
@@ -65,27 +94,37 @@ def include_dir() -> Path | None:
     return next((Path(p) for p in places if p and (Path(p) / HEADER).exists()), None)
 
 
-def build(include: str | Path | None = None, compiler: str | None = None) -> Path:
-    """Compile the library for this machine's CPU (-march=native, with $CC or gcc); returns its path."""
+def build(include: str | Path | None = None, compiler: str | None = None, folder: Path | None = None,
+          machine: str | None = None) -> Path:
+    """Compile the library (with $CC or gcc) for any CPU of this architecture (or of `machine`, with a cross
+    compiler): one build per instruction set (`isas`), and the library onnxruntime registers, which picks the widest
+    one the CPU runs when it is registered ($CTROPT_KERNELS_ISA forces one). Into `folder` (default:
+    `library_path`'s); returns the library."""
     compiler = compiler or os.environ.get("CC") or "gcc"
     inc = Path(include) if include else include_dir()
     if inc is None or not (inc / HEADER).exists():
         raise CtroptError(f"{HEADER} not found in {inc}: give a folder that holds it (ctropt ships one in "
                           f"{SHIPPED_HEADER_DIR}; tools/fetch_ort_headers.sh DIR unpacks Debian's)")
-    out = library_path()
+    out = Path(folder) / library_path().name if folder else library_path()
     out.parent.mkdir(parents=True, exist_ok=True)
+    common = ["-O3", "-shared", "-fPIC", "-Wall", "-Wno-psabi", f"-I{inc}"]
+    for isa, flags in isas(machine):
+        _compile(compiler, [*common, *flags, *map(str, SOURCES), "-lm"], out.with_name(f"libctropt_kernels.{isa}.so"))
+    base = dict(isas(machine))["base"]
+    _compile(compiler, [*common, *base, str(DISPATCH), "-ldl"], out)   # last: `available` sees a whole set
+    return out
+
+
+def _compile(compiler: str, args: list[str], out: Path) -> None:
     part = out.with_name(f"{out.name}.{os.getpid()}.part")  # then renamed: a concurrent build never loads half a file
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-Wall", f"-I{inc}", *map(str, SOURCES), "-o", str(part),
-           "-lm"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run([compiler, *args, "-o", str(part)], capture_output=True, text=True)
     except FileNotFoundError:
         raise CtroptError(f"{compiler} not found: a C compiler is needed to build the kernels") from None
     if done.returncode:
         part.unlink(missing_ok=True)
         raise CtroptError(f"building the kernels failed:\n{done.stderr.strip()[-2000:]}")
     os.replace(part, out)
-    return out
 
 
 def ensure() -> str | None:

@@ -1,5 +1,5 @@
 /* What ctropt's kernels share: onnxruntime's C API (`ort`, set by RegisterCustomOps in register.c), vectors of
- * LANES floats (gcc/clang vector extensions: the compiler picks the instructions for -march=native), and the
+ * LANES floats (gcc/clang vector extensions: the compiler picks the instructions of each build's -march), and the
  * OrtCustomOp callbacks every kernel answers alike. */
 #ifndef CTROPT_KERNELS_H
 #define CTROPT_KERNELS_H
@@ -106,13 +106,25 @@ static inline vec splat(float f) { return (vec){0} + f; }
 
 /* A value as a value of its own: an empty asm the compiler cannot see through keeps it from being contracted with
  * the next add or sub into a fused multiply-add (gcc and clang alike), so a product is rounded as the Mul a kernel
- * replaces rounds it. */
+ * replaces rounds it. A whole vector fits one register with AVX ("x"); elsewhere (the x86-64 baseline build,
+ * aarch64) it goes through memory ("m"), where no fused multiply-add is made anyway without FMA. */
+#if defined(__AVX__)
+#define VALUE_BARRIER "+x"
+#else
+#define VALUE_BARRIER "+m"
+#endif
 static inline vec rounded(vec v) {
-    __asm__("" : "+x"(v));
+    __asm__("" : VALUE_BARRIER(v));
     return v;
 }
 static inline float rounded1(float v) {
+#if defined(__x86_64__) || defined(__i386__)
     __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#else
+    __asm__("" : "+m"(v));
+#endif
     return v;
 }
 
