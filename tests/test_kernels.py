@@ -252,6 +252,7 @@ def test_a_read_only_install_builds_into_the_users_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("CTROPT_KERNELS_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)  # site-packages not writable
+    monkeypatch.setattr(kernels, "HERE", tmp_path / "site-packages")   # and no library came with the wheel
     assert kernels.library_path() == tmp_path / "ctropt" / "libctropt_kernels.so"
     assert (kernels.include_dir() / kernels.HEADER).exists()  # the header ctropt ships, at the least
 

@@ -25,41 +25,29 @@ library on first use with nothing but gcc; $ORT_INCLUDE_DIR, /usr/include/onnxru
 
 from __future__ import annotations
 
+import functools
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 from ..graph import CtroptError, annotate_shapes_if_bare, iter_proto_nodes
+from . import compiling
 
 DOMAIN = "ai.ctropt.kernels"
 HERE = Path(__file__).parent
-SOURCES = [HERE / "register.c", HERE / "gru_sequence.c", HERE / "attention.c", HERE / "small_products.c",
-           HERE / "gather_rows.c", HERE / "unique_rows.c", HERE / "layer_norm.c", HERE / "mul_add.c",
-           HERE / "gather_fields.c", HERE / "dot_sum.c",
-           HERE / "fm_interaction.c", HERE / "gated_sum.c", HERE / "token_attention.c"]  # and kernels.h, which they share
-DISPATCH = HERE / "dispatch.c"   # the library onnxruntime registers: it loads the build for this CPU
+SOURCES, DISPATCH, isas = compiling.SOURCES, compiling.DISPATCH, compiling.isas
 HEADER = "onnxruntime_c_api.h"
 SHIPPED_HEADER_DIR = Path(__file__).with_name("include")
 _BUILD_FAILED: list[str] = []  # why this process's automatic build failed (tried once per process)
 
 
 def library_path() -> Path:
-    """Where the built library is (or goes): $CTROPT_KERNELS_DIR, else beside the source when that folder is
-    writable (a checkout), else the user's cache (~/.cache/ctropt, for a read-only install)."""
+    """Where the built library is (or goes): $CTROPT_KERNELS_DIR, else beside the source when the wheel brought it
+    prebuilt or the folder is writable (a checkout), else the user's cache (~/.cache/ctropt, a read-only install)."""
     folder = os.environ.get("CTROPT_KERNELS_DIR")
     if not folder:
-        folder = HERE if os.access(HERE, os.W_OK) else \
+        folder = HERE if (HERE / "libctropt_kernels.so").exists() or os.access(HERE, os.W_OK) else \
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctropt"
     return Path(folder) / "libctropt_kernels.so"
-
-
-def isas(machine: str | None = None) -> list[tuple[str, list[str]]]:
-    """The builds for `machine` (default: this one), widest first: (name, compiler flags). x86-64: AVX-512
-    (x86-64-v4), AVX2 + FMA (x86-64-v3) and the baseline; elsewhere (aarch64, ...) the compiler's default only."""
-    if (machine or platform.machine()).lower() in ("x86_64", "amd64"):
-        return [("avx512", ["-march=x86-64-v4"]), ("avx2", ["-march=x86-64-v3"]), ("base", ["-march=x86-64"])]
-    return [("base", [])]
 
 
 def build_paths() -> list[Path]:
@@ -80,11 +68,13 @@ def chosen_isa() -> str | None:
 
 
 def available() -> bool:
+    """Whether the library and its builds are there, built from these sources (the hash they were built from, not
+    file times: a wheel's files are all unpacked at install time)."""
     sources = SOURCES + [HERE / "kernels.h", DISPATCH]
-    built = build_paths()
-    if not all(p.exists() for p in built + sources):   # a source missing: the build says which
+    if not all(p.exists() for p in build_paths() + sources):   # a source missing: the build says which
         return False
-    return min(p.stat().st_mtime for p in built) >= max(p.stat().st_mtime for p in sources)
+    done = compiling.stamp(library_path())
+    return done.exists() and done.read_text() == _sources_hash()
 
 
 def include_dir() -> Path | None:
@@ -96,35 +86,22 @@ def include_dir() -> Path | None:
 
 def build(include: str | Path | None = None, compiler: str | None = None, folder: Path | None = None,
           machine: str | None = None) -> Path:
-    """Compile the library (with $CC or gcc) for any CPU of this architecture (or of `machine`, with a cross
-    compiler): one build per instruction set (`isas`), and the library onnxruntime registers, which picks the widest
-    one the CPU runs when it is registered ($CTROPT_KERNELS_ISA forces one). Into `folder` (default:
-    `library_path`'s); returns the library."""
-    compiler = compiler or os.environ.get("CC") or "gcc"
+    """Compile the library (compiling.py: one build per instruction set and the library that picks one) into
+    `folder` (default: `library_path`'s), with $CC or gcc; returns the library."""
     inc = Path(include) if include else include_dir()
     if inc is None or not (inc / HEADER).exists():
         raise CtroptError(f"{HEADER} not found in {inc}: give a folder that holds it (ctropt ships one in "
                           f"{SHIPPED_HEADER_DIR}; tools/fetch_ort_headers.sh DIR unpacks Debian's)")
     out = Path(folder) / library_path().name if folder else library_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    common = ["-O3", "-shared", "-fPIC", "-Wall", "-Wno-psabi", f"-I{inc}"]
-    for isa, flags in isas(machine):
-        _compile(compiler, [*common, *flags, *map(str, SOURCES), "-lm"], out.with_name(f"libctropt_kernels.{isa}.so"))
-    base = dict(isas(machine))["base"]
-    _compile(compiler, [*common, *base, str(DISPATCH), "-ldl"], out)   # last: `available` sees a whole set
-    return out
-
-
-def _compile(compiler: str, args: list[str], out: Path) -> None:
-    part = out.with_name(f"{out.name}.{os.getpid()}.part")  # then renamed: a concurrent build never loads half a file
     try:
-        done = subprocess.run([compiler, *args, "-o", str(part)], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise CtroptError(f"{compiler} not found: a C compiler is needed to build the kernels") from None
-    if done.returncode:
-        part.unlink(missing_ok=True)
-        raise CtroptError(f"building the kernels failed:\n{done.stderr.strip()[-2000:]}")
-    os.replace(part, out)
+        return compiling.build(out, inc, compiler or os.environ.get("CC") or "gcc", machine)
+    except compiling.BuildError as e:
+        raise CtroptError(str(e)) from None
+
+
+@functools.lru_cache(maxsize=1)
+def _sources_hash() -> str:
+    return compiling.sources_hash()   # once per process: the sources of an installed package do not change
 
 
 def ensure() -> str | None:
