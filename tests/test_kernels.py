@@ -278,11 +278,13 @@ def test_one_build_per_instruction_set_and_the_same_answers_on_each(monkeypatch)
         Runner(opt).run(feeds)
 
 
-OLD_ORT = os.environ.get("CTROPT_OLD_ORT_PYTHON")   # a python with onnxruntime 1.16-1.20 (.ci/run makes one)
+# pythons with older onnxruntimes, os.pathsep-separated (.ci/run makes 1.17.3 and 1.20.1)
+OLD_ORT = [p for p in os.environ.get("CTROPT_OLD_ORT_PYTHON", "").split(os.pathsep) if p]
 
 
-@pytest.mark.skipif(not OLD_ORT, reason="CTROPT_OLD_ORT_PYTHON (a python with an older onnxruntime) is not set")
-def test_an_older_onnxruntime_runs_the_kernels(tmp_path):
+@pytest.mark.skipif(not OLD_ORT, reason="CTROPT_OLD_ORT_PYTHON (pythons with older onnxruntimes) is not set")
+@pytest.mark.parametrize("python", OLD_ORT or [None])
+def test_an_older_onnxruntime_runs_the_kernels(tmp_path, python):
     """The library uses the newest C API version both sides know (built with API 21 headers): Triton's and the
     distributions' onnxruntime 1.16-1.20 register it and run the zoo DIEN's GRUScan, GatherRows, ... as the
     framework does (onnxruntime 1.17.3 said `The requested API version [21] is not available` before)."""
@@ -293,7 +295,7 @@ def test_an_older_onnxruntime_runs_the_kernels(tmp_path):
               "s = ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
               "f = dict(np.load(sys.argv[3])); y = s.run(None, {i.name: f[i.name] for i in s.get_inputs()})[0]\n"
               "np.save(sys.argv[4], y); print(ort.__version__)\n")
-    done = subprocess.run([OLD_ORT, "-c", script, str(out), str(kernels.library_path()), str(ZOO / "dien_tf.npz"),
+    done = subprocess.run([python, "-c", script, str(out), str(kernels.library_path()), str(ZOO / "dien_tf.npz"),
                            str(tmp_path / "y.npy")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not done.stdout.startswith(ort.__version__.rsplit(".", 1)[0])   # another onnxruntime than this one
@@ -311,3 +313,28 @@ def test_the_library_builds_for_aarch64(tmp_path):
     for name in built:
         header = (tmp_path / name).read_bytes()[:20]
         assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183, name
+
+
+def test_the_model_says_what_it_needs_and_the_readme_fix_works(tmp_path):
+    """An optimized model with ctropt's kernels names the library, its version and ops in its metadata; a plain
+    onnxruntime session fails as the README's troubleshooting quotes, and registering `ctropt kernels path` fixes
+    it (the README's Python snippet, as it is written there)."""
+    from typer.testing import CliRunner
+
+    from ctropt.cli import app
+
+    out = tmp_path / "dien.opt.onnx"
+    ctropt.graph.save(ctropt.optimize(load(ZOO / "dien_tf.onnx"), speed=False).model, out)
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["ctropt.kernels.library"] == "libctropt_kernels.so" and "GRUScan" in meta["ctropt.kernels.ops"]
+    assert "register_custom_ops_library" in meta["ctropt.kernels.how"]
+    with pytest.raises(Exception, match=r"ai\.ctropt\.kernels:\w+\(-1\) is not a registered function/op"):
+        ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    path = CliRunner().invoke(app, ["kernels", "path"]).output.strip()
+    assert path == str(kernels.library_path())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = readme.split("<!-- serving: python -->")[1].split("```python")[1].split("```")[0]
+    scope = {"MODEL": str(out), "LIBRARY": path, "FEEDS": _npz(ZOO / "dien_tf.npz")}
+    exec(snippet, scope)
+    framework = _npz(ZOO / "dien_tf.ref.npz")
+    np.testing.assert_allclose(scope["outputs"][0], next(iter(framework.values())), atol=1e-5, rtol=1e-4)

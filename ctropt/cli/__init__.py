@@ -907,6 +907,14 @@ def kernels_build(
         console.print(f"built {kernels.build(include)}")
 
 
+@kernels_app.command("path")
+def kernels_path():
+    """Print where the library onnxruntime registers is (built or not): register_custom_ops_library(that path)."""
+    from .. import kernels
+
+    print(kernels.library_path())
+
+
 @kernels_app.command("status")
 def kernels_status():
     """Whether the library is built, where, and which of its builds this CPU runs."""

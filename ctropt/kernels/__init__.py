@@ -117,6 +117,32 @@ def ensure() -> str | None:
     return _BUILD_FAILED[0]
 
 
+METADATA = ("ctropt.kernels.library", "ctropt.kernels.version", "ctropt.kernels.ops", "ctropt.kernels.how")
+
+
+def describe(model) -> None:
+    """Say in the ModelProto's metadata what it needs to run (changed in place): this library (its file, version and
+    the ops the model uses) and how to register it; entries of a library the model no longer uses go."""
+    ops = sorted({n.op_type for n in iter_proto_nodes(model.graph) if n.domain == DOMAIN})
+    kept = [p for p in model.metadata_props if p.key not in METADATA]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if not ops:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("ctropt")
+    except PackageNotFoundError:   # a checkout on sys.path, not installed
+        release = "unknown"
+    how = ("onnxruntime needs the library registered: SessionOptions.register_custom_ops_library(path), path from "
+           "`ctropt kernels path` (or the libctropt_kernels.so a Triton repository holds); or optimize with "
+           "--option ort_kernels=off for standard ops only")
+    values = ("libctropt_kernels.so", f"ctropt {release}, sources {_sources_hash()[:12]}", ",".join(ops), how)
+    for key, value in zip(METADATA, values):
+        model.metadata_props.add(key=key, value=value)
+
+
 def uses_kernels(model) -> bool:
     """Whether an onnx ModelProto has a node of this library (at any depth)."""
     return any(n.domain == DOMAIN for n in iter_proto_nodes(model.graph))

@@ -14,6 +14,7 @@ from ..graph import (CtroptError, annotate_shapes, interface, iter_proto_graphs,
                      weights)
 from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs,
                        model_input_facts, store_input_facts, summary)
+from .. import kernels
 from ..report.diff import ModelDiff, diff_models
 from ..runtime.bench import SpeedVerdict
 from .registry import Pass, PassContext, resolve
@@ -99,13 +100,15 @@ class PassManager:
         result then carries in the proto again."""
         if weights.active() is not None or not any(
                 weights.external_ref(t) is None and weights.nbytes(t) >= weights.THRESHOLD for t in model.graph.initializer):
-            return self._run(model)
-        with weights.WeightStore.opened() as store:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(model)
-            result = self._run(store.adopt(copy))
-            result.model = store.inline(result.model)
-            return result
+            result = self._run(model)
+        else:
+            with weights.WeightStore.opened() as store:
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                result = self._run(store.adopt(copy))
+                result.model = store.inline(result.model)
+        kernels.describe(result.model)  # the metadata names the kernel library the result needs, if any
+        return result
 
     def _run(self, model: onnx.ModelProto) -> OptimizeResult:
         problem = invalid_reason(model)
