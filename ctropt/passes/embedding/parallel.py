@@ -478,26 +478,34 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
     return []
 
 
-def _read_by_gathers(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
-    """The lookups whose table only row Gathers of `graph` read: once the table is joined, those outside the
-    group read the joined table (`_read_joined`). A table read any other way would be stored twice."""
-    mine = {id(n) for n in graph.nodes}
-
-    def gathers_only(table: gs.Tensor) -> bool:
-        return all(id(n) in mine and n.op == "Gather" and not n.domain and n.attrs.get("axis", 0) == 0 and
-                   n.inputs[0] is table and n.inputs[1] is not table for n in table.outputs)
-    return [lk for lk in group if gathers_only(lk.gather.inputs[0])]
+def _request_ids(t: gs.Tensor, graph: gs.Graph) -> bool:
+    """Ids that are a graph input, through casts and reshapes (a target item's lookup), not ids a rewrite computed."""
+    inputs = {id(x) for x in graph.inputs}
+    for _ in range(8):
+        if id(t) in inputs:
+            return True
+        made = t.inputs[0] if len(t.inputs) == 1 else None
+        if made is None or made.domain or made.op not in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten",
+                                                           "Identity"):
+            return False
+        t = made.inputs[0]
+    return False
 
 
 def _read_joined(graph: gs.Graph, group: list[Lookup], placed: dict) -> None:
-    """The other Gathers of a joined table's rows read the joined table, each id checked against its own table's
-    rows (field_rows, which gather-rows-kernel reads back): every table is stored once."""
-    fused = {id(lk.gather) for lk in group}
+    """Where a joined table's other readers are all row Gathers of request ids (a target item's lookup beside its
+    history's), they read the joined table, each id checked against its own table's rows (field_rows, which
+    gather-rows-kernel reads back): the table is stored once. Other readers keep the table as it was."""
+    fused, mine = {id(lk.gather) for lk in group}, {id(n) for n in graph.nodes}
     for lk in group:
         table = lk.gather.inputs[0]
+        others = [n for n in table.outputs if id(n) not in fused]
+        if not others or not all(id(n) in mine and n.op == "Gather" and not n.domain and n.attrs.get("axis", 0) == 0
+                                 and n.inputs[0] is table and _request_ids(n.inputs[1], graph) for n in others):
+            continue
         joined, start, rows = placed[id(table)]
         total = int(joined.values.shape[0])
-        for node in [n for n in table.outputs if id(n) not in fused]:
+        for node in others:
             x = node.inputs[1]
             dtype = np.dtype(dtype_of(x))
             if total > np.iinfo(dtype).max:
@@ -527,7 +535,7 @@ def _fused_groups(graph: gs.Graph, max_rows: int | None = None):
             if max_rows is not None and sum(tables.values()) > max_rows:
                 yield group, None
                 continue
-            yield group, _fuse(g, _read_by_gathers(g, group))
+            yield group, _fuse(g, group)
 
 
 def parallel_lookup_tables(graph: gs.Graph) -> set[str]:
