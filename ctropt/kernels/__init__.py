@@ -70,7 +70,7 @@ def chosen_isa() -> str | None:
 def available() -> bool:
     """Whether the library and its builds are there, built from these sources (the hash they were built from, not
     file times: a wheel's files are all unpacked at install time)."""
-    sources = SOURCES + [HERE / "kernels.h", DISPATCH]
+    sources = SOURCES + [HERE / "kernels.h", HERE / "api_version.h", DISPATCH]
     if not all(p.exists() for p in build_paths() + sources):   # a source missing: the build says which
         return False
     done = compiling.stamp(library_path())

@@ -51,7 +51,7 @@ def stamp(library: Path) -> Path:
 def sources_hash() -> str:
     """A hash of the sources and the header they share: a library built from other ones is rebuilt."""
     digest = hashlib.sha256()
-    for path in [*SOURCES, DISPATCH, HERE / "kernels.h"]:
+    for path in [*SOURCES, DISPATCH, HERE / "kernels.h", HERE / "api_version.h"]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "onnxruntime_c_api.h"
+#include "api_version.h"
 
 typedef OrtStatus *(ORT_API_CALL *Register)(OrtSessionOptions *, const OrtApiBase *);
 
@@ -29,13 +29,9 @@ static const char *best_isa(void) {
     return "base";
 }
 
-/* An error onnxruntime reports (through the API version it serves: 1.N serves 1..N). */
+/* An error onnxruntime reports (through the API version it serves). */
 static OrtStatus *failure(const OrtApiBase *base, const char *message) {
-    unsigned major = 0, minor = 0;
-    const char *text = base->GetVersionString ? base->GetVersionString() : NULL;
-    uint32_t version = text && sscanf(text, "%u.%u", &major, &minor) == 2 && major == 1 && minor < ORT_API_VERSION
-                           ? minor : ORT_API_VERSION;
-    const OrtApi *api = base->GetApi(version);
+    const OrtApi *api = base->GetApi(ctropt_api_version(base));
     return api ? api->CreateStatus(ORT_FAIL, message) : NULL;
 }
 

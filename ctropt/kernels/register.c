@@ -3,6 +3,7 @@
  * MIN_API_VERSION (onnxruntime 1.16: the V2 kernel callbacks), so a build made with these headers (API 21) runs in
  * the onnxruntime 1.16-1.20 that Triton and distributions ship; the ops say that version too, so an older
  * onnxruntime reads only the fields it knows. */
+#include "api_version.h"
 #include "kernels.h"
 
 #define MIN_API_VERSION 16
@@ -15,16 +16,8 @@ static OrtCustomOp *const OPS[] = {&ctropt_gru_scan, &ctropt_attention_core, &ct
                                    &ctropt_mul_add, &ctropt_dot_sum, &ctropt_fm_interaction, &ctropt_gated_sum,
                                    &ctropt_token_attention};
 
-/* onnxruntime 1.N serves C API versions 1..N (asking for a newer one prints an error): N, or ORT_API_VERSION. */
-static uint32_t api_version(const OrtApiBase *base) {
-    unsigned major = 0, minor = 0;
-    const char *text = base->GetVersionString ? base->GetVersionString() : NULL;
-    if (!text || sscanf(text, "%u.%u", &major, &minor) != 2 || major != 1) return ORT_API_VERSION;
-    return minor < ORT_API_VERSION ? minor : ORT_API_VERSION;
-}
-
 ORT_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-    uint32_t version = api_version(base);
+    uint32_t version = ctropt_api_version(base);
     ort = base->GetApi(version);
     if (!ort) return NULL;
     if (version < MIN_API_VERSION) return ort->CreateStatus(ORT_FAIL, "ctropt's kernels need onnxruntime 1.16 or newer");
