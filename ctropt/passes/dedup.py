@@ -52,10 +52,13 @@ def _rows_stacked(t: gs.Tensor, probe: Probe, batches: list[int]) -> bool:
                                       for s, b in zip(shapes, batches))
 
 
-def user_seeds(graph: gs.Graph, probe: Probe, named: set[str], columns: dict[str, set[int]] | None = None) -> list[gs.Tensor]:
+def user_seeds(graph: gs.Graph, probe: Probe, named: set[str], columns: dict[str, set[int]] | None = None,
+               facts: dict | None = None) -> list[gs.Tensor]:
     """The values that describe the user: history ids, lengths, masks (inputs or packed columns), named inputs and
-    declared columns of packed inputs."""
-    facts = analyze_inputs(graph)
+    declared columns of packed inputs. `facts`: the raw model's input facts (the PassManager's), read off the graph
+    where absent: an optimized graph no longer shows them (a joined table's bounds check compares ids with 0, as a
+    length is compared), and a second run must see what the first saw."""
+    facts = {**analyze_inputs(graph), **(facts or {})}
     batches = _batches(probe)
     seeds = []
     for inp in graph.inputs:
@@ -186,7 +189,7 @@ def _dedup(ctx: PassContext, named: set[str], columns: dict[str, set[int]]) -> s
     if probe is None:
         ctx.note(why)
         return set()
-    seeds = user_seeds(graph, probe, named, columns)
+    seeds = user_seeds(graph, probe, named, columns, ctx.input_facts)
     if not seeds:
         ctx.note("left as is: no user-side inputs (history ids, lengths, masks; name others with "
                  "--user-inputs a,b)")

@@ -478,30 +478,17 @@ def _fuse(graph: gs.Graph, group: list[Lookup]) -> list[Lookup]:
     return []
 
 
-def _request_ids(t: gs.Tensor, graph: gs.Graph) -> bool:
-    """Ids that are a graph input, through casts and reshapes (a target item's lookup), not ids a rewrite computed."""
-    inputs = {id(x) for x in graph.inputs}
-    for _ in range(8):
-        if id(t) in inputs:
-            return True
-        made = t.inputs[0] if len(t.inputs) == 1 else None
-        if made is None or made.domain or made.op not in ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten",
-                                                           "Identity"):
-            return False
-        t = made.inputs[0]
-    return False
-
-
 def _read_joined(graph: gs.Graph, group: list[Lookup], placed: dict) -> None:
-    """Where a joined table's other readers are all row Gathers of request ids (a target item's lookup beside its
-    history's), they read the joined table, each id checked against its own table's rows (field_rows, which
-    gather-rows-kernel reads back): the table is stored once. Other readers keep the table as it was."""
+    """Where a joined table's other readers are all row Gathers (a target item's lookup beside its history's,
+    lookup-selected-rows' reads of valid positions), they read the joined table, each id checked against its own
+    table's rows (field_rows, which gather-rows-kernel reads back): the table is stored once. A table read any other
+    way stays as it was beside the joined copy."""
     fused, mine = {id(lk.gather) for lk in group}, {id(n) for n in graph.nodes}
     for lk in group:
         table = lk.gather.inputs[0]
         others = [n for n in table.outputs if id(n) not in fused]
         if not others or not all(id(n) in mine and n.op == "Gather" and not n.domain and n.attrs.get("axis", 0) == 0
-                                 and n.inputs[0] is table and _request_ids(n.inputs[1], graph) for n in others):
+                                 and n.inputs[0] is table and n.inputs[1] is not table for n in others):
             continue
         joined, start, rows = placed[id(table)]
         total = int(joined.values.shape[0])
