@@ -85,11 +85,16 @@ def ovms_config(name: str, target_device: str = "CPU") -> dict:
 
 
 def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name: str, buckets: list[int], *,
-                       static_seq_len: int | None = None, options: dict | None = None, source: str = "") -> dict:
+                       static_seq_len: int | None = None, options: dict | None = None, source: str = "",
+                       library_dir: str | None = None) -> dict:
     """Write `triton/` and `ovms/` under out_dir; returns a summary (paths, batched, why not). `source`: the
-    model's path, for messages."""
+    model's path, for messages. `library_dir`: the Triton model directory (`triton/<name>`, where the libraries
+    are copied) as the server will see it, e.g. /models/<name> in a container; default: where it is written."""
     if not name.replace("_", "").replace("-", "").isalnum():
         raise CtroptError(f"model name {name!r}: use letters, digits, '-' and '_'")
+    if library_dir is not None and not library_dir.startswith("/"):
+        raise CtroptError(f"--library-dir {library_dir}: an absolute path, as the server sees it (Triton's "
+                          "onnxruntime backend hands op_library_filename to dlopen as written)")
     check_target(model, "openvino", Path(source).name if source else None,   # OVMS needs a model OpenVINO runs
                  "give `ctropt repository` the original model: it optimizes a copy for each server")
     out = Path(out_dir)
@@ -124,12 +129,14 @@ def write_repositories(model: onnx.ModelProto, out_dir: str | os.PathLike, name:
             for uses, files in ((kernels.uses_kernels, kernels.build_paths),
                                 (strings.uses_strings, lambda: [strings.library_path()])):
                 if uses(result.model):
-                    libraries.append(str((out / server / name / files()[0].name).resolve()))
+                    seen = library_dir.rstrip("/") if library_dir else str((out / server / name).resolve())
+                    libraries.append(f"{seen}/{files()[0].name}")
                     for f in files():
                         shutil.copyfile(f, out / server / name / f.name)
             text = triton_config(result.model, name, buckets, batched=not why_not, op_libraries=tuple(libraries))
             (out / server / name / "config.pbtxt").write_text(text)
             summary["triton"] = str(out / server / name / "config.pbtxt")
+            summary["libraries"] = libraries
         else:
             (out / server / "config.json").write_text(json.dumps(ovms_config(name), indent=2) + "\n")
             summary["ovms"] = str(out / server / "config.json")

@@ -301,3 +301,32 @@ def test_routing_large_requests_to_a_second_backend_and_the_sweep_that_sets_it(t
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "on openvino-cpu" in r.output and ("gpu_threshold=" in r.output or "keep ort-cpu" in r.output)
+
+
+def _readme_snippet(tag: str) -> str:
+    readme = (ROOT.parent / "README.md").read_text()
+    return readme.split(f"<!-- serving: {tag} -->")[1].split("```python")[1].split("```")[0]
+
+
+def test_the_readme_openvino_and_plain_serving_snippets_run(tmp_path):
+    """The README's OpenVINO snippet on a `--target openvino` result, and a model optimized with ort_kernels=off in
+    a plain onnxruntime session: both answer as the raw export does, with no library registered."""
+    import onnxruntime as ort
+
+    raw = load(ZOO / "dien_tf.onnx")
+    feeds = generate_inputs(raw, batch=9)
+    want = Runner(raw).run(feeds)
+    ov_model = tmp_path / "dien.ov.onnx"
+    save(ctropt.optimize(raw, target="openvino", speed=False).model, ov_model)
+    scope = {"MODEL": str(ov_model), "FEEDS": feeds}
+    exec(_readme_snippet("openvino"), scope)
+    for name, got in zip(want, scope["outputs"].values()):
+        np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-5)
+
+    r = CliRunner().invoke(app, ["optimize", str(ZOO / "dien_tf.onnx"), "-o", str(tmp_path / "dien.plain.onnx"),
+                                 "--option", "ort_kernels=off", "--no-speed-check"])
+    assert r.exit_code == 0, r.output
+    assert "ctropt kernels path" not in _readme_snippet("openvino")
+    session = ort.InferenceSession(str(tmp_path / "dien.plain.onnx"), providers=["CPUExecutionProvider"])
+    for name, got in zip([o.name for o in session.get_outputs()], session.run(None, feeds)):
+        np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-5)

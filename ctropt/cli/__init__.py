@@ -464,6 +464,11 @@ def repository_cmd(
     static_seq_len: Optional[int] = typer.Option(None, "--static-seq-len", min=1,
                                                  help="History length to fix for OpenVINO (as in optimize)."),
     option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    library_dir: Optional[str] = typer.Option(None, "--library-dir", help="Where the Triton server sees this "
+                                              "model's folder (triton/NAME, which holds ctropt's kernel libraries), "
+                                              "e.g. /models/NAME with the repository mounted at /models; "
+                                              "op_library_filename names the libraries there. Default: where they "
+                                              "are written."),
 ):
     """A Triton model repository (onnxruntime backend, dynamic batching over the buckets) and an OpenVINO Model
     Server config, each with the model optimized and checked for that server's runtime."""
@@ -474,8 +479,13 @@ def repository_cmd(
         m = load(model)
         with console.status("optimizing for onnxruntime (Triton) and OpenVINO (OVMS)"):
             summary = write_repositories(m, output, name or model.name.removesuffix(".onnx"), sizes, source=str(model),
-                                         static_seq_len=static_seq_len, options=_pass_options(option or []))
+                                         static_seq_len=static_seq_len, options=_pass_options(option or []),
+                                         library_dir=library_dir)
         console.print(f"Triton: {summary['triton']}" + ("" if summary["batched"] else " (no dynamic batching)"))
+        if summary["libraries"]:
+            console.print(f"  the server loads {', '.join(summary['libraries'])}" + (
+                "" if library_dir else " (absolute paths of this machine: give --library-dir where the server "
+                "will see triton/NAME if the repository moves)"), soft_wrap=True)
         console.print(f"OpenVINO Model Server: {summary['ovms']}" + (
             f" (the id model: clients turn strings into ids with {summary['ovms_front']})"
             if "ovms_front" in summary else ""))
@@ -908,11 +918,14 @@ def kernels_build(
 
 
 @kernels_app.command("path")
-def kernels_path():
+def kernels_path(
+    include: bool = typer.Option(False, "--include", help="Print instead the folder of the onnxruntime C API header "
+                                 "ctropt ships (onnxruntime_c_api.h, API 21), for a C/C++ server (examples/c/serve.c)."),
+):
     """Print where the library onnxruntime registers is (built or not): register_custom_ops_library(that path)."""
     from .. import kernels
 
-    print(kernels.library_path())
+    print(kernels.SHIPPED_HEADER_DIR if include else kernels.library_path())
 
 
 @kernels_app.command("status")
