@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 
 import ctropt
 
-from ctropt.cli import app
+from ctropt.cli import PASS_OPTIONS, app
 from ctropt.graph import MAX_ONNX_OPSET, save
 from helpers import F, I64, init, make_model, node, ops, vi
 
@@ -246,3 +247,40 @@ def test_every_bad_argument_is_one_error_line_and_exit_2(model_path, args):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------- a newcomer's defects (#52)
+
+
+def test_option_keys_are_checked(model_path, tmp_path):
+    """A typo in --option is one error line naming the closest key and the known ones, before any work."""
+    for command in (["optimize", model_path, "-o", tmp_path / "o.onnx"], ["specialize", model_path, "-o", tmp_path]):
+        for item, hint in (("ort_kernel=off", "did you mean ort_kernels?"), ("foo=bar", "unknown key (known:")):
+            result = invoke(*command, "--option", item)
+            assert result.exit_code == 2 and hint in result.output, result.output
+            assert "rnn_ort_form" in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "o.onnx").exists()
+    listing = " ".join(invoke("passes", "--options").output.split())
+    assert all(key in listing for key in PASS_OPTIONS) and "standard ops only" in listing
+
+
+def test_every_option_key_a_pass_reads_is_documented():
+    """Each key read from the options anywhere in ctropt/ has its line in PASS_OPTIONS, and each line is read."""
+    texts = [p.read_text() for p in Path(ctropt.__file__).parent.rglob("*.py")]
+    aliases = {"options"} | {a for t in texts for a in re.findall(r"(\w+)\s*=\s*(?:ctx|self)\.options\s*$", t, re.M)}
+    read = re.compile(rf"\b(?:{'|'.join(aliases)})(?:\.get\(\s*|\[\s*)[\"']([A-Za-z0-9_]+)[\"']")
+    keys = {k for t in texts for k in read.findall(t)}
+    assert "opt" in aliases and {"ort_kernels", "int8_eval", "calib"} <= keys   # the grep sees its examples
+    assert keys - set(PASS_OPTIONS) == set(), "add these keys to ctropt.cli.PASS_OPTIONS with their meaning"
+    assert set(PASS_OPTIONS) - keys == set(), "no pass reads these keys any more"
+    assert all(meaning and "\n" not in meaning for meaning in PASS_OPTIONS.values())
+
+
+def test_a_plugin_declares_its_option_keys(model_path, tmp_path, temp_pass):
+    seen = {}
+    temp_pass("plugin-with-option", lambda ctx: seen.update(ctx.options), default=False,
+              options={"plugin_knob": "a plugin's own option"})
+    result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--passes", "plugin-with-option",
+                    "--no-speed-check", "--option", "plugin_knob=3")
+    assert result.exit_code == 0, result.output
+    assert seen == {"plugin_knob": 3}

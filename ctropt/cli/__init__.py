@@ -43,6 +43,8 @@ BATCH = typer.Option(DEFAULT_BATCH, "--batch", min=1, help="Batch size of genera
 ATOL = typer.Option(DEFAULT_ATOL, "--atol", help="Absolute tolerance of the output comparison.")
 RTOL = typer.Option(DEFAULT_RTOL, "--rtol", help="Relative tolerance of the output comparison.")
 TARGET = typer.Option("ort", "--target", help="Runtime to optimize for: ort or openvino.")
+OPTION = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), e.g. rnn_ort_form=gru-op; "
+                      "`ctropt passes --options` lists the keys.")
 
 
 @contextlib.contextmanager
@@ -124,13 +126,50 @@ def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) ->
     return options
 
 
+# Every key the passes and the manager read from their options (`--option KEY=VALUE`), with its meaning; a plugin
+# declares its own with register_pass(options=...). tests/test_cli.py checks each key read in ctropt/ is here.
+PASS_OPTIONS = {
+    "ort_kernels": "auto (default): ctropt's onnxruntime kernels where faster; off: standard ops only",
+    "rnn_ort_form": "lower-rnn-ort's form: auto, kernel, standard, scan or gru-op",
+    "attention_ort_form": "attention-core-kernel's form: auto, kernel (insist) or standard (leave the ops)",
+    "rnn_openvino_form": "lower-rnn-openvino's form: auto, scan, gru-op or augru-unrolled",
+    "static_seq_len": "the history length T fixed for OpenVINO (as --static-seq-len)",
+    "user_inputs": "the inputs that describe the user (as --user-inputs)",
+    "fold_size_cap": "fold-constants' largest folded constant, in bytes (default 16 MiB)",
+    "calib": "quantize-int8's calibration data, an .npz (as --calib)",
+    "calibrator": "quantize-int8's calibration: minmax (default), percentile or entropy",
+    "int8_eval": "quantize-int8's evaluation data, an .npz (default: the calibration data)",
+    "int8_threshold": "quantize-int8's accuracy gate: relative mean error bound (default 0.005)",
+    "int8_max_abs": "quantize-int8's accuracy gate: worst-row error bound (default 0.01)",
+    "int8_batch": "rows quantize-int8's speed gate times each layer at (default 256)",
+    "int8_bench_seconds": "seconds quantize-int8's speed gate times each layer (default 1.0)",
+    "int8_min_speedup": "a layer goes INT8 where at least this much faster (default 1.05; 0: no speed gate)",
+    "int8_reduce_range": "7-bit INT8 weights: auto (default: where the CPU lacks VNNI), true or false",
+    "fp16_threshold": "convert-float16's accuracy gate: relative mean error bound (default 0.002)",
+    "fp16_max_abs": "convert-float16's accuracy gate: worst-row error bound (default 0.005)",
+}
+
+
+def _known_options() -> dict[str, str]:
+    """ctropt's option keys and those the registered (plugin) passes declare."""
+    return {**PASS_OPTIONS, **{k: v for p in REGISTRY.values() for k, v in p.options.items()}}
+
+
 def _pass_options(items: list[str]) -> dict:
-    options = {}
+    """--option KEY=VALUE items → the pass options; an unknown key is an error that names the closest."""
+    import difflib
+
+    options, known = {}, _known_options()
     for item in items:
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise CtroptError(f"--option wants KEY=VALUE, got {item!r}")
-        options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise CtroptError(f"--option {key}: unknown key" + (f"; did you mean {close[0]}?" if close else "")
+                              + f" (known: {', '.join(sorted(known))}; `ctropt passes --options` says what each does)")
+        options[key] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return options
 
 
@@ -151,8 +190,7 @@ def optimize(
     static_seq_len: Optional[int] = typer.Option(
         None, "--static-seq-len", min=1,
         help="History length T to fix for OpenVINO, which fuses whole recurrent sequences only for a static T."),
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), "
-                                               "e.g. rnn_ort_form=gru-op."),
+    option: Optional[List[str]] = OPTION,
     user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help="Comma list of the inputs that describe "
                                               "the user (the same for every candidate of a request): their work "
                                               "runs once per distinct user, and the speed check times one-user "
@@ -426,7 +464,7 @@ def specialize_cmd(
                                           "sequence inputs); default: left dynamic."),
     passes: str = typer.Option("all", "--passes", help="'all' or a comma list of pass names."),
     target: str = TARGET,
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    option: Optional[List[str]] = OPTION,
     plugin: Optional[List[str]] = PLUGIN,
 ):
     """One optimized static-shape model per batch bucket, each verified against the dynamic model; serve them
@@ -463,7 +501,7 @@ def repository_cmd(
                               "largest is max_batch_size."),
     static_seq_len: Optional[int] = typer.Option(None, "--static-seq-len", min=1,
                                                  help="History length to fix for OpenVINO (as in optimize)."),
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    option: Optional[List[str]] = OPTION,
 ):
     """A Triton model repository (onnxruntime backend, dynamic batching over the buckets) and an OpenVINO Model
     Server config, each with the model optimized and checked for that server's runtime."""
@@ -562,10 +600,19 @@ def split_strings_cmd(
 
 
 @app.command("passes")
-def list_passes(plugin: Optional[List[str]] = PLUGIN):
-    """List every registered pass."""
+def list_passes(plugin: Optional[List[str]] = PLUGIN,
+                options: bool = typer.Option(False, "--options", help="List the --option keys instead.")):
+    """List every registered pass (or, with --options, the keys of --option KEY=VALUE)."""
     with _user_errors():
         _plugins(plugin)
+        if options:
+            table = Table()
+            for col in ("--option key", "meaning"):
+                table.add_column(col)
+            for key, meaning in sorted(_known_options().items()):
+                table.add_row(key, escape(meaning))
+            console.print(table)
+            return
         table = Table()
         for col in ("pass", "group", "targets", "in all", "description"):
             table.add_column(col)
