@@ -134,6 +134,8 @@ def bad_files(tmp_path):
     unknown_op = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])])
     unknown_op.graph.node[0].op_type = "Frobnicate"
     onnx.save(unknown_op, tmp_path / "unknown_op.onnx")
+    (tmp_path / "model.json").write_text('{"name": "a config, not a model"}')
+    np.savez(tmp_path / "inputs.npz", x=np.ones(2))
     huge = tmp_path / "huge.onnx"
     with open(huge, "wb") as f:
         f.truncate((2 << 30) + 1)  # sparse file: takes no disk
@@ -146,15 +148,18 @@ def bad_files(tmp_path):
         "garbage": ([garbage], "not an ONNX model"),
         "opset": ([new_opset], "newer than supported"),
         "custom domain": ([tmp_path / "custom.onnx"], "custom-op domain"),
+        "json": ([tmp_path / "model.json"], "not an ONNX model (onnx reads a .json file as a model in json form"),
+        "npz": ([tmp_path / "inputs.npz"], "not an ONNX model"),
     }
 
 
-@pytest.mark.parametrize("command", ["optimize", "inspect"])
+@pytest.mark.parametrize("command", ["optimize", "inspect", "verify"])
 def test_bad_inputs_are_clear_errors(tmp_path, command):
+    """Each bad file is one error line and exit 2 (verify: as either model)."""
     for case, (args, message) in bad_files(tmp_path).items():
-        result = invoke(command, *args)
+        result = invoke(command, *args, *(args if command == "verify" else []))
         assert result.exit_code == 2, (case, result.output)
-        assert message in result.output, (case, result.output)
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, (case, result.output)
 
 
 def test_output_equal_to_input_is_refused_and_input_kept(model_path):
@@ -284,3 +289,16 @@ def test_a_plugin_declares_its_option_keys(model_path, tmp_path, temp_pass):
                     "--no-speed-check", "--option", "plugin_knob=3")
     assert result.exit_code == 0, result.output
     assert seen == {"plugin_knob": 3}
+
+
+def test_inputs_that_are_not_an_npz(model_path, tmp_path):
+    """--inputs model.json: what --inputs takes, not numpy's words about allow_pickle."""
+    (tmp_path / "model.json").write_text("{}")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    np.savez(tmp_path / "objects.npz", ids=np.array([[1, "x"]], dtype=object))
+    for name, message in (("model.json", "not an .npz file"), ("one.npy", "not an .npz file"),
+                          ("objects.npz", "holds an object array")):
+        result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--inputs", tmp_path / name)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and message in text and "allow_pickle" not in text, text
+        assert "an .npz written by numpy.savez(path, NAME=array, ...), one array per input name" in text
