@@ -302,3 +302,12 @@ def test_inputs_that_are_not_an_npz(model_path, tmp_path):
         text = " ".join(result.output.split())
         assert result.exit_code == 2 and message in text and "allow_pickle" not in text, text
         assert "an .npz written by numpy.savez(path, NAME=array, ...), one array per input name" in text
+
+
+def test_version():
+    import tomllib
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output == f"ctropt {ctropt.__version__}\n"
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert ctropt.__version__ == project["version"]   # one version, said the same in both places

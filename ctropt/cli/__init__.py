@@ -47,6 +47,20 @@ OPTION = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)
                       "`ctropt passes --options` lists the keys.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"ctropt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _app(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print ctropt's version and exit.")):
+    """Make CTR/recommendation ONNX models fast: fuse, verify, lower."""
+
+
 @contextlib.contextmanager
 def _user_errors():
     """Turn every failure into a one-line message and an exit code."""
