@@ -242,7 +242,8 @@ def test_bench_rows_per_model_the_ratio_in_words_and_bad_batches(model_path, tmp
 
 
 @pytest.mark.parametrize("args", [["optimize", "{m}", "--batch", "abc"], ["bench"], ["optimize", "{m}", "--nope"],
-                                  ["nosuch"], ["bench", "{m}", "--threads", "-1"]])
+                                  ["nosuch"], ["bench", "{m}", "--threads", "-1"], ["optimize", "{m}", "--atol", "-1"],
+                                  ["verify", "{m}", "{m}", "--rtol", "-0.5"], ["inspect", "{m}", "--top", "0"]])
 def test_every_bad_argument_is_one_error_line_and_exit_2(model_path, args):
     """The console script: typer's usage errors get the same contract as every other bad input."""
     argv = [a.replace("{m}", str(model_path)) for a in args]
@@ -311,3 +312,13 @@ def test_version():
     assert result.exit_code == 0 and result.output == f"ctropt {ctropt.__version__}\n"
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     assert ctropt.__version__ == project["version"]   # one version, said the same in both places
+
+
+def test_negative_tolerances_and_counts_are_refused(model_path, tmp_path):
+    for args in (["optimize", model_path, "--atol", "-1"], ["optimize", model_path, "--rtol", "-1e-3"],
+                 ["verify", model_path, model_path, "--atol", "-0.1"], ["inspect", model_path, "--top", "0"]):
+        result = invoke(*args)
+        assert result.exit_code == 2 and "Invalid value for '--" in result.output, result.output
+    assert not model_path.with_name("m.opt.onnx").exists()
+    result = invoke("export", "x", "-o", tmp_path / "x.onnx", "--batch", "1,abc")   # was a ValueError
+    assert result.exit_code == 2 and "--batch wants comma-separated integers" in result.output, result.output

@@ -40,8 +40,8 @@ PLUGIN = typer.Option(None, "--plugin", help="Python module or .py file with you
 INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated. "
                       "optimize also times its passes on them.")
 BATCH = typer.Option(DEFAULT_BATCH, "--batch", min=1, help="Batch size of generated inputs.")
-ATOL = typer.Option(DEFAULT_ATOL, "--atol", help="Absolute tolerance of the output comparison.")
-RTOL = typer.Option(DEFAULT_RTOL, "--rtol", help="Relative tolerance of the output comparison.")
+ATOL = typer.Option(DEFAULT_ATOL, "--atol", min=0.0, help="Absolute tolerance of the output comparison.")
+RTOL = typer.Option(DEFAULT_RTOL, "--rtol", min=0.0, help="Relative tolerance of the output comparison.")
 TARGET = typer.Option("ort", "--target", help="Runtime to optimize for: ort or openvino.")
 OPTION = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), e.g. rnn_ort_form=gru-op; "
                       "`ctropt passes --options` lists the keys.")
@@ -640,7 +640,7 @@ def inspect(
     model: Path = typer.Argument(..., help="Input .onnx model."),
     target: str = TARGET,
     explain: bool = typer.Option(False, "--explain", help="For passes that would not fire, show the closest miss."),
-    top: int = typer.Option(25, "--top", help="Op histogram rows."),
+    top: int = typer.Option(25, "--top", min=1, help="Op histogram rows."),
     plugin: Optional[List[str]] = PLUGIN,
 ):
     """Show ops, interface, embedding tables, recurrent structures and which passes would match."""
@@ -788,7 +788,7 @@ def export_cmd(
     sequence_input: Optional[List[str]] = typer.Option(None, "--sequence-input",
                                                        help="Input whose axis 1 is a dynamic sequence length."),
     exporter: str = typer.Option("legacy", "--exporter", help="torch.onnx exporter: legacy or dynamo."),
-    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default 17; 18 for torch dynamo)."),
+    opset: Optional[int] = typer.Option(None, "--opset", min=1, help="ONNX opset (default 17; 18 for torch dynamo)."),
     batch: str = typer.Option("1,7,256", "--batch", help="Batch sizes of the numeric check."),
 ):
     """Export a TensorFlow or PyTorch model to ONNX and check it against the framework."""
@@ -797,7 +797,7 @@ def export_cmd(
 
     with _user_errors():
         out = check_output_path(output)
-        batches = tuple(int(b) for b in batch.split(","))
+        batches = tuple(_batch_sizes(batch))
         seq = tuple(sequence_input or ()) or None
         if ":" in source and not Path(source).exists():
             spec = _load_factory(source)
