@@ -322,3 +322,21 @@ def test_negative_tolerances_and_counts_are_refused(model_path, tmp_path):
     assert not model_path.with_name("m.opt.onnx").exists()
     result = invoke("export", "x", "-o", tmp_path / "x.onnx", "--batch", "1,abc")   # was a ValueError
     assert result.exit_code == 2 and "--batch wants comma-separated integers" in result.output, result.output
+
+
+def help_text(*command) -> str:
+    """A command's --help as one line of words, the boxes' borders taken out."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())
+
+
+def test_verify_names_its_two_models(model_path):
+    """`verify a.onnx` says what verify needs: RAW then OPTIMIZED (not "Missing argument 'model_b'")."""
+    result = subprocess.run([sys.executable, "-m", "ctropt", "verify", str(model_path)], capture_output=True,
+                            text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Missing argument 'OPTIMIZED'; usage: " in result.stderr and "verify [OPTIONS] {RAW} {OPTIMIZED}" in \
+        result.stderr, result.stderr
+    text = help_text("verify")
+    assert "RAW then OPTIMIZED" in text and "what optimize (or pack-inputs, split-strings) made of RAW" in text

@@ -425,8 +425,8 @@ def _closing_line(result, nodes_before: int, verified: bool, target: str, batch:
 
 @app.command()
 def diff(
-    model_a: Path = typer.Argument(..., help="Model before."),
-    model_b: Path = typer.Argument(..., help="Model after."),
+    model_a: Path = typer.Argument(..., metavar="BEFORE", help="Model before."),
+    model_b: Path = typer.Argument(..., metavar="AFTER", help="Model after."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write the diff as a self-contained HTML page."),
 ):
     """Show what changed between two models: op counts, and a tree of changed regions (all subgraphs too)."""
@@ -709,8 +709,9 @@ def inspect(
 
 @app.command()
 def verify(
-    model_a: Path = typer.Argument(..., help="Reference model."),
-    model_b: Path = typer.Argument(..., help="Model to check against it."),
+    model_a: Path = typer.Argument(..., metavar="RAW", help="The reference: the model as exported."),
+    model_b: Path = typer.Argument(..., metavar="OPTIMIZED", help="The model to check against it: what optimize "
+                                   "(or pack-inputs, split-strings) made of RAW."),
     inputs: Optional[Path] = INPUTS,
     batch: int = BATCH,
     atol: float = ATOL,
@@ -721,7 +722,7 @@ def verify(
     strings_front: Optional[Path] = typer.Option(None, "--strings", help="B is the id model of split-strings: feed it "
                                            "what this front (.front.onnx) makes of A's inputs; A runs on ort-cpu."),
 ):
-    """Run two models on the same inputs; exit 0 iff every output matches."""
+    """Run two models, RAW then OPTIMIZED, on the same inputs; exit 0 iff every output matches."""
     from ..packing import Packing
     from ..string_front import StringFront
 
@@ -817,8 +818,8 @@ def export_cmd(
 
 @app.command()
 def bench(
-    model_a: Path = typer.Argument(..., help="Model to time (the baseline when two are given)."),
-    model_b: Optional[Path] = typer.Argument(None, help="Second model: run interleaved with the first."),
+    model_a: Path = typer.Argument(..., metavar="A", help="Model to time (the baseline when two are given)."),
+    model_b: Optional[Path] = typer.Argument(None, metavar="B", help="Second model: run interleaved with the first."),
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
     batch: str = typer.Option("1,32,256", "--batch", help="Comma list of batch sizes (generated inputs)."),
     threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the runtime's default)."),
@@ -986,6 +987,15 @@ def kernels_status():
     console.print(f"{kernels.library_path()}: {state}; header: {kernels.include_dir() or 'not found'}", soft_wrap=True)
 
 
+def _usage_message(e) -> str:
+    """A usage error in one line; a missing argument with the usage line (what `verify RAW OPTIMIZED` needs)."""
+    command = e.ctx.command_path if e.ctx else "ctropt"
+    message = e.format_message()
+    if e.ctx and getattr(getattr(e, "param", None), "param_type_name", "") == "argument":
+        message = f"{message.rstrip('.')}; usage: {e.ctx.get_usage().removeprefix('Usage: ')}"
+    return f"{message} (see {command} --help)"
+
+
 def main() -> None:
     """The console script: a bad argument is a one-line `error:` and exit 2, like every other bad input."""
     try:   # typer >= 0.2x bundles its click; older ones use the click package
@@ -999,8 +1009,7 @@ def main() -> None:
     except NoArgsIsHelpError:   # the help is printed already
         sys.exit(2)
     except UsageError as e:
-        command = e.ctx.command_path if e.ctx else "ctropt"
-        err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see {command} --help)", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(_usage_message(e))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")
