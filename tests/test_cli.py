@@ -340,3 +340,16 @@ def test_verify_names_its_two_models(model_path):
         result.stderr, result.stderr
     text = help_text("verify")
     assert "RAW then OPTIMIZED" in text and "what optimize (or pack-inputs, split-strings) made of RAW" in text
+
+
+def test_unknown_options_suggest_only_close_names(model_path):
+    """click suggests by difflib over whole option strings, so the dashes alone make --frob "close" to --rtol;
+    the console script keeps the suggestions whose names (dashes off) are close."""
+    def error(option):
+        result = subprocess.run([sys.executable, "-m", "ctropt", "optimize", str(model_path), option],
+                                capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        return result.stderr
+
+    assert "No such option: --frob (see" in error("--frob")
+    assert "(Possible options: --atol)" in error("--atl")

@@ -989,7 +989,13 @@ def kernels_status():
 
 def _usage_message(e) -> str:
     """A usage error in one line; a missing argument with the usage line (what `verify RAW OPTIMIZED` needs)."""
+    import difflib
+
     command = e.ctx.command_path if e.ctx else "ctropt"
+    if getattr(e, "possibilities", None):  # click's difflib counts the dashes: --frob "matches" --rtol; not the name
+        name = e.option_name.lstrip("-")
+        e.possibilities = [p for p in e.possibilities
+                           if difflib.SequenceMatcher(None, name, p.lstrip("-")).ratio() >= 0.6]
     message = e.format_message()
     if e.ctx and getattr(getattr(e, "param", None), "param_type_name", "") == "argument":
         message = f"{message.rstrip('.')}; usage: {e.ctx.get_usage().removeprefix('Usage: ')}"
