@@ -353,3 +353,20 @@ def test_unknown_options_suggest_only_close_names(model_path):
 
     assert "No such option: --frob (see" in error("--frob")
     assert "(Possible options: --atol)" in error("--atl")
+
+
+def test_help_texts_keep_their_brackets():
+    """rich markup reads [i] or [batch, width] as a style tag and drops it: help texts escape such brackets."""
+    import typer.main
+    from rich.text import Text
+
+    assert "a packed [batch, width] input: NAME[i] or NAME[i:j] (deepctr-torch's X)" in help_text("optimize")
+
+    def texts(command):
+        yield command.help or ""
+        yield from (getattr(p, "help", None) or "" for p in command.params)
+        for sub in getattr(command, "commands", {}).values():
+            yield from texts(sub)
+
+    eaten = [t for t in texts(typer.main.get_command(app)) if Text.from_markup(t).plain != t.replace("\\[", "[")]
+    assert not eaten, "escape the brackets of these help texts (rich.markup.escape)"

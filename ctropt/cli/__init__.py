@@ -205,11 +205,10 @@ def optimize(
         None, "--static-seq-len", min=1,
         help="History length T to fix for OpenVINO, which fuses whole recurrent sequences only for a static T."),
     option: Optional[List[str]] = OPTION,
-    user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help="Comma list of the inputs that describe "
-                                              "the user (the same for every candidate of a request): their work "
-                                              "runs once per distinct user, and the speed check times one-user "
-                                              "requests. Columns of a packed [batch, width] input: NAME[i] or "
-                                              "NAME[i:j] (deepctr-torch's X). Stored in the saved model."),
+    user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help=escape(  # rich markup would eat [i]
+        "Comma list of the inputs that describe the user (the same for every candidate of a request): their work "
+        "runs once per distinct user, and the speed check times one-user requests. Columns of a packed "
+        "[batch, width] input: NAME[i] or NAME[i:j] (deepctr-torch's X). Stored in the saved model.")),
     int8: bool = typer.Option(False, "--int8", help="Also run quantize-int8: FC layers to INT8 where measured "
                               "faster, within the accuracy gate."),
     device: str = typer.Option("cpu", "--device", help="Where the ort-target model runs: cpu, or cuda (standard "
