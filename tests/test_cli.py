@@ -370,3 +370,27 @@ def test_help_texts_keep_their_brackets():
 
     eaten = [t for t in texts(typer.main.get_command(app)) if Text.from_markup(t).plain != t.replace("\\[", "[")]
     assert not eaten, "escape the brackets of these help texts (rich.markup.escape)"
+
+
+def test_tables_keep_numbers_whole_at_80_columns(tmp_path, temp_pass, monkeypatch):
+    """Off a terminal rich's width is 80 (COLUMNS) or ctropt's 120: the pass table folds a long name rather than cut
+    a node count ("1203→12…") or a speed ("2.0…")."""
+    from ctropt import P, Rewrite, Var
+
+    relus = [node("Relu", ["x"], [f"r{i}"]) for i in range(1200)]   # wide: a 1200-deep chain is a RecursionError
+    model = make_model([*relus, node("Sum", [f"r{i}" for i in range(1200)], ["s"]), node("Mul", ["s", "one"], ["m"]),
+                        node("Relu", ["m"], ["y"])], [vi("x", F, ["B", 4])], [vi("y", F, ["B", 4])],
+                       [init("one", np.float32(1))])
+    path = save(model, tmp_path / "long.onnx")
+    name = "a-plugin-pass-with-a-rather-long-name"
+    temp_pass(name, lambda ctx: ctx.apply(Rewrite("drop-mul", P.Mul(Var("x"), ctropt.Const("one", value=1.0)),
+                                                  lambda m: [m["x"]])), default=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    for columns, whole_name in (("80", False), (None, True)):
+        result = runner.invoke(app, ["optimize", str(path), "--passes", name, "--no-speed-check"],
+                               catch_exceptions=False, env={"COLUMNS": columns} if columns else {})
+        assert result.exit_code == 0, result.output
+        table = result.output[result.output.index("rewrites"):result.output.index("1203 → 1202 nodes")]
+        assert "1203→1202" in table and "0.0e+00" in table and "…" not in table, table
+        assert (name in table) == whole_name, table
+        assert max(len(line) for line in table.splitlines()) <= int(columns or 120)

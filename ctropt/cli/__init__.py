@@ -13,7 +13,7 @@ from typing import List, Optional
 import numpy as np
 import onnx
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich import box
 from rich.table import Table
@@ -33,8 +33,22 @@ from ..runtime.session import available_backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+PIPE_COLUMNS = 120  # the width off a terminal (pipes, CI logs) where COLUMNS is not set; rich's own, 80, cuts tables
+
+
+class _Console(Console):
+    """rich's Console, PIPE_COLUMNS wide off a terminal unless COLUMNS says otherwise."""
+
+    @Console.size.getter
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        if self.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+            return size
+        return ConsoleDimensions(PIPE_COLUMNS, size.height)
+
+
+console = _Console(highlight=False)
+err_console = _Console(stderr=True, highlight=False)
 
 PLUGIN = typer.Option(None, "--plugin", help="Python module or .py file with your own passes (repeatable).")
 INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated. "
@@ -77,6 +91,18 @@ def _user_errors():
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))}\n"
                           "Rerun with CTROPT_DEBUG=1 for a traceback, and please report it.", soft_wrap=True)
         raise typer.Exit(3)
+
+
+def _table(*columns: str, numbers: tuple[str, ...] = (), **kw) -> Table:
+    """A table whose `numbers` columns are never wrapped or cut and whose other columns fold what is too long
+    (never "…"): every value whole at any width, 80-column CI logs included."""
+    table = Table(**kw)
+    for col in columns:
+        if col in numbers:
+            table.add_column(col, justify="right", no_wrap=True)
+        else:
+            table.add_column(col, overflow="fold")
+    return table
 
 
 def _plugins(plugins: Optional[List[str]]) -> None:
@@ -368,11 +394,8 @@ def _print_pass_table(result) -> None:
     """One compact table of the passes that changed the model or were rolled back, why each pass that saw a
     candidate left it, and a count of the passes that found none."""
     shown = [r for r in result.records if r.status != "unchanged"]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    table.add_column("pass", no_wrap=True, min_width=max((len(r.name) for r in shown), default=4))
-    table.add_column("status", no_wrap=True)
-    for col in ("rewrites", "nodes", "max err", "speed"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = _table("pass", "status", "rewrites", "nodes", "max err", "speed", box=box.SIMPLE_HEAD, pad_edge=False,
+                   show_edge=False, collapse_padding=True, numbers=("rewrites", "nodes", "max err", "speed"))
     for r in shown:
         style = {"rolled back": "red", "failed": "red", "slower": "yellow"}.get(r.status, "")
         table.add_row(r.name, f"[{style}]{r.status}[/]" if style else r.status, str(r.rewrites),
@@ -491,9 +514,9 @@ def specialize_cmd(
         with console.status("specializing"):
             manifest = specialize(m, output, sizes, seq_len=seq_len, passes=passes, target=target,
                                   source=str(model), options=_pass_options(option or []))
-        table = Table(title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
-        for col in ("batch", "file", "nodes: source → optimized dynamic → bucket", "max abs err vs source"):
-            table.add_column(col, justify="right")
+        table = _table("batch", "file", "nodes: source → optimized dynamic → bucket", "max abs err vs source",
+                       numbers=("batch", "max abs err vs source"),
+                       title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
         for b in manifest["buckets"]:
             table.add_row(str(b["batch"]), b["file"],
                           f"{manifest['source_nodes']} → {manifest['dynamic_nodes']} → {b['nodes']}",
@@ -557,9 +580,8 @@ def pack_inputs_cmd(
         err = verify_packing(m, packed, packing)
         save(packed, out, protect=(model,))
         packing.save(adapter)
-        table = Table(title=f"{model.name} → {out.name} (outputs verified through the adapter, max err {err:.1e})")
-        for col in ("packed input", "features", "holds"):
-            table.add_column(col)
+        table = _table("packed input", "features", "holds", numbers=("features",),
+                       title=f"{model.name} → {out.name} (outputs verified through the adapter, max err {err:.1e})")
         for name, features in packing.groups.items():
             shown = ", ".join(features[:6]) + (f", … {len(features) - 6} more" if len(features) > 6 else "")
             table.add_row(name, str(len(features)), escape(shown))
@@ -594,9 +616,8 @@ def split_strings_cmd(
         save(ids, out, protect=(model,))
         front.save(front_path)
         np.savez(sample, **front.ids(generate_inputs(m, batch=batch, seed=256)))
-        table = Table(title=f"{model.name} → {out.name} + {front_path.name} (verified together, max err {err:.1e})")
-        for col in ("id model input", "dtype", "dims"):
-            table.add_column(col)
+        table = _table("id model input", "dtype", "dims",
+                       title=f"{model.name} → {out.name} + {front_path.name} (verified together, max err {err:.1e})")
         for i in ids.graph.input:
             dims = [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
             table.add_row(escape(i.name), onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type).lower(), escape(str(dims)))
@@ -619,16 +640,12 @@ def list_passes(plugin: Optional[List[str]] = PLUGIN,
     with _user_errors():
         _plugins(plugin)
         if options:
-            table = Table()
-            for col in ("--option key", "meaning"):
-                table.add_column(col)
+            table = _table("--option key", "meaning")
             for key, meaning in sorted(_known_options().items()):
                 table.add_row(key, escape(meaning))
             console.print(table)
             return
-        table = Table()
-        for col in ("pass", "group", "targets", "in all", "description"):
-            table.add_column(col)
+        table = _table("pass", "group", "targets", "in all", "description")
         for p in sorted(REGISTRY.values(), key=lambda p: p.sort_key):
             table.add_row(p.name, p.group, ",".join(p.targets), "yes" if p.default else "opt-in", escape(p.description))
         console.print(table)
@@ -654,9 +671,7 @@ def inspect(
         opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in m.opset_import)
         console.print(f"[bold]{model}[/]  producer {m.producer_name or '?'} {m.producer_version}  IR {m.ir_version}"
                       f"  opsets: {opsets}  nodes (subgraphs included): {node_count(m)}")
-        io = Table(title="interface")
-        for col in ("", "name", "dtype", "shape"):
-            io.add_column(col)
+        io = _table("", "name", "dtype", "shape", title="interface")
         import onnx
 
         for kind, name, elem, dims in interface(m):
@@ -664,9 +679,7 @@ def inspect(
             io.add_row(kind, escape(name), dtype, escape("?" if dims is None else str(list(dims))))
         console.print(io)
         counts = insp.op_counts(m)
-        ops = Table(title=f"ops ({len(counts)} types)")
-        ops.add_column("op")
-        ops.add_column("count", justify="right")
+        ops = _table("op", "count", numbers=("count",), title=f"ops ({len(counts)} types)")
         for op, n in counts[:top]:
             ops.add_row(op, str(n))
         if len(counts) > top:
@@ -674,33 +687,28 @@ def inspect(
         console.print(ops)
         graph = to_graph(m)
         tables = insp.embedding_tables(graph)
-        emb = Table(title=f"embedding tables ({len(tables)})")
-        for col in ("table", "rows", "width", "lookups", "via", "taken by"):
-            emb.add_column(col)
+        emb = _table("table", "rows", "width", "lookups", "via", "taken by", numbers=("rows", "width", "lookups"),
+                     title=f"embedding tables ({len(tables)})")
         for t in tables:
             emb.add_row(escape(t.name), str(t.rows), str(t.width), str(t.lookups), t.ops, t.taken_by or "-")
         console.print(emb)
         found = insp.ctr_structures(graph)
         kinds = collections.Counter(f.kind for f in found)
-        ct = Table(title="CTR structures (" + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none") + ")")
-        for col in ("kind", "where", "detail"):
-            ct.add_column(col)
+        ct = _table("kind", "where", "detail",
+                    title="CTR structures (" + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none") + ")")
         for f in found[:top]:
             ct.add_row(f.kind, escape(f.where), escape(f.detail))
         if len(found) > top:
             ct.add_row("...", f"{len(found) - top} more", "")
         console.print(ct)
         rec = insp.recurrent_structures(graph)
-        rt = Table(title=f"recurrent structures ({len(rec)})")
-        for col in ("kind", "where", "detail"):
-            rt.add_column(col)
+        rt = _table("kind", "where", "detail", title=f"recurrent structures ({len(rec)})")
         for r in rec:
             rt.add_row(r.kind, escape(r.where), escape(r.detail))
         console.print(rt)
         previews = insp.preview_passes(m, resolve("all", (), target), target, explain)
-        pt = Table(title=f"passes that would match (target {target}, dry run)")
-        for col in ("pass", "matches", "rewrites", "notes"):
-            pt.add_column(col)
+        pt = _table("pass", "matches", "rewrites", "notes", numbers=("matches", "rewrites"),
+                    title=f"passes that would match (target {target}, dry run)")
         for p in previews:
             pt.add_row(p.name, str(p.matches), str(p.rewrites), escape("; ".join(p.notes + p.misses)))
         console.print(pt)
@@ -739,9 +747,8 @@ def verify(
         run_b = Runner(b, backend, name=model_b.name)   # first: the model a backend may refuse is most often B
         run_a = Runner(a, "ort-cpu" if front else backend, name=model_a.name)
         diffs = compare_outputs(run_a.run(feeds), run_b.run(feeds_b), atol=atol, rtol=rtol)
-        table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
-        for col in ("output", "shape", "max abs err", "max rel err", "ok"):
-            table.add_column(col)
+        table = _table("output", "shape", "max abs err", "max rel err", "ok", numbers=("max abs err", "max rel err"),
+                       title=f"{model_a.name} vs {model_b.name} ({backend})")
         for d in diffs:
             table.add_row(escape(d.name), escape(str(list(d.shape))), f"{d.max_abs:.2e}", f"{d.max_rel:.2e}",
                           "[green]yes[/]" if d.ok else f"[red]NO[/] {d.reason}")
@@ -751,10 +758,9 @@ def verify(
 
 
 def _check_table(checks, title: str) -> bool:
-    table = Table(title=title)
     ids = any(c.ids for c in checks)  # ids computed from strings, compared exactly
-    for col in ("batch", "seq len", "max abs err") + (("ids from strings",) if ids else ()) + ("ok",):
-        table.add_column(col)
+    table = _table("batch", "seq len", "max abs err", *(("ids from strings",) if ids else ()), "ok",
+                   numbers=("batch", "seq len", "max abs err"), title=title)
     for c in checks:
         table.add_row(str(c.batch), str(c.seq_len or "-"), f"{c.max_abs_err:.2e}",
                       *([f"{c.ids} equal" if "ids differ" not in c.detail else "[red]differ[/]"] if ids else []),
@@ -918,9 +924,7 @@ def zoo_list():
     """The reference models, their frameworks and the structures their exports carry."""
     from ..exporters import zoo
 
-    table = Table()
-    for col in ("name", "frameworks", "model", "structures in the export"):
-        table.add_column(col)
+    table = _table("name", "frameworks", "model", "structures in the export")
     for e in zoo.ENTRIES.values():
         table.add_row(e.name, ",".join(e.frameworks), escape(e.description), escape(e.structures))
     console.print(table)
