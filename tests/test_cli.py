@@ -394,3 +394,23 @@ def test_tables_keep_numbers_whole_at_80_columns(tmp_path, temp_pass, monkeypatc
         assert "1203→1202" in table and "0.0e+00" in table and "…" not in table, table
         assert (name in table) == whole_name, table
         assert max(len(line) for line in table.splitlines()) <= int(columns or 120)
+
+
+def test_report_and_json_never_overwrite_the_model_or_each_other(model_path, tmp_path):
+    """--report and --json, like -o, never go over the input; nor over the model, its .data or each other. An
+    existing file is replaced, as -o always has, and the line that names the output says so."""
+    out = tmp_path / "o.onnx"
+    for args, message in ((["--report", model_path], "is the input file; choose another path (--report)"),
+                          (["--json", out], "--json " + str(out) + " is also the path of the model (-o)"),
+                          (["--report", tmp_path / "o.onnx.data"], "the model's large tensors (-o)"),
+                          (["--report", tmp_path / "r", "--json", tmp_path / "r"], "is also the path of the report")):
+        result = invoke("optimize", model_path, "-o", out, "--no-speed-check", *args)
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not out.exists() and not (tmp_path / "r").exists()
+    (tmp_path / "r.html").write_text("an earlier report")
+    result = invoke("optimize", model_path, "-o", out, "--no-speed-check", "--report", tmp_path / "r.html",
+                    "--json", tmp_path / "r.json")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and f"saved {out}" in text and f"saved {out} (replaced" not in text, text
+    assert f"report {tmp_path / 'r.html'} (replaced the file there)" in text and f"json {tmp_path / 'r.json'}" in text
+    assert "<html" in (tmp_path / "r.html").read_text()

@@ -263,10 +263,8 @@ def optimize(
         _plugins(plugin)
         options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
         passes = _extra_passes(passes, int8, device, precision)
-        out = check_output_path(output or _beside(model, ".opt.onnx"), model)
-        for extra in (report, json_out):
-            if extra is not None:
-                check_output_path(extra, model, out)
+        out = output or _beside(model, ".opt.onnx")
+        replacing = _check_outputs(model, {"-o": out, "--report": report, "--json": json_out})
         m = load(model, keep_external=True)
         check_target(m, target, model.name)
         feeds = load_inputs(inputs, m) if inputs else None
@@ -277,12 +275,30 @@ def optimize(
                       batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
                       speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
                       static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report)
+                      report=report, replacing=replacing)
+
+
+def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]:
+    """optimize's outputs by flag: none over the input, each in its own file (the model's .data included). Returns
+    those that exist: the run replaces them, and says so."""
+    what = {"-o": "the model (-o)", "--report": "the report (--report)", "--json": "the JSON (--json)"}
+    taken: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_output_path(path, model, flag=flag)
+        where = path.resolve()
+        if where in taken:
+            raise CtroptError(f"{flag} {path} is also the path of {taken[where]}; give each output its own path")
+        taken[where] = what[flag]
+        if flag == "-o":
+            taken[where.with_name(where.name + ".data")] = "the model's large tensors (-o)"
+    return {path for path in outputs.values() if path is not None and path.exists()}
 
 
 def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
               verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
-              json_out, report) -> None:
+              json_out, report, replacing) -> None:
     """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report."""
     status = console.status("starting")
     done: list[str] = []
@@ -312,21 +328,26 @@ def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes
     _print_result(result)
     if show_diff:
         print_pass_diffs(console, result.records)
-    if json_out is not None:
-        _write_json(json_out, result, model, out, target)
     timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
     console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
+
+    def replaced(path: Path) -> str:  # an output that was there before: -o, --report and --json replace it
+        return " (replaced the file there)" if path in replacing else ""
+
     data = out.with_name(out.name + ".data")
-    console.print(f"saved {out}" + (f" + {data.name} ({data.stat().st_size / 2**20:.0f} MiB: the large tensors, "
-                                      "written once; the input's files are not referenced)"
-                                      if keep_external and data.exists() else ""), soft_wrap=True)
+    console.print(f"saved {out}{replaced(out)}" + (
+        f" + {data.name} ({data.stat().st_size / 2**20:.0f} MiB: the large tensors, written once; the input's "
+        "files are not referenced)" if keep_external and data.exists() else ""), soft_wrap=True)
     if report is not None:
         applied = sum(r.status == "applied" for r in result.records)
         write_report(report, result.records, title=f"ctropt: {model.name}",
                      subtitle=f"{model} → {out.name} · target {target} · {node_count(m)} → "
                               f"{node_count(result.model)} nodes · {applied}/{len(result.records)} passes applied"
                               + ("" if verify else " · outputs NOT verified"))
-        console.print(f"report {report}")
+        console.print(f"report {report}{replaced(report)}")
+    if json_out is not None:
+        _write_json(json_out, result, model, out, target)
+        console.print(f"json {json_out}{replaced(json_out)}")
     if target == "openvino":
         _print_openvino_check(result.model, feeds or generate_inputs(
             result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
@@ -457,7 +478,7 @@ def diff(
 
     with _user_errors():
         if report is not None:
-            check_output_path(report, model_a, model_b)
+            check_output_path(report, model_a, model_b, flag="--report")
         a, b = load(model_a), load(model_b)
         d = diff_models(a, b)
         if interface(a) != interface(b):
@@ -572,7 +593,7 @@ def pack_inputs_cmd(
 
     with _user_errors():
         out = check_output_path(output or _beside(model, ".packed.onnx"), model)
-        adapter = check_output_path(packing_out or _beside(out, ".pack.json"), model, out)
+        adapter = check_output_path(packing_out or _beside(out, ".pack.json"), model, out, flag="--packing")
         m = load(model)
         packed, packing = pack_inputs(m)
         if not packing.groups:
@@ -606,7 +627,7 @@ def split_strings_cmd(
 
     with _user_errors():
         out = check_output_path(output or _beside(model, ".ids.onnx"), model)
-        front_path = check_output_path(front_out or _beside(out, ".front.onnx"), model, out)
+        front_path = check_output_path(front_out or _beside(out, ".front.onnx"), model, out, flag="--front")
         m = load(model)
         ids, front = split_strings(m)
         err = verify_split(m, ids, front)

@@ -155,13 +155,13 @@ def runtime_ir_version(model: onnx.ModelProto) -> int:
     return max(min(model.ir_version, MAX_IR_VERSION), needed)
 
 
-def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse an output path that would overwrite an input file."""
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: str = "-o") -> Path:
+    """Refuse an output path that would overwrite an input file (`flag`: the option that names the output)."""
     out = Path(out)
     for inp in inputs:
         inp = Path(inp)
         if out.resolve() == inp.resolve() or (out.exists() and inp.exists() and out.samefile(inp)):
-            raise CtroptError(f"output path {out} is the input file; choose another path (-o)")
+            raise CtroptError(f"output path {out} is the input file; choose another path ({flag})")
     if out.is_dir():
         raise CtroptError(f"output path {out} is a directory")
     if not out.parent.exists():
