@@ -414,3 +414,14 @@ def test_report_and_json_never_overwrite_the_model_or_each_other(model_path, tmp
     assert result.exit_code == 0 and f"saved {out}" in text and f"saved {out} (replaced" not in text, text
     assert f"report {tmp_path / 'r.html'} (replaced the file there)" in text and f"json {tmp_path / 'r.json'}" in text
     assert "<html" in (tmp_path / "r.html").read_text()
+
+
+def test_bench_runs_one_thread_as_optimize_times_unless_told(model_path, tmp_path):
+    """bench's default is the speed check's 1 thread (its numbers then compare with optimize's), said in its output."""
+    import json
+
+    for args, said, threads in (([], "on ort-cpu, 1 thread", 1), (["--threads", "2"], "on ort-cpu, 2 threads", 2),
+                                (["--threads", "0"], "on ort-cpu, the runtime's default threads", 0)):
+        result = invoke("bench", model_path, "--batch", "2", "--seconds", "0.1", "--json", tmp_path / "b.json", *args)
+        assert result.exit_code == 0 and said in result.output, result.output
+        assert json.loads((tmp_path / "b.json").read_text())["threads"] == threads

@@ -848,7 +848,8 @@ def bench(
     model_b: Optional[Path] = typer.Argument(None, metavar="B", help="Second model: run interleaved with the first."),
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
     batch: str = typer.Option("1,32,256", "--batch", help="Comma list of batch sizes (generated inputs)."),
-    threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the runtime's default)."),
+    threads: int = typer.Option(1, "--threads", min=0, help="Intra-op threads: 1, as optimize's speed check "
+                                "times; 0: the runtime's default (onnxruntime: one per physical core)."),
     inputs: Optional[Path] = INPUTS,
     seconds: float = typer.Option(3.0, "--seconds", min=0.1, help="Time per batch size (at least 10 runs)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="OpenVINO precision hint: f32, f16, bf16."),
@@ -904,7 +905,7 @@ def bench(
             names = [f"{model_a.name} on {backend}", f"{model_a.name} on {sweep}"]
         labels = "AB"[: len(names)]
         console.print("  ".join(f"{k} = {escape(n)}" for k, n in zip(labels, names))
-                      + ("" if sweep else f"  on {backend}") + f", threads {threads or 'default'}")
+                      + ("" if sweep else f"  on {backend}") + f", {_threads(threads)}")
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for col in ("batch", "model", "p50 ms", "p90 ms", "p99 ms", "samples/s"):
             table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
@@ -923,6 +924,11 @@ def bench(
         if json_out:
             json_out.write_text(json.dumps({"models": names, "backend": backend, "threads": threads,
                                             "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+
+
+def _threads(threads: int) -> str:
+    """bench's thread count in words."""
+    return f"{threads} thread{'s' * (threads > 1)}" if threads else "the runtime's default threads"
 
 
 def _ratio_line(r) -> str:
