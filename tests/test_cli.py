@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 
 import ctropt
 
-from ctropt.cli import app
+from ctropt.cli import PASS_OPTIONS, app
 from ctropt.graph import MAX_ONNX_OPSET, save
 from helpers import F, I64, init, make_model, node, ops, vi
 
@@ -133,6 +134,8 @@ def bad_files(tmp_path):
     unknown_op = make_model([node("Relu", ["x"], ["y"])], [vi("x", F, [2])], [vi("y", F, [2])])
     unknown_op.graph.node[0].op_type = "Frobnicate"
     onnx.save(unknown_op, tmp_path / "unknown_op.onnx")
+    (tmp_path / "model.json").write_text('{"name": "a config, not a model"}')
+    np.savez(tmp_path / "inputs.npz", x=np.ones(2))
     huge = tmp_path / "huge.onnx"
     with open(huge, "wb") as f:
         f.truncate((2 << 30) + 1)  # sparse file: takes no disk
@@ -145,15 +148,18 @@ def bad_files(tmp_path):
         "garbage": ([garbage], "not an ONNX model"),
         "opset": ([new_opset], "newer than supported"),
         "custom domain": ([tmp_path / "custom.onnx"], "custom-op domain"),
+        "json": ([tmp_path / "model.json"], "not an ONNX model (onnx reads a .json file as a model in json form"),
+        "npz": ([tmp_path / "inputs.npz"], "not an ONNX model"),
     }
 
 
-@pytest.mark.parametrize("command", ["optimize", "inspect"])
+@pytest.mark.parametrize("command", ["optimize", "inspect", "verify"])
 def test_bad_inputs_are_clear_errors(tmp_path, command):
+    """Each bad file is one error line and exit 2 (verify: as either model)."""
     for case, (args, message) in bad_files(tmp_path).items():
-        result = invoke(command, *args)
+        result = invoke(command, *args, *(args if command == "verify" else []))
         assert result.exit_code == 2, (case, result.output)
-        assert message in result.output, (case, result.output)
+        assert message in result.output and len(result.output.strip().splitlines()) == 1, (case, result.output)
 
 
 def test_output_equal_to_input_is_refused_and_input_kept(model_path):
@@ -236,7 +242,8 @@ def test_bench_rows_per_model_the_ratio_in_words_and_bad_batches(model_path, tmp
 
 
 @pytest.mark.parametrize("args", [["optimize", "{m}", "--batch", "abc"], ["bench"], ["optimize", "{m}", "--nope"],
-                                  ["nosuch"], ["bench", "{m}", "--threads", "-1"]])
+                                  ["nosuch"], ["bench", "{m}", "--threads", "-1"], ["optimize", "{m}", "--atol", "-1"],
+                                  ["verify", "{m}", "{m}", "--rtol", "-0.5"], ["inspect", "{m}", "--top", "0"]])
 def test_every_bad_argument_is_one_error_line_and_exit_2(model_path, args):
     """The console script: typer's usage errors get the same contract as every other bad input."""
     argv = [a.replace("{m}", str(model_path)) for a in args]
@@ -246,3 +253,175 @@ def test_every_bad_argument_is_one_error_line_and_exit_2(model_path, args):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--help" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------- a newcomer's defects (#52)
+
+
+def test_option_keys_are_checked(model_path, tmp_path):
+    """A typo in --option is one error line naming the closest key and the known ones, before any work."""
+    for command in (["optimize", model_path, "-o", tmp_path / "o.onnx"], ["specialize", model_path, "-o", tmp_path]):
+        for item, hint in (("ort_kernel=off", "did you mean ort_kernels?"), ("foo=bar", "unknown key (known:")):
+            result = invoke(*command, "--option", item)
+            assert result.exit_code == 2 and hint in result.output, result.output
+            assert "rnn_ort_form" in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "o.onnx").exists()
+    listing = " ".join(invoke("passes", "--options").output.split())
+    assert all(key in listing for key in PASS_OPTIONS) and "standard ops only" in listing
+
+
+def test_every_option_key_a_pass_reads_is_documented():
+    """Each key read from the options anywhere in ctropt/ has its line in PASS_OPTIONS, and each line is read."""
+    texts = [p.read_text() for p in Path(ctropt.__file__).parent.rglob("*.py")]
+    aliases = {"options"} | {a for t in texts for a in re.findall(r"(\w+)\s*=\s*(?:ctx|self)\.options\s*$", t, re.M)}
+    read = re.compile(rf"\b(?:{'|'.join(aliases)})(?:\.get\(\s*|\[\s*)[\"']([A-Za-z0-9_]+)[\"']")
+    keys = {k for t in texts for k in read.findall(t)}
+    assert "opt" in aliases and {"ort_kernels", "int8_eval", "calib"} <= keys   # the grep sees its examples
+    assert keys - set(PASS_OPTIONS) == set(), "add these keys to ctropt.cli.PASS_OPTIONS with their meaning"
+    assert set(PASS_OPTIONS) - keys == set(), "no pass reads these keys any more"
+    assert all(meaning and "\n" not in meaning for meaning in PASS_OPTIONS.values())
+
+
+def test_a_plugin_declares_its_option_keys(model_path, tmp_path, temp_pass):
+    seen = {}
+    temp_pass("plugin-with-option", lambda ctx: seen.update(ctx.options), default=False,
+              options={"plugin_knob": "a plugin's own option"})
+    result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--passes", "plugin-with-option",
+                    "--no-speed-check", "--option", "plugin_knob=3")
+    assert result.exit_code == 0, result.output
+    assert seen == {"plugin_knob": 3}
+
+
+def test_inputs_that_are_not_an_npz(model_path, tmp_path):
+    """--inputs model.json: what --inputs takes, not numpy's words about allow_pickle."""
+    (tmp_path / "model.json").write_text("{}")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    np.savez(tmp_path / "objects.npz", ids=np.array([[1, "x"]], dtype=object))
+    for name, message in (("model.json", "not an .npz file"), ("one.npy", "not an .npz file"),
+                          ("objects.npz", "holds an object array")):
+        result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--inputs", tmp_path / name)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and message in text and "allow_pickle" not in text, text
+        assert "an .npz written by numpy.savez(path, NAME=array, ...), one array per input name" in text
+
+
+def test_version():
+    import tomllib
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output == f"ctropt {ctropt.__version__}\n"
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert ctropt.__version__ == project["version"]   # one version, said the same in both places
+
+
+def test_negative_tolerances_and_counts_are_refused(model_path, tmp_path):
+    for args in (["optimize", model_path, "--atol", "-1"], ["optimize", model_path, "--rtol", "-1e-3"],
+                 ["verify", model_path, model_path, "--atol", "-0.1"], ["inspect", model_path, "--top", "0"]):
+        result = invoke(*args)
+        assert result.exit_code == 2 and "Invalid value for '--" in result.output, result.output
+    assert not model_path.with_name("m.opt.onnx").exists()
+    result = invoke("export", "x", "-o", tmp_path / "x.onnx", "--batch", "1,abc")   # was a ValueError
+    assert result.exit_code == 2 and "--batch wants comma-separated integers" in result.output, result.output
+
+
+def help_text(*command) -> str:
+    """A command's --help as one line of words, the boxes' borders taken out."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())
+
+
+def test_verify_names_its_two_models(model_path):
+    """`verify a.onnx` says what verify needs: RAW then OPTIMIZED (not "Missing argument 'model_b'")."""
+    result = subprocess.run([sys.executable, "-m", "ctropt", "verify", str(model_path)], capture_output=True,
+                            text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Missing argument 'OPTIMIZED'; usage: " in result.stderr and "verify [OPTIONS] {RAW} {OPTIMIZED}" in \
+        result.stderr, result.stderr
+    text = help_text("verify")
+    assert "RAW then OPTIMIZED" in text and "what optimize (or pack-inputs, split-strings) made of RAW" in text
+
+
+def test_unknown_options_suggest_only_close_names(model_path):
+    """click suggests by difflib over whole option strings, so the dashes alone make --frob "close" to --rtol;
+    the console script keeps the suggestions whose names (dashes off) are close."""
+    def error(option):
+        result = subprocess.run([sys.executable, "-m", "ctropt", "optimize", str(model_path), option],
+                                capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        return result.stderr
+
+    assert "No such option: --frob (see" in error("--frob")
+    assert "(Possible options: --atol)" in error("--atl")
+
+
+def test_help_texts_keep_their_brackets():
+    """rich markup reads [i] or [batch, width] as a style tag and drops it: help texts escape such brackets."""
+    import typer.main
+    from rich.text import Text
+
+    assert "a packed [batch, width] input: NAME[i] or NAME[i:j] (deepctr-torch's X)" in help_text("optimize")
+
+    def texts(command):
+        yield command.help or ""
+        yield from (getattr(p, "help", None) or "" for p in command.params)
+        for sub in getattr(command, "commands", {}).values():
+            yield from texts(sub)
+
+    eaten = [t for t in texts(typer.main.get_command(app)) if Text.from_markup(t).plain != t.replace("\\[", "[")]
+    assert not eaten, "escape the brackets of these help texts (rich.markup.escape)"
+
+
+def test_tables_keep_numbers_whole_at_80_columns(tmp_path, temp_pass, monkeypatch):
+    """Off a terminal rich's width is 80 (COLUMNS) or ctropt's 120: the pass table folds a long name rather than cut
+    a node count ("1203→12…") or a speed ("2.0…")."""
+    from ctropt import P, Rewrite, Var
+
+    relus = [node("Relu", ["x"], [f"r{i}"]) for i in range(1200)]   # wide: a 1200-deep chain is a RecursionError
+    model = make_model([*relus, node("Sum", [f"r{i}" for i in range(1200)], ["s"]), node("Mul", ["s", "one"], ["m"]),
+                        node("Relu", ["m"], ["y"])], [vi("x", F, ["B", 4])], [vi("y", F, ["B", 4])],
+                       [init("one", np.float32(1))])
+    path = save(model, tmp_path / "long.onnx")
+    name = "a-plugin-pass-with-a-rather-long-name"
+    temp_pass(name, lambda ctx: ctx.apply(Rewrite("drop-mul", P.Mul(Var("x"), ctropt.Const("one", value=1.0)),
+                                                  lambda m: [m["x"]])), default=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    for columns, whole_name in (("80", False), (None, True)):
+        result = runner.invoke(app, ["optimize", str(path), "--passes", name, "--no-speed-check"],
+                               catch_exceptions=False, env={"COLUMNS": columns} if columns else {})
+        assert result.exit_code == 0, result.output
+        table = result.output[result.output.index("rewrites"):result.output.index("1203 → 1202 nodes")]
+        assert "1203→1202" in table and "0.0e+00" in table and "…" not in table, table
+        assert (name in table) == whole_name, table
+        assert max(len(line) for line in table.splitlines()) <= int(columns or 120)
+
+
+def test_report_and_json_never_overwrite_the_model_or_each_other(model_path, tmp_path):
+    """--report and --json, like -o, never go over the input; nor over the model, its .data or each other. An
+    existing file is replaced, as -o always has, and the line that names the output says so."""
+    out = tmp_path / "o.onnx"
+    for args, message in ((["--report", model_path], "is the input file; choose another path (--report)"),
+                          (["--json", out], "--json " + str(out) + " is also the path of the model (-o)"),
+                          (["--report", tmp_path / "o.onnx.data"], "the model's large tensors (-o)"),
+                          (["--report", tmp_path / "r", "--json", tmp_path / "r"], "is also the path of the report")):
+        result = invoke("optimize", model_path, "-o", out, "--no-speed-check", *args)
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not out.exists() and not (tmp_path / "r").exists()
+    (tmp_path / "r.html").write_text("an earlier report")
+    result = invoke("optimize", model_path, "-o", out, "--no-speed-check", "--report", tmp_path / "r.html",
+                    "--json", tmp_path / "r.json")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and f"saved {out}" in text and f"saved {out} (replaced" not in text, text
+    assert f"report {tmp_path / 'r.html'} (replaced the file there)" in text and f"json {tmp_path / 'r.json'}" in text
+    assert "<html" in (tmp_path / "r.html").read_text()
+
+
+def test_bench_runs_one_thread_as_optimize_times_unless_told(model_path, tmp_path):
+    """bench's default is the speed check's 1 thread (its numbers then compare with optimize's), said in its output."""
+    import json
+
+    for args, said, threads in (([], "on ort-cpu, 1 thread", 1), (["--threads", "2"], "on ort-cpu, 2 threads", 2),
+                                (["--threads", "0"], "on ort-cpu, the runtime's default threads", 0)):
+        result = invoke("bench", model_path, "--batch", "2", "--seconds", "0.1", "--json", tmp_path / "b.json", *args)
+        assert result.exit_code == 0 and said in result.output, result.output
+        assert json.loads((tmp_path / "b.json").read_text())["threads"] == threads

@@ -13,7 +13,7 @@ from typing import List, Optional
 import numpy as np
 import onnx
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich import box
 from rich.table import Table
@@ -33,16 +33,46 @@ from ..runtime.session import available_backends
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make CTR/recommendation ONNX models fast: fuse, verify, lower.")
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+PIPE_COLUMNS = 120  # the width off a terminal (pipes, CI logs) where COLUMNS is not set; rich's own, 80, cuts tables
+
+
+class _Console(Console):
+    """rich's Console, PIPE_COLUMNS wide off a terminal unless COLUMNS says otherwise."""
+
+    @Console.size.getter
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        if self.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+            return size
+        return ConsoleDimensions(PIPE_COLUMNS, size.height)
+
+
+console = _Console(highlight=False)
+err_console = _Console(stderr=True, highlight=False)
 
 PLUGIN = typer.Option(None, "--plugin", help="Python module or .py file with your own passes (repeatable).")
 INPUTS = typer.Option(None, "--inputs", help="npz of inputs (keys = graph input names); default: generated. "
                       "optimize also times its passes on them.")
 BATCH = typer.Option(DEFAULT_BATCH, "--batch", min=1, help="Batch size of generated inputs.")
-ATOL = typer.Option(DEFAULT_ATOL, "--atol", help="Absolute tolerance of the output comparison.")
-RTOL = typer.Option(DEFAULT_RTOL, "--rtol", help="Relative tolerance of the output comparison.")
+ATOL = typer.Option(DEFAULT_ATOL, "--atol", min=0.0, help="Absolute tolerance of the output comparison.")
+RTOL = typer.Option(DEFAULT_RTOL, "--rtol", min=0.0, help="Relative tolerance of the output comparison.")
 TARGET = typer.Option("ort", "--target", help="Runtime to optimize for: ort or openvino.")
+OPTION = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), e.g. rnn_ort_form=gru-op; "
+                      "`ctropt passes --options` lists the keys.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"ctropt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _app(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print ctropt's version and exit.")):
+    """Make CTR/recommendation ONNX models fast: fuse, verify, lower."""
 
 
 @contextlib.contextmanager
@@ -61,6 +91,18 @@ def _user_errors():
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))}\n"
                           "Rerun with CTROPT_DEBUG=1 for a traceback, and please report it.", soft_wrap=True)
         raise typer.Exit(3)
+
+
+def _table(*columns: str, numbers: tuple[str, ...] = (), **kw) -> Table:
+    """A table whose `numbers` columns are never wrapped or cut and whose other columns fold what is too long
+    (never "…"): every value whole at any width, 80-column CI logs included."""
+    table = Table(**kw)
+    for col in columns:
+        if col in numbers:
+            table.add_column(col, justify="right", no_wrap=True)
+        else:
+            table.add_column(col, overflow="fold")
+    return table
 
 
 def _plugins(plugins: Optional[List[str]]) -> None:
@@ -124,13 +166,50 @@ def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) ->
     return options
 
 
+# Every key the passes and the manager read from their options (`--option KEY=VALUE`), with its meaning; a plugin
+# declares its own with register_pass(options=...). tests/test_cli.py checks each key read in ctropt/ is here.
+PASS_OPTIONS = {
+    "ort_kernels": "auto (default): ctropt's onnxruntime kernels where faster; off: standard ops only",
+    "rnn_ort_form": "lower-rnn-ort's form: auto, kernel, standard, scan or gru-op",
+    "attention_ort_form": "attention-core-kernel's form: auto, kernel (insist) or standard (leave the ops)",
+    "rnn_openvino_form": "lower-rnn-openvino's form: auto, scan, gru-op or augru-unrolled",
+    "static_seq_len": "the history length T fixed for OpenVINO (as --static-seq-len)",
+    "user_inputs": "the inputs that describe the user (as --user-inputs)",
+    "fold_size_cap": "fold-constants' largest folded constant, in bytes (default 16 MiB)",
+    "calib": "quantize-int8's calibration data, an .npz (as --calib)",
+    "calibrator": "quantize-int8's calibration: minmax (default), percentile or entropy",
+    "int8_eval": "quantize-int8's evaluation data, an .npz (default: the calibration data)",
+    "int8_threshold": "quantize-int8's accuracy gate: relative mean error bound (default 0.005)",
+    "int8_max_abs": "quantize-int8's accuracy gate: worst-row error bound (default 0.01)",
+    "int8_batch": "rows quantize-int8's speed gate times each layer at (default 256)",
+    "int8_bench_seconds": "seconds quantize-int8's speed gate times each layer (default 1.0)",
+    "int8_min_speedup": "a layer goes INT8 where at least this much faster (default 1.05; 0: no speed gate)",
+    "int8_reduce_range": "7-bit INT8 weights: auto (default: where the CPU lacks VNNI), true or false",
+    "fp16_threshold": "convert-float16's accuracy gate: relative mean error bound (default 0.002)",
+    "fp16_max_abs": "convert-float16's accuracy gate: worst-row error bound (default 0.005)",
+}
+
+
+def _known_options() -> dict[str, str]:
+    """ctropt's option keys and those the registered (plugin) passes declare."""
+    return {**PASS_OPTIONS, **{k: v for p in REGISTRY.values() for k, v in p.options.items()}}
+
+
 def _pass_options(items: list[str]) -> dict:
-    options = {}
+    """--option KEY=VALUE items → the pass options; an unknown key is an error that names the closest."""
+    import difflib
+
+    options, known = {}, _known_options()
     for item in items:
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key = key.strip()
+        if not eq or not key:
             raise CtroptError(f"--option wants KEY=VALUE, got {item!r}")
-        options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise CtroptError(f"--option {key}: unknown key" + (f"; did you mean {close[0]}?" if close else "")
+                              + f" (known: {', '.join(sorted(known))}; `ctropt passes --options` says what each does)")
+        options[key] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return options
 
 
@@ -151,13 +230,11 @@ def optimize(
     static_seq_len: Optional[int] = typer.Option(
         None, "--static-seq-len", min=1,
         help="History length T to fix for OpenVINO, which fuses whole recurrent sequences only for a static T."),
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable), "
-                                               "e.g. rnn_ort_form=gru-op."),
-    user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help="Comma list of the inputs that describe "
-                                              "the user (the same for every candidate of a request): their work "
-                                              "runs once per distinct user, and the speed check times one-user "
-                                              "requests. Columns of a packed [batch, width] input: NAME[i] or "
-                                              "NAME[i:j] (deepctr-torch's X). Stored in the saved model."),
+    option: Optional[List[str]] = OPTION,
+    user_inputs: Optional[str] = typer.Option(None, "--user-inputs", help=escape(  # rich markup would eat [i]
+        "Comma list of the inputs that describe the user (the same for every candidate of a request): their work "
+        "runs once per distinct user, and the speed check times one-user requests. Columns of a packed "
+        "[batch, width] input: NAME[i] or NAME[i:j] (deepctr-torch's X). Stored in the saved model.")),
     int8: bool = typer.Option(False, "--int8", help="Also run quantize-int8: FC layers to INT8 where measured "
                               "faster, within the accuracy gate."),
     device: str = typer.Option("cpu", "--device", help="Where the ort-target model runs: cpu, or cuda (standard "
@@ -186,10 +263,8 @@ def optimize(
         _plugins(plugin)
         options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
         passes = _extra_passes(passes, int8, device, precision)
-        out = check_output_path(output or _beside(model, ".opt.onnx"), model)
-        for extra in (report, json_out):
-            if extra is not None:
-                check_output_path(extra, model, out)
+        out = output or _beside(model, ".opt.onnx")
+        replacing = _check_outputs(model, {"-o": out, "--report": report, "--json": json_out})
         m = load(model, keep_external=True)
         check_target(m, target, model.name)
         feeds = load_inputs(inputs, m) if inputs else None
@@ -200,12 +275,30 @@ def optimize(
                       batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
                       speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
                       static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report)
+                      report=report, replacing=replacing)
+
+
+def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]:
+    """optimize's outputs by flag: none over the input, each in its own file (the model's .data included). Returns
+    those that exist: the run replaces them, and says so."""
+    what = {"-o": "the model (-o)", "--report": "the report (--report)", "--json": "the JSON (--json)"}
+    taken: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_output_path(path, model, flag=flag)
+        where = path.resolve()
+        if where in taken:
+            raise CtroptError(f"{flag} {path} is also the path of {taken[where]}; give each output its own path")
+        taken[where] = what[flag]
+        if flag == "-o":
+            taken[where.with_name(where.name + ".data")] = "the model's large tensors (-o)"
+    return {path for path in outputs.values() if path is not None and path.exists()}
 
 
 def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
               verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
-              json_out, report) -> None:
+              json_out, report, replacing) -> None:
     """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report."""
     status = console.status("starting")
     done: list[str] = []
@@ -235,21 +328,26 @@ def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes
     _print_result(result)
     if show_diff:
         print_pass_diffs(console, result.records)
-    if json_out is not None:
-        _write_json(json_out, result, model, out, target)
     timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
     console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
+
+    def replaced(path: Path) -> str:  # an output that was there before: -o, --report and --json replace it
+        return " (replaced the file there)" if path in replacing else ""
+
     data = out.with_name(out.name + ".data")
-    console.print(f"saved {out}" + (f" + {data.name} ({data.stat().st_size / 2**20:.0f} MiB: the large tensors, "
-                                      "written once; the input's files are not referenced)"
-                                      if keep_external and data.exists() else ""), soft_wrap=True)
+    console.print(f"saved {out}{replaced(out)}" + (
+        f" + {data.name} ({data.stat().st_size / 2**20:.0f} MiB: the large tensors, written once; the input's "
+        "files are not referenced)" if keep_external and data.exists() else ""), soft_wrap=True)
     if report is not None:
         applied = sum(r.status == "applied" for r in result.records)
         write_report(report, result.records, title=f"ctropt: {model.name}",
                      subtitle=f"{model} → {out.name} · target {target} · {node_count(m)} → "
                               f"{node_count(result.model)} nodes · {applied}/{len(result.records)} passes applied"
                               + ("" if verify else " · outputs NOT verified"))
-        console.print(f"report {report}")
+        console.print(f"report {report}{replaced(report)}")
+    if json_out is not None:
+        _write_json(json_out, result, model, out, target)
+        console.print(f"json {json_out}{replaced(json_out)}")
     if target == "openvino":
         _print_openvino_check(result.model, feeds or generate_inputs(
             result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
@@ -317,11 +415,8 @@ def _print_pass_table(result) -> None:
     """One compact table of the passes that changed the model or were rolled back, why each pass that saw a
     candidate left it, and a count of the passes that found none."""
     shown = [r for r in result.records if r.status != "unchanged"]
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    table.add_column("pass", no_wrap=True, min_width=max((len(r.name) for r in shown), default=4))
-    table.add_column("status", no_wrap=True)
-    for col in ("rewrites", "nodes", "max err", "speed"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = _table("pass", "status", "rewrites", "nodes", "max err", "speed", box=box.SIMPLE_HEAD, pad_edge=False,
+                   show_edge=False, collapse_padding=True, numbers=("rewrites", "nodes", "max err", "speed"))
     for r in shown:
         style = {"rolled back": "red", "failed": "red", "slower": "yellow"}.get(r.status, "")
         table.add_row(r.name, f"[{style}]{r.status}[/]" if style else r.status, str(r.rewrites),
@@ -373,8 +468,8 @@ def _closing_line(result, nodes_before: int, verified: bool, target: str, batch:
 
 @app.command()
 def diff(
-    model_a: Path = typer.Argument(..., help="Model before."),
-    model_b: Path = typer.Argument(..., help="Model after."),
+    model_a: Path = typer.Argument(..., metavar="BEFORE", help="Model before."),
+    model_b: Path = typer.Argument(..., metavar="AFTER", help="Model after."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write the diff as a self-contained HTML page."),
 ):
     """Show what changed between two models: op counts, and a tree of changed regions (all subgraphs too)."""
@@ -383,7 +478,7 @@ def diff(
 
     with _user_errors():
         if report is not None:
-            check_output_path(report, model_a, model_b)
+            check_output_path(report, model_a, model_b, flag="--report")
         a, b = load(model_a), load(model_b)
         d = diff_models(a, b)
         if interface(a) != interface(b):
@@ -426,7 +521,7 @@ def specialize_cmd(
                                           "sequence inputs); default: left dynamic."),
     passes: str = typer.Option("all", "--passes", help="'all' or a comma list of pass names."),
     target: str = TARGET,
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    option: Optional[List[str]] = OPTION,
     plugin: Optional[List[str]] = PLUGIN,
 ):
     """One optimized static-shape model per batch bucket, each verified against the dynamic model; serve them
@@ -440,9 +535,9 @@ def specialize_cmd(
         with console.status("specializing"):
             manifest = specialize(m, output, sizes, seq_len=seq_len, passes=passes, target=target,
                                   source=str(model), options=_pass_options(option or []))
-        table = Table(title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
-        for col in ("batch", "file", "nodes: source → optimized dynamic → bucket", "max abs err vs source"):
-            table.add_column(col, justify="right")
+        table = _table("batch", "file", "nodes: source → optimized dynamic → bucket", "max abs err vs source",
+                       numbers=("batch", "max abs err vs source"),
+                       title=f"{model.name} → {output}/ (dynamic optimized: {output / manifest['dynamic']})")
         for b in manifest["buckets"]:
             table.add_row(str(b["batch"]), b["file"],
                           f"{manifest['source_nodes']} → {manifest['dynamic_nodes']} → {b['nodes']}",
@@ -463,7 +558,7 @@ def repository_cmd(
                               "largest is max_batch_size."),
     static_seq_len: Optional[int] = typer.Option(None, "--static-seq-len", min=1,
                                                  help="History length to fix for OpenVINO (as in optimize)."),
-    option: Optional[List[str]] = typer.Option(None, "--option", help="KEY=VALUE pass option (repeatable)."),
+    option: Optional[List[str]] = OPTION,
     library_dir: Optional[str] = typer.Option(None, "--library-dir", help="Where the Triton server sees this "
                                               "model's folder (triton/NAME, which holds ctropt's kernel libraries), "
                                               "e.g. /models/NAME with the repository mounted at /models; "
@@ -508,7 +603,7 @@ def pack_inputs_cmd(
 
     with _user_errors():
         out = check_output_path(output or _beside(model, ".packed.onnx"), model)
-        adapter = check_output_path(packing_out or _beside(out, ".pack.json"), model, out)
+        adapter = check_output_path(packing_out or _beside(out, ".pack.json"), model, out, flag="--packing")
         m = load(model)
         packed, packing = pack_inputs(m)
         if not packing.groups:
@@ -516,9 +611,8 @@ def pack_inputs_cmd(
         err = verify_packing(m, packed, packing)
         save(packed, out, protect=(model,))
         packing.save(adapter)
-        table = Table(title=f"{model.name} → {out.name} (outputs verified through the adapter, max err {err:.1e})")
-        for col in ("packed input", "features", "holds"):
-            table.add_column(col)
+        table = _table("packed input", "features", "holds", numbers=("features",),
+                       title=f"{model.name} → {out.name} (outputs verified through the adapter, max err {err:.1e})")
         for name, features in packing.groups.items():
             shown = ", ".join(features[:6]) + (f", … {len(features) - 6} more" if len(features) > 6 else "")
             table.add_row(name, str(len(features)), escape(shown))
@@ -543,7 +637,7 @@ def split_strings_cmd(
 
     with _user_errors():
         out = check_output_path(output or _beside(model, ".ids.onnx"), model)
-        front_path = check_output_path(front_out or _beside(out, ".front.onnx"), model, out)
+        front_path = check_output_path(front_out or _beside(out, ".front.onnx"), model, out, flag="--front")
         m = load(model)
         ids, front = split_strings(m)
         err = verify_split(m, ids, front)
@@ -553,9 +647,8 @@ def split_strings_cmd(
         save(ids, out, protect=(model,))
         front.save(front_path)
         np.savez(sample, **front.ids(generate_inputs(m, batch=batch, seed=256)))
-        table = Table(title=f"{model.name} → {out.name} + {front_path.name} (verified together, max err {err:.1e})")
-        for col in ("id model input", "dtype", "dims"):
-            table.add_column(col)
+        table = _table("id model input", "dtype", "dims",
+                       title=f"{model.name} → {out.name} + {front_path.name} (verified together, max err {err:.1e})")
         for i in ids.graph.input:
             dims = [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
             table.add_row(escape(i.name), onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type).lower(), escape(str(dims)))
@@ -572,13 +665,18 @@ def split_strings_cmd(
 
 
 @app.command("passes")
-def list_passes(plugin: Optional[List[str]] = PLUGIN):
-    """List every registered pass."""
+def list_passes(plugin: Optional[List[str]] = PLUGIN,
+                options: bool = typer.Option(False, "--options", help="List the --option keys instead.")):
+    """List every registered pass (or, with --options, the keys of --option KEY=VALUE)."""
     with _user_errors():
         _plugins(plugin)
-        table = Table()
-        for col in ("pass", "group", "targets", "in all", "description"):
-            table.add_column(col)
+        if options:
+            table = _table("--option key", "meaning")
+            for key, meaning in sorted(_known_options().items()):
+                table.add_row(key, escape(meaning))
+            console.print(table)
+            return
+        table = _table("pass", "group", "targets", "in all", "description")
         for p in sorted(REGISTRY.values(), key=lambda p: p.sort_key):
             table.add_row(p.name, p.group, ",".join(p.targets), "yes" if p.default else "opt-in", escape(p.description))
         console.print(table)
@@ -589,7 +687,7 @@ def inspect(
     model: Path = typer.Argument(..., help="Input .onnx model."),
     target: str = TARGET,
     explain: bool = typer.Option(False, "--explain", help="For passes that would not fire, show the closest miss."),
-    top: int = typer.Option(25, "--top", help="Op histogram rows."),
+    top: int = typer.Option(25, "--top", min=1, help="Op histogram rows."),
     plugin: Optional[List[str]] = PLUGIN,
 ):
     """Show ops, interface, embedding tables, recurrent structures and which passes would match."""
@@ -604,9 +702,7 @@ def inspect(
         opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in m.opset_import)
         console.print(f"[bold]{model}[/]  producer {m.producer_name or '?'} {m.producer_version}  IR {m.ir_version}"
                       f"  opsets: {opsets}  nodes (subgraphs included): {node_count(m)}")
-        io = Table(title="interface")
-        for col in ("", "name", "dtype", "shape"):
-            io.add_column(col)
+        io = _table("", "name", "dtype", "shape", title="interface")
         import onnx
 
         for kind, name, elem, dims in interface(m):
@@ -614,9 +710,7 @@ def inspect(
             io.add_row(kind, escape(name), dtype, escape("?" if dims is None else str(list(dims))))
         console.print(io)
         counts = insp.op_counts(m)
-        ops = Table(title=f"ops ({len(counts)} types)")
-        ops.add_column("op")
-        ops.add_column("count", justify="right")
+        ops = _table("op", "count", numbers=("count",), title=f"ops ({len(counts)} types)")
         for op, n in counts[:top]:
             ops.add_row(op, str(n))
         if len(counts) > top:
@@ -624,33 +718,28 @@ def inspect(
         console.print(ops)
         graph = to_graph(m)
         tables = insp.embedding_tables(graph)
-        emb = Table(title=f"embedding tables ({len(tables)})")
-        for col in ("table", "rows", "width", "lookups", "via", "taken by"):
-            emb.add_column(col)
+        emb = _table("table", "rows", "width", "lookups", "via", "taken by", numbers=("rows", "width", "lookups"),
+                     title=f"embedding tables ({len(tables)})")
         for t in tables:
             emb.add_row(escape(t.name), str(t.rows), str(t.width), str(t.lookups), t.ops, t.taken_by or "-")
         console.print(emb)
         found = insp.ctr_structures(graph)
         kinds = collections.Counter(f.kind for f in found)
-        ct = Table(title="CTR structures (" + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none") + ")")
-        for col in ("kind", "where", "detail"):
-            ct.add_column(col)
+        ct = _table("kind", "where", "detail",
+                    title="CTR structures (" + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none") + ")")
         for f in found[:top]:
             ct.add_row(f.kind, escape(f.where), escape(f.detail))
         if len(found) > top:
             ct.add_row("...", f"{len(found) - top} more", "")
         console.print(ct)
         rec = insp.recurrent_structures(graph)
-        rt = Table(title=f"recurrent structures ({len(rec)})")
-        for col in ("kind", "where", "detail"):
-            rt.add_column(col)
+        rt = _table("kind", "where", "detail", title=f"recurrent structures ({len(rec)})")
         for r in rec:
             rt.add_row(r.kind, escape(r.where), escape(r.detail))
         console.print(rt)
         previews = insp.preview_passes(m, resolve("all", (), target), target, explain)
-        pt = Table(title=f"passes that would match (target {target}, dry run)")
-        for col in ("pass", "matches", "rewrites", "notes"):
-            pt.add_column(col)
+        pt = _table("pass", "matches", "rewrites", "notes", numbers=("matches", "rewrites"),
+                    title=f"passes that would match (target {target}, dry run)")
         for p in previews:
             pt.add_row(p.name, str(p.matches), str(p.rewrites), escape("; ".join(p.notes + p.misses)))
         console.print(pt)
@@ -658,8 +747,9 @@ def inspect(
 
 @app.command()
 def verify(
-    model_a: Path = typer.Argument(..., help="Reference model."),
-    model_b: Path = typer.Argument(..., help="Model to check against it."),
+    model_a: Path = typer.Argument(..., metavar="RAW", help="The reference: the model as exported."),
+    model_b: Path = typer.Argument(..., metavar="OPTIMIZED", help="The model to check against it: what optimize "
+                                   "(or pack-inputs, split-strings) made of RAW."),
     inputs: Optional[Path] = INPUTS,
     batch: int = BATCH,
     atol: float = ATOL,
@@ -670,7 +760,7 @@ def verify(
     strings_front: Optional[Path] = typer.Option(None, "--strings", help="B is the id model of split-strings: feed it "
                                            "what this front (.front.onnx) makes of A's inputs; A runs on ort-cpu."),
 ):
-    """Run two models on the same inputs; exit 0 iff every output matches."""
+    """Run two models, RAW then OPTIMIZED, on the same inputs; exit 0 iff every output matches."""
     from ..packing import Packing
     from ..string_front import StringFront
 
@@ -688,9 +778,8 @@ def verify(
         run_b = Runner(b, backend, name=model_b.name)   # first: the model a backend may refuse is most often B
         run_a = Runner(a, "ort-cpu" if front else backend, name=model_a.name)
         diffs = compare_outputs(run_a.run(feeds), run_b.run(feeds_b), atol=atol, rtol=rtol)
-        table = Table(title=f"{model_a.name} vs {model_b.name} ({backend})")
-        for col in ("output", "shape", "max abs err", "max rel err", "ok"):
-            table.add_column(col)
+        table = _table("output", "shape", "max abs err", "max rel err", "ok", numbers=("max abs err", "max rel err"),
+                       title=f"{model_a.name} vs {model_b.name} ({backend})")
         for d in diffs:
             table.add_row(escape(d.name), escape(str(list(d.shape))), f"{d.max_abs:.2e}", f"{d.max_rel:.2e}",
                           "[green]yes[/]" if d.ok else f"[red]NO[/] {d.reason}")
@@ -700,10 +789,9 @@ def verify(
 
 
 def _check_table(checks, title: str) -> bool:
-    table = Table(title=title)
     ids = any(c.ids for c in checks)  # ids computed from strings, compared exactly
-    for col in ("batch", "seq len", "max abs err") + (("ids from strings",) if ids else ()) + ("ok",):
-        table.add_column(col)
+    table = _table("batch", "seq len", "max abs err", *(("ids from strings",) if ids else ()), "ok",
+                   numbers=("batch", "seq len", "max abs err"), title=title)
     for c in checks:
         table.add_row(str(c.batch), str(c.seq_len or "-"), f"{c.max_abs_err:.2e}",
                       *([f"{c.ids} equal" if "ids differ" not in c.detail else "[red]differ[/]"] if ids else []),
@@ -737,7 +825,7 @@ def export_cmd(
     sequence_input: Optional[List[str]] = typer.Option(None, "--sequence-input",
                                                        help="Input whose axis 1 is a dynamic sequence length."),
     exporter: str = typer.Option("legacy", "--exporter", help="torch.onnx exporter: legacy or dynamo."),
-    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default 17; 18 for torch dynamo)."),
+    opset: Optional[int] = typer.Option(None, "--opset", min=1, help="ONNX opset (default 17; 18 for torch dynamo)."),
     batch: str = typer.Option("1,7,256", "--batch", help="Batch sizes of the numeric check."),
 ):
     """Export a TensorFlow or PyTorch model to ONNX and check it against the framework."""
@@ -746,7 +834,7 @@ def export_cmd(
 
     with _user_errors():
         out = check_output_path(output)
-        batches = tuple(int(b) for b in batch.split(","))
+        batches = tuple(_batch_sizes(batch))
         seq = tuple(sequence_input or ()) or None
         if ":" in source and not Path(source).exists():
             spec = _load_factory(source)
@@ -766,11 +854,12 @@ def export_cmd(
 
 @app.command()
 def bench(
-    model_a: Path = typer.Argument(..., help="Model to time (the baseline when two are given)."),
-    model_b: Optional[Path] = typer.Argument(None, help="Second model: run interleaved with the first."),
+    model_a: Path = typer.Argument(..., metavar="A", help="Model to time (the baseline when two are given)."),
+    model_b: Optional[Path] = typer.Argument(None, metavar="B", help="Second model: run interleaved with the first."),
     backend: str = typer.Option("ort-cpu", "--backend", help=f"One of {', '.join(BACKENDS)}."),
     batch: str = typer.Option("1,32,256", "--batch", help="Comma list of batch sizes (generated inputs)."),
-    threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the runtime's default)."),
+    threads: int = typer.Option(1, "--threads", min=0, help="Intra-op threads: 1, as optimize's speed check "
+                                "times; 0: the runtime's default (onnxruntime: one per physical core)."),
     inputs: Optional[Path] = INPUTS,
     seconds: float = typer.Option(3.0, "--seconds", min=0.1, help="Time per batch size (at least 10 runs)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="OpenVINO precision hint: f32, f16, bf16."),
@@ -826,7 +915,7 @@ def bench(
             names = [f"{model_a.name} on {backend}", f"{model_a.name} on {sweep}"]
         labels = "AB"[: len(names)]
         console.print("  ".join(f"{k} = {escape(n)}" for k, n in zip(labels, names))
-                      + ("" if sweep else f"  on {backend}") + f", threads {threads or 'default'}")
+                      + ("" if sweep else f"  on {backend}") + f", {_threads(threads)}")
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for col in ("batch", "model", "p50 ms", "p90 ms", "p99 ms", "samples/s"):
             table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
@@ -845,6 +934,11 @@ def bench(
         if json_out:
             json_out.write_text(json.dumps({"models": names, "backend": backend, "threads": threads,
                                             "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+
+
+def _threads(threads: int) -> str:
+    """bench's thread count in words."""
+    return f"{threads} thread{'s' * (threads > 1)}" if threads else "the runtime's default threads"
 
 
 def _ratio_line(r) -> str:
@@ -867,9 +961,7 @@ def zoo_list():
     """The reference models, their frameworks and the structures their exports carry."""
     from ..exporters import zoo
 
-    table = Table()
-    for col in ("name", "frameworks", "model", "structures in the export"):
-        table.add_column(col)
+    table = _table("name", "frameworks", "model", "structures in the export")
     for e in zoo.ENTRIES.values():
         table.add_row(e.name, ",".join(e.frameworks), escape(e.description), escape(e.structures))
     console.print(table)
@@ -938,6 +1030,21 @@ def kernels_status():
     console.print(f"{kernels.library_path()}: {state}; header: {kernels.include_dir() or 'not found'}", soft_wrap=True)
 
 
+def _usage_message(e) -> str:
+    """A usage error in one line; a missing argument with the usage line (what `verify RAW OPTIMIZED` needs)."""
+    import difflib
+
+    command = e.ctx.command_path if e.ctx else "ctropt"
+    if getattr(e, "possibilities", None):  # click's difflib counts the dashes: --frob "matches" --rtol; not the name
+        name = e.option_name.lstrip("-")
+        e.possibilities = [p for p in e.possibilities
+                           if difflib.SequenceMatcher(None, name, p.lstrip("-")).ratio() >= 0.6]
+    message = e.format_message()
+    if e.ctx and getattr(getattr(e, "param", None), "param_type_name", "") == "argument":
+        message = f"{message.rstrip('.')}; usage: {e.ctx.get_usage().removeprefix('Usage: ')}"
+    return f"{message} (see {command} --help)"
+
+
 def main() -> None:
     """The console script: a bad argument is a one-line `error:` and exit 2, like every other bad input."""
     try:   # typer >= 0.2x bundles its click; older ones use the click package
@@ -951,8 +1058,7 @@ def main() -> None:
     except NoArgsIsHelpError:   # the help is printed already
         sys.exit(2)
     except UsageError as e:
-        command = e.ctx.command_path if e.ctx else "ctropt"
-        err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see {command} --help)", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(_usage_message(e))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted")

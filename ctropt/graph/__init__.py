@@ -13,7 +13,6 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
-from google.protobuf.message import DecodeError
 
 from . import weights
 
@@ -59,10 +58,7 @@ def load(path: str | os.PathLike, *, check: bool = True, keep_external: bool = F
             f"{path}: {size / 2**30:.1f} GiB in one file; a protobuf cannot exceed 2 GiB. "
             "Save the model with external data: onnx.save_model(m, path, save_as_external_data=True)"
         )
-    try:
-        model = onnx.load_model(str(path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise CtroptError(f"{path}: not an ONNX model, or the file is truncated ({e})") from None
+    model = _parse(path)
     if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.output:
         raise CtroptError(f"{path}: not an ONNX model, or the file is truncated (no graph outputs)")
     if any(_uses_external_data(t) for t in _all_initializers(model.graph)):
@@ -79,6 +75,32 @@ def load(path: str | os.PathLike, *, check: bool = True, keep_external: bool = F
     if check:
         check_model(model, str(path), path=path)
     return model
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    """The file's ModelProto (onnx picks the format by the extension: .json and .textproto are read as text), or a
+    one-line CtroptError."""
+    import warnings
+
+    import onnx.parser
+    import onnx.serialization
+    from google.protobuf import json_format, message, text_format
+
+    text = onnx.serialization.registry.get_format_from_file_extension(path.suffix)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # onnx warns that its onnxtxt format is experimental
+            return onnx.load_model(str(path), load_external_data=False)
+    except OSError as e:
+        raise CtroptError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (message.Error, json_format.Error, text_format.Error, onnx.parser.ParseError, RuntimeError,
+            ValueError) as e:
+        lines = str(e).removeprefix("b'").replace("\\n", "\n").strip().splitlines()
+        detail = lines[0].rstrip(".") if lines else type(e).__name__
+        if text in (None, "protobuf"):
+            raise CtroptError(f"{path}: not an ONNX model, or the file is truncated ({detail})") from None
+        raise CtroptError(f"{path}: not an ONNX model (onnx reads a {path.suffix} file as a model in {text} form: "
+                          f"{detail})") from None
 
 
 def check_model(model: onnx.ModelProto, where: str = "model", path: Path | None = None) -> None:
@@ -133,13 +155,13 @@ def runtime_ir_version(model: onnx.ModelProto) -> int:
     return max(min(model.ir_version, MAX_IR_VERSION), needed)
 
 
-def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse an output path that would overwrite an input file."""
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: str = "-o") -> Path:
+    """Refuse an output path that would overwrite an input file (`flag`: the option that names the output)."""
     out = Path(out)
     for inp in inputs:
         inp = Path(inp)
         if out.resolve() == inp.resolve() or (out.exists() and inp.exists() and out.samefile(inp)):
-            raise CtroptError(f"output path {out} is the input file; choose another path (-o)")
+            raise CtroptError(f"output path {out} is the input file; choose another path ({flag})")
     if out.is_dir():
         raise CtroptError(f"output path {out} is a directory")
     if not out.parent.exists():

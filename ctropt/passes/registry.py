@@ -77,6 +77,7 @@ class Pass:
     rules: "tuple[Rewrite, ...] | Callable[[str], list[Rewrite]]" = ()  # pattern rules (or target → rules), for explain
     speed: bool | None = None  # there for speed: the speed guard times it (None: fusion and lower passes are)
     devices: tuple[str, ...] = DEVICES  # the devices whose models it may rewrite
+    options: dict = dataclasses.field(default_factory=dict)  # a plugin's own --option keys: key → meaning
 
     def rules_for(self, target: str) -> list[Rewrite]:
         """The pattern rules this pass applies for `target` (to explain why it did not fire)."""
@@ -154,7 +155,7 @@ PIPELINE_ORDER = {
 
 def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] = ("any",), order: int | None = None,
                   description: str = "", default: bool = True, rules=(), exact: bool = True, speed: bool | None = None,
-                  devices: tuple[str, ...] = DEVICES):
+                  devices: tuple[str, ...] = DEVICES, options: dict[str, str] | None = None):
     """Decorator: register `fn(ctx)` as a pass. Returns the Pass (usable directly in `optimize`).
 
     rules: the pattern rules (`Rewrite`s) the pass applies with `ctx.apply(*rules)`, or a function target → rules;
@@ -164,12 +165,14 @@ def register_pass(name: str, *, group: str = "fusion", targets: tuple[str, ...] 
 
     speed: whether the speed guard times the pass against its input (default: fusion and lower passes; a pass
     that makes a model load or compute right on its target, rather than faster, says False).
-    devices: the devices (`--device`) whose models the pass may rewrite (default: all)."""
+    devices: the devices (`--device`) whose models the pass may rewrite (default: all).
+    options: the `--option` keys a plugin pass reads from ctx.options, each with a one-line meaning (ctropt's own
+    keys are listed in ctropt.cli.PASS_OPTIONS); `ctropt optimize --option` refuses a key nobody declared."""
 
     def wrap(fn: Callable[[PassContext], int | None]) -> Pass:
         place = order if order is not None else PIPELINE_ORDER.get(name, 100)
         p = Pass(name, fn, group, tuple(targets), description, place, default, exact,
-                 rules if callable(rules) else tuple(rules), speed, tuple(devices))
+                 rules if callable(rules) else tuple(rules), speed, tuple(devices), dict(options or {}))
         REGISTRY[name] = p
         return p
 

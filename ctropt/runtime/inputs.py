@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -551,10 +552,22 @@ def _length_columns(values: np.ndarray, f: InputFacts, lengths, rng, fill_user) 
 
 def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     """Every array of an .npz, or a one-line error naming what it was meant to hold."""
+    import zipfile
+
+    wanted = f"{what} go in an .npz written by numpy.savez(path, NAME=array, ...), one array per input name"
+    if not Path(path).is_file():
+        raise CtroptError(f"{path}: cannot read {what} (no such file)")
+    if not zipfile.is_zipfile(path):  # np.load would try it as a pickle and talk of allow_pickle
+        raise CtroptError(f"{path}: not an .npz file; {wanted}")
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
+    except ValueError as e:
+        if "allow_pickle" in str(e):
+            raise CtroptError(f"{path}: holds an object array, which ctropt does not unpickle; {wanted} (strings "
+                              "as a numpy str array, e.g. np.array(['a', 'b']))") from None
+        raise CtroptError(f"{path}: cannot read {what} ({e})") from None
+    except (OSError, zipfile.BadZipFile) as e:
         raise CtroptError(f"{path}: cannot read {what} ({e})") from None
 
 
