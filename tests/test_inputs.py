@@ -150,3 +150,19 @@ def test_ids_read_by_ctropt_gather_kernels_stay_in_their_tables():
     feeds = generate_inputs(model, batch=200)
     assert 0 <= feeds["user"].min() and feeds["user"].max() < 10
     assert 0 <= feeds["fields"].min() and feeds["fields"].max() < 3 and feeds["fields"].max() == 2
+
+
+def test_a_chain_of_thousands_of_ops_is_read_without_recursion():
+    """ids → 3,000 Abs → a Gather: the facts (the table's bound) are read off a chain far deeper than Python's
+    recursion limit, as off a short one."""
+    from ctropt.runtime import analyze_inputs
+    from ctropt.graph import to_graph
+
+    n = 3000
+    nodes = [node("Abs", ["ids" if i == 0 else f"a{i - 1}"], [f"a{i}"]) for i in range(n)]
+    nodes.append(node("Gather", ["table", f"a{n - 1}"], ["y"], axis=0))
+    model = make_model(nodes, [vi("ids", I64, ["B"])], [vi("y", F, ["B", 4])],
+                       [init("table", np.ones((17, 4), np.float32))])
+    facts = analyze_inputs(to_graph(model))
+    assert facts["ids"].upper == 17
+    assert generate_inputs(model, batch=5)["ids"].max() < 17

@@ -182,11 +182,23 @@ def analyze_inputs(graph: gs.Graph) -> dict[str, InputFacts]:
     return facts
 
 
-def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, shape) -> None:
-    key = (id(t), offset, region)
-    if key in seen or len(seen) > 5000:
-        return
-    seen.add(key)
+def _follow(start: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, shape) -> None:
+    """What the graph does with an input's values (read from `start`, `offset` added, columns `region`): the
+    tables that bound them, the comparisons that make them lengths, masks or padded histories. A work list, not
+    recursion: a chain of thousands of ops is a graph like any other."""
+    todo = [(start, offset, region, shape)]
+    while todo:
+        t, offset, region, shape = todo.pop()
+        key = (id(t), offset, region)
+        if key in seen or len(seen) > 5000:
+            continue
+        seen.add(key)
+        first = len(todo)
+        _follow_readers(t, offset, region, facts, shape, todo)
+        todo[first:] = todo[first:][::-1]   # the first reader's values are followed first, as recursion did
+
+
+def _follow_readers(t: gs.Tensor, offset: int, region, facts: InputFacts, shape, todo: list) -> None:
     for node in list(t.outputs):
         pos = [i for i, x in enumerate(node.inputs) if x is t]
         op = node.op
@@ -210,9 +222,9 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
                 c = int(np.asarray(other).ravel()[0])
                 delta = c if op == "Add" else (-c if pos[0] == 0 else None)
                 if delta is not None:
-                    _follow(node.outputs[0], offset + delta, region, facts, seen, None)
+                    todo.append((node.outputs[0], offset + delta, region, None))
         elif op == "Slice" and pos == [0]:
-            _follow(node.outputs[0], offset, _slice_region(node, region, shape), facts, seen, None)
+            todo.append((node.outputs[0], offset, _slice_region(node, region, shape), None))
         elif _compares_with_zero(node, pos) and region is None and offset == 0:
             facts.padded = True
         elif op in ("CategoryMapper", "StringSplit") and pos == [0]:
@@ -223,10 +235,10 @@ def _follow(t: gs.Tensor, offset: int, region, facts: InputFacts, seen: set, sha
             for p in pos:
                 inner = _body_input(node, p)
                 if inner is not None:
-                    _follow(inner, offset, region, facts, seen, None)
+                    todo.append((inner, offset, region, None))
         elif op in _PASS_THROUGH and (0 in pos or op in ("Concat", "Max", "Where")):
             for out in node.outputs:
-                _follow(out, offset, region if op != "Transpose" else None, facts, seen, None)
+                todo.append((out, offset, region if op != "Transpose" else None, None))
 
 
 _CARRY = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Transpose", "Expand", "Tile", "Identity", "Flatten"}
