@@ -80,7 +80,8 @@ def _default(param) -> str:
         shown = f"`{default}`"
     low, high = getattr(param, "min", None), getattr(param, "max", None)
     if low is None and high is None:  # click's IntRange/FloatRange where typer keeps them on the type
-        low, high = getattr(getattr(param, "type", None), "min", None), getattr(getattr(param, "type", None), "max", None)
+        kind = getattr(param, "type", None)
+        low, high = getattr(kind, "min", None), getattr(kind, "max", None)
     bound = (f"{low}–{high}" if low is not None and high is not None else
              f"≥ {low}" if low is not None else f"≤ {high}" if high is not None else "")
     return "; ".join(s for s in (shown, bound) if s)
