@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv not in ([], ["--check"]):
         print(f"usage: {COMMAND} [--check]", file=sys.stderr)
         return 2
+    if not (DOCS.parent / "pyproject.toml").is_file():
+        print(f"{COMMAND} writes the docs/ of a ctropt checkout; {DOCS.parent} is not one", file=sys.stderr)
+        return 2
     if argv == ["--check"]:
         old = stale()
         for name in old:
