@@ -5,7 +5,8 @@ and with one user per request (all rows share the history), for zoo models and t
     python benchmarks/attention.py --only dien_tf --seconds 3
     python benchmarks/attention.py --only DIEN,dien --option rnn_ort_form=kernel   # pass options, as the CLI's
 
-Prints a markdown table (benchmarks/RESULTS.md, "Attention and user dedup"). Each cell is the median of paired
+Prints a markdown table (its last: `git show 8b89a5f:benchmarks/RESULTS.md`, "Attention without padding and user
+dedup"). Each cell is the median of paired
 time ratios raw/optimized from one interleaved run; "without" is ctropt with remove-attention-padding and
 dedup-user-side skipped, so the difference is what those two passes add.
 """

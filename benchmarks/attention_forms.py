@@ -8,7 +8,8 @@
 Each form computes self-attention over x [B, L, D]: one projection to Q, K, V, heads split, scores scaled, an
 additive mask (key padding at ~55 % fill and causal), softmax, · V, heads merged. Every form is checked against the
 decomposed one, then all run interleaved in rounds: each cell is the median over rounds of time(decomposed) /
-time(form). Prints a markdown table (benchmarks/RESULTS.md, "Attention forms on onnxruntime").
+time(form). Prints a markdown table (its last: `git show 8b89a5f:benchmarks/RESULTS.md`, "Attention forms on
+onnxruntime").
 """
 
 from __future__ import annotations

@@ -1,12 +1,28 @@
 """What the benchmark scripts share: the repository on sys.path (so they run from a checkout) and the model files."""
 
+import os
 import pathlib
+import platform
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ZOO = ROOT / "ctropt/exporters/zoo/data"
 THIRD = ROOT / "tests/data/thirdparty"
+
+
+def machine() -> str:
+    """The CPU the numbers come from, as /proc/cpuinfo names it, and its cores: every table in RESULTS.md says it."""
+    try:
+        name = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def today() -> str:
+    return time.strftime("%Y-%m-%d")
 
 
 def write_section(marks: tuple[str, str], text: str, heading: str | None = None) -> None:

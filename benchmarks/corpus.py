@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import ROOT, THIRD, ZOO
+from common import ROOT, THIRD, ZOO, machine
 
 from ctropt.graph import CtroptError, interface, load, node_count, save  # noqa: E402
 from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
@@ -227,11 +227,13 @@ def main() -> None:
         for raw in exports(only):
             with tempfile.TemporaryDirectory(prefix="ctropt-corpus-") as tmp:
                 rows.append(measure(raw, Path(tmp), args))
+            rows[-1]["cpu"] = machine()
             if args.log:
                 with args.log.open("a") as log:
                     log.write(json.dumps(rows[-1]) + "\n")
         cmd = "python benchmarks/corpus.py" + (" --twice" if args.twice else "") + (f" --only {args.only}" if only else "")
-    text = "\n".join([BEGIN, f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}). {summary(rows)}", "",
+    cpus = "; ".join(sorted({r["cpu"] for r in rows if "cpu" in r})) or "CPU not in the log"
+    text = "\n".join([BEGIN, f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}; {cpus}). {summary(rows)}", "",
                       table(rows, args.twice), END])
     print(text)
     if not only:

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from common import ROOT, write_section
+from common import ROOT, machine, write_section
 
 FORMS = ("framework compiled", "ORT raw", "ORT ctropt", "OpenVINO raw", "OpenVINO ctropt")
 COMPILED = {"tf": "XLA", "torch": "torch.compile"}
@@ -141,8 +141,8 @@ def _cell(value) -> str:
 
 def table(rows: list[dict], args) -> str:
     lines = [f"Command: `python benchmarks/frameworks.py --batch {args.batch} --rounds {args.rounds} --threads "
-             f"{args.threads}` ({time.strftime('%Y-%m-%d')}). Speed-up over the framework as served (TF graph "
-             f"function, PyTorch eager), median of paired rounds (10th–90th percentile); > 1 is faster.", "",
+             f"{args.threads}` ({time.strftime('%Y-%m-%d')}, {machine()}). Speed-up over the framework as served "
+             f"(TF graph function, PyTorch eager), median of paired rounds (10th–90th percentile); > 1 is faster.", "",
              "| model | framework (median per batch) | " + " | ".join(FORMS) + " |",
              "|---|---|" + "---|" * len(FORMS)]
     for r in rows:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import THIRD, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import THIRD, machine, today, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.runtime import Runner, generate_inputs  # noqa: E402
@@ -66,7 +66,9 @@ def main() -> None:
     if args.write and only:
         print("--write takes the whole table: nothing written with --only")
     elif args.write:
-        write_section(MARKS, "\n".join(lines))
+        head = (f"Command: `python benchmarks/one_user.py --seconds {args.seconds} --write` ({today()}, {machine()}). "
+                "One-user requests, onnxruntime CPU, 1 thread, batch 256, paired: raw / optimized.")
+        write_section(MARKS, "\n".join([head, ""] + lines))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """Raw export vs ctropt-optimized, for every zoo model and third-party export, on onnxruntime and OpenVINO.
 
-    python benchmarks/run.py                    # everything, writes benchmarks/RESULTS.md
+    python benchmarks/run.py                    # everything; prints the table at the end
+    python benchmarks/run.py --out run.md       # and writes it to run.md after every model
     python benchmarks/run.py --only dien,wdl    # models whose file name contains one of these
     python benchmarks/run.py --seconds 2        # longer measurements
 
 Every number is a paired ratio from one run: raw and optimized run interleaved (A B, B A, ...) on the same
 inputs with the same session options; the cell is the median of time(raw)/time(optimized) over the pairs,
 with the 10th–90th percentile spread. > 1 means ctropt's model is faster.
+
+Its table was the first of benchmarks/RESULTS.md (2026-11-21); benchmarks/corpus.py's corpus table superseded it
+there, so this script no longer writes RESULTS.md (it would replace the whole file).
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def measure(path: Path, seconds: float, seq_len: int) -> dict:
     return row
 
 
-def write(rows: list[dict], command: str, out: Path, seconds: float) -> None:
+def write(rows: list[dict], command: str, out: Path | None, seconds: float) -> None:
+    """The table of `rows`, written to `out`, or printed without one."""
     lines = [
         "# Benchmarks: raw export vs ctropt",
         "",
@@ -99,14 +104,18 @@ def write(rows: list[dict], command: str, out: Path, seconds: float) -> None:
         ov = " / ".join(r["ov1"]) if "ov1" in r else f"raw {r['ov_raw']}; optimized {r['ov_opt']}"
         lines.append(f"| {r['model']} | {r['nodes']} → {r['nodes_ort']} | {' / '.join(r[f'ort{THREADS[0]}'])} "
                      f"| {' / '.join(r[f'ort{THREADS[-1]}'])} | {ov} |")
-    out.write_text("\n".join(lines) + "\n")
+    if out is None:
+        print("\n".join(lines))
+    else:
+        out.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma list of substrings of model file names")
     parser.add_argument("--seconds", type=float, default=1.0, help="measurement time per cell")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--out", type=Path, help="write the table to this file after every model (default: print "
+                        "it at the end)")
     parser.add_argument("--seq-len", type=int, default=10, help="history length where the model leaves it dynamic")
     args = parser.parse_args()
     command = "python benchmarks/run.py" + "".join(f" {a}" for a in sys.argv[1:])
@@ -119,7 +128,10 @@ def main() -> None:
             print(f"  skipped: {e}", flush=True)
             continue
         print(f"  {rows[-1]}", flush=True)
-        write(rows, command, args.out, args.seconds)
+        if args.out:
+            write(rows, command, args.out, args.seconds)
+    if not args.out:
+        write(rows, command, None, args.seconds)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import THIRD, ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import THIRD, ZOO, machine, today, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.passes.speed import SpeedCheck  # noqa: E402
@@ -97,7 +97,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    lines = [f"Command: `python benchmarks/strings.py --seconds {args.seconds} --batch {args.batch}` (1 thread; "
+    lines = [f"Command: `python benchmarks/strings.py --seconds {args.seconds} --batch {args.batch}` ({today()}, "
+             f"{machine()}; 1 thread; "
              "time(A) / time(B), > 1: B is faster; median, p10–p90).", "",
              "| model | A → B | ratio |", "|---|---|---|"]
     for name, folder in MODELS.items():
