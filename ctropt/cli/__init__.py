@@ -392,8 +392,11 @@ def _write_json(path: Path, result, model: Path, out: Path, target: str) -> None
 
 def _print_runtime_needs(result) -> None:
     """Which form the recurrent layers took on onnxruntime: ctropt's kernels (the saved model needs the library)
-    or stock ops, and why."""
+    or stock ops, and why; the CPU it was measured on (what it does fast below FP32)."""
     from .. import kernels
+    from ..runtime.cpu import cpu_info
+
+    console.print(f"[cyan]cpu:[/] {escape(cpu_info().summary())}", soft_wrap=True)
 
     if kernels.uses_kernels(result.model):
         used = sorted({n.op_type for n in iter_proto_nodes(result.model.graph) if n.domain == kernels.DOMAIN})

@@ -15,6 +15,7 @@ from ..graph import (CtroptError, annotate_shapes, interface, iter_proto_graphs,
 from ..runtime import (DEFAULT_ATOL, DEFAULT_BATCH, DEFAULT_RTOL, Runner, compare_outputs, generate_inputs,
                        model_input_facts, store_input_facts, summary)
 from .. import kernels
+from ..runtime import cpu
 from ..report.diff import ModelDiff, diff_models
 from ..runtime.bench import SpeedVerdict
 from .registry import Pass, PassContext, resolve
@@ -108,6 +109,7 @@ class PassManager:
                 result = self._run(store.adopt(copy))
                 result.model = store.inline(result.model)
         kernels.describe(result.model)  # the metadata names the kernel library the result needs, if any
+        cpu.describe(result.model)  # and the CPU it was measured on
         return result
 
     def _run(self, model: onnx.ModelProto) -> OptimizeResult:

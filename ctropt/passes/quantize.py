@@ -45,6 +45,7 @@ import onnx_graphsurgeon as gs
 from ..graph import CtroptError, runnable_model
 from ..graph.edit import const_value
 from ..runtime import Runner, generate_inputs, store_input_facts
+from ..runtime.cpu import cpu_info
 from ..runtime.bench import bench
 from ..runtime.inputs import read_npz
 from ..runtime.probe import all_values
@@ -85,12 +86,7 @@ def fc_layers(graph: gs.Graph) -> list[FCLayer]:
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU has 8-bit dot products (AVX-512 VNNI, AVX-VNNI or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return cpu_info().int8 is not None
 
 
 # ----------------------------------------------------------------------------------------- data
