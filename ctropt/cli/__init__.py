@@ -127,18 +127,46 @@ def _fmt_err(value) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
-def _extra_passes(passes: str, int8: bool, device: str, precision: str) -> str:
-    """The pass list with what --int8 and --precision f16 add."""
-    if device not in DEVICES:
-        raise CtroptError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
-    if precision not in ("f32", "f16"):
-        raise CtroptError(f"--precision must be f32 or f16, not {precision!r}")
+PRECISIONS = ("f32", "f16", "int8", "auto", "bf16")
+
+
+def _precision_choice(precision: str, int8: bool, device: str, calib) -> tuple[bool, str]:
+    """(whether quantize-int8 runs, the decision in words) for --precision and --int8 (= --precision int8). auto:
+    INT8 where the CPU has a fast 8-bit path (VNNI/AMX) and real calibration rows are given, the pass's gate then
+    keeping each layer in INT8 only where measured faster and accurate; FP32 otherwise, saying why."""
+    from ..runtime.cpu import cpu_info
+
+    if precision not in PRECISIONS:
+        raise CtroptError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if precision == "bf16":
+        raise CtroptError("--precision bf16 is not built yet: onnxruntime's CPU kernels have no BF16 GEMM, and "
+                          "OpenVINO's BF16 is a compile setting (INFERENCE_PRECISION_HINT bf16, where the CPU has "
+                          "AMX-BF16 or AVX512_BF16), not a model rewrite")
     if precision == "f16" and device != "cuda":
         raise CtroptError("--precision f16 is for --device cuda (on this CPU, FP16 runs slower than FP32)")
-    if int8 and device != "cpu":
+    if (int8 or precision == "int8") and device != "cpu":
         raise CtroptError("--int8 is for --device cpu (onnxruntime's INT8 kernels are CPU kernels); on the GPU use "
                           "--precision f16")
-    return passes + (",quantize-int8" if int8 else "") + (",convert-float16" if precision == "f16" else "")
+    path = cpu_info().int8
+    if int8 or precision == "int8":
+        return True, f"int8 where quantize-int8's gate keeps a layer (CPU INT8 path: {path or 'none, emulated'})"
+    if precision != "auto":
+        return False, precision
+    if device != "cpu":
+        return False, "f32 (auto: INT8 is for --device cpu; on the GPU --precision f16 is the choice)"
+    if path is None:
+        return False, "f32 (auto: this CPU has no VNNI or AMX, so INT8 is emulated and rarely faster)"
+    if calib is None:
+        return False, (f"f32 (auto: the CPU has {path}, but no calibration data was given: --calib, rows of real "
+                       "traffic; on generated inputs the accuracy gate measures nothing real)")
+    return True, f"int8 where quantize-int8's gate keeps a layer (auto: the CPU has {path}, calibration {calib.name})"
+
+
+def _extra_passes(passes: str, device: str, precision: str, quantize: bool) -> str:
+    """The pass list with what --precision adds (quantize-int8, or convert-float16 for f16)."""
+    if device not in DEVICES:
+        raise CtroptError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
+    return passes + (",quantize-int8" if quantize else "") + (",convert-float16" if precision == "f16" else "")
 
 
 def _can_time_on(device: str) -> bool:
@@ -150,7 +178,7 @@ def _can_time_on(device: str) -> bool:
     return False
 
 
-def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) -> dict:
+def _optimize_options(option, static_seq_len, user_inputs, calib, quantize: bool, precision: str) -> dict:
     """The pass options `optimize`'s flags set (--option KEY=VALUE, --static-seq-len, --user-inputs, --calib)."""
     options = _pass_options(option or [])
     if static_seq_len is not None:
@@ -158,8 +186,8 @@ def _optimize_options(option, static_seq_len, user_inputs, calib, int8: bool) ->
     if user_inputs:
         options["user_inputs"] = user_inputs
     if calib is not None:
-        if not int8:
-            raise CtroptError("--calib is calibration data for --int8; add --int8")
+        if not quantize and precision != "auto":
+            raise CtroptError("--calib is calibration data for --int8 (or --precision int8|auto); add one")
         if not calib.is_file():
             raise CtroptError(f"{calib}: no such calibration file")
         options["calib"] = str(calib)
@@ -239,8 +267,10 @@ def optimize(
                               "faster, within the accuracy gate."),
     device: str = typer.Option("cpu", "--device", help="Where the ort-target model runs: cpu, or cuda (standard "
                                "ops only, no INT8, the speed check on the GPU)."),
-    precision: str = typer.Option("f32", "--precision", help="f32, or f16 with --device cuda: the model computes "
-                                  "in FP16 where its worst row stays within the accuracy gate (I/O stay FP32)."),
+    precision: str = typer.Option("f32", "--precision", help="f32; int8 (as --int8); auto: INT8 where this CPU "
+                                  "has VNNI or AMX and --calib gives real rows (else FP32, saying why); f16 with "
+                                  "--device cuda: FP16 where the worst row stays within the accuracy gate. The "
+                                  "choice and the CPU go in the saved model's metadata."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="INT8 calibration data: .npz of input arrays "
                                          "(batch first), optional `label` for AUC/logloss."),
     show_diff: bool = typer.Option(False, "--show-diff", help="Print what each pass changed (a tree of changed "
@@ -261,8 +291,9 @@ def optimize(
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
         _plugins(plugin)
-        options = _optimize_options(option, static_seq_len, user_inputs, calib, int8)
-        passes = _extra_passes(passes, int8, device, precision)
+        quantize, decision = _precision_choice(precision, int8, device, calib)
+        options = _optimize_options(option, static_seq_len, user_inputs, calib, quantize, precision)
+        passes = _extra_passes(passes, device, precision, quantize)
         out = output or _beside(model, ".opt.onnx")
         replacing = _check_outputs(model, {"-o": out, "--report": report, "--json": json_out})
         m = load(model, keep_external=True)
@@ -275,7 +306,18 @@ def optimize(
                       batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
                       speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
                       static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report, replacing=replacing)
+                      report=report, replacing=replacing, precision=decision)
+
+
+def _precision_kept(result, decision: str) -> str:
+    """The decision, and where INT8 was tried what quantize-int8 kept (its note: how many layers, or why none)."""
+    record = next((r for r in result.records if r.name == "quantize-int8"), None)
+    if record is None or not decision.startswith("int8"):
+        return decision
+    if record.status != "applied":
+        why = "; ".join(record.notes) or record.message or record.status
+        return f"f32: quantize-int8 kept no layer ({why}); asked: {decision}"
+    return f"{decision}: {'; '.join(record.notes) or 'applied'}"
 
 
 def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]:
@@ -298,7 +340,7 @@ def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]
 
 def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
               verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
-              json_out, report, replacing) -> None:
+              json_out, report, replacing, precision: str = "f32") -> None:
     """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report."""
     status = console.status("starting")
     done: list[str] = []
@@ -323,9 +365,12 @@ def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes
                   f"target {target}" + (f" on {device}" if device != "cpu" else ""))
     with status:
         result = manager.run(m)
+    precision = _precision_kept(result, precision)
+    result.model.metadata_props.add(key="ctropt.precision", value=precision)
     keep_external = external or initializer_bytes(result.model) > EXTERNAL_DATA_THRESHOLD
     save(result.model if keep_external else store.inline(result.model), out, protect=(model,))
     _print_result(result)
+    console.print(f"[cyan]precision:[/] {escape(precision)}", soft_wrap=True)
     if show_diff:
         print_pass_diffs(console, result.records)
     timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
