@@ -235,15 +235,15 @@ def write_result(lib, model, exporter, res):
 
 
 # ----------------------------------------------------------------------------- torch
-def init_torch_weights(model, seed):
+def init_torch_weights(model, seed, emb_std=0.3):
     """deepctr's init_std=1e-4 makes every output ~sigmoid(0); use larger seeded weights so
-    numerical comparisons are meaningful."""
+    numerical comparisons are meaningful (embeddings N(0, emb_std))."""
     import torch
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                std = 0.3 if "embedding" in name else 1.0 / np.sqrt(p.shape[-1])
+                std = emb_std if "embedding" in name else 1.0 / np.sqrt(p.shape[-1])
                 p.copy_(torch.randn(p.shape, generator=g) * std)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if name.endswith("bn.weight") else 0.0))
@@ -301,46 +301,76 @@ def patch_dien_torch_padded():
     return use
 
 
+# Layer sizes of the toy exports; benchmarks/production_corpus.py passes its own.
+TOY_SIZES = dict(hid=(32, 16), cross_num=2, experts=3, expert_hid=None, gate=(16,), tower=(8,), att=(16, 8),
+                 cin=(16, 16), low_rank=8, heads=2, transformer_num=1)
+
+
+def torch_columns(spec, emb=EMB, maxlen=MAXLEN):
+    """deepctr-torch feature columns of a (name, kind, vocab/dim, embedding_name) spec."""
+    from deepctr_torch.inputs import SparseFeat, DenseFeat, VarLenSparseFeat
+    c = []
+    for name, kind, v, emb_name in spec:
+        if kind == "sparse":
+            c.append(SparseFeat(name, v, embedding_dim=emb))
+        elif kind == "dense":
+            c.append(DenseFeat(name, v))
+        elif kind == "seq":
+            c.append(VarLenSparseFeat(SparseFeat(name, v, embedding_dim=emb, embedding_name=emb_name),
+                                      maxlen=maxlen, length_name=LENGTH_NAME))
+    return c
+
+
+def build_torch_model(model_name, fc, sizes=TOY_SIZES, history=("item_id", "cate_id")):
+    """A deepctr-torch model of the given name on feature columns `fc` (the toy layer sizes by default)."""
+    from deepctr_torch import models as M
+    z = sizes
+    hid = z["hid"]
+    if model_name == "WDL":
+        return M.WDL(fc, fc, dnn_hidden_units=hid, seed=1)
+    if model_name == "DeepFM":
+        return M.DeepFM(fc, fc, dnn_hidden_units=hid, seed=1)
+    if model_name == "DCN":
+        return M.DCN(fc, fc, cross_num=z["cross_num"], dnn_hidden_units=hid, seed=1)
+    if model_name == "DCNMix":
+        return M.DCNMix(fc, fc, cross_num=z["cross_num"], dnn_hidden_units=hid, low_rank=z["low_rank"],
+                        num_experts=z["experts"], seed=1)
+    if model_name == "xDeepFM":
+        return M.xDeepFM(fc, fc, dnn_hidden_units=hid, cin_layer_size=z["cin"], seed=1)
+    if model_name == "MMOE":
+        from deepctr_torch.models.multitask import MMOE
+        return MMOE(fc, num_experts=z["experts"], expert_dnn_hidden_units=z["expert_hid"] or hid,
+                    gate_dnn_hidden_units=z["gate"], tower_dnn_hidden_units=z["tower"], seed=1)
+    if model_name == "DIN":
+        return M.DIN(fc, list(history), dnn_hidden_units=hid, att_hidden_size=z["att"], seed=1)
+    if model_name.startswith("DIEN_"):
+        return M.DIEN(fc, list(history), gru_type=model_name.split("_")[1],
+                      dnn_hidden_units=hid, att_hidden_units=z["att"], seed=1)
+    raise ValueError(model_name)
+
+
+def export_torch(model, X, path, exporter):
+    """model(X) -> y to ONNX at `path`, batch axis dynamic: legacy (dynamo=False, opset 17) or dynamo (opset 18)."""
+    import torch
+    if exporter == "legacy":
+        torch.onnx.export(model, (X,), path, dynamo=False, opset_version=OPSET,
+                          input_names=["X"], output_names=["y"],
+                          dynamic_axes={"X": {0: "batch"}, "y": {0: "batch"}})
+    else:
+        batch = torch.export.Dim("batch", min=1, max=65536)
+        prog = torch.onnx.export(model, (X,), dynamo=True, opset_version=DYNAMO_OPSET,
+                                 input_names=["X"], output_names=["y"],
+                                 dynamic_shapes={"X": {0: batch}}, verbose=False)
+        prog.save(path)
+
+
 def torch_run(model_name):
     import torch
     torch.manual_seed(0)
     use_impl = patch_dien_torch_padded() if model_name.endswith("_padded") else None
-    from deepctr_torch.inputs import SparseFeat, DenseFeat, VarLenSparseFeat
-    from deepctr_torch import models as M
-
-    def cols(spec):
-        c = []
-        for name, kind, v, emb_name in spec:
-            if kind == "sparse":
-                c.append(SparseFeat(name, v, embedding_dim=EMB))
-            elif kind == "dense":
-                c.append(DenseFeat(name, v))
-            elif kind == "seq":
-                c.append(VarLenSparseFeat(SparseFeat(name, v, embedding_dim=EMB, embedding_name=emb_name),
-                                          maxlen=MAXLEN, length_name=LENGTH_NAME))
-        return c
-
     seq = model_name.startswith("DI") or model_name == "BST"
     spec = BASE_FEATS + (SEQ_FEATS if seq else [])
-    fc = cols(spec)
-    hid = (32, 16)
-    if model_name == "WDL":
-        model = M.WDL(fc, fc, dnn_hidden_units=hid, seed=1)
-    elif model_name == "DeepFM":
-        model = M.DeepFM(fc, fc, dnn_hidden_units=hid, seed=1)
-    elif model_name == "DCN":
-        model = M.DCN(fc, fc, cross_num=2, dnn_hidden_units=hid, seed=1)
-    elif model_name == "MMOE":
-        from deepctr_torch.models.multitask import MMOE
-        model = MMOE(fc, num_experts=3, expert_dnn_hidden_units=hid, gate_dnn_hidden_units=(16,),
-                     tower_dnn_hidden_units=(8,), seed=1)
-    elif model_name == "DIN":
-        model = M.DIN(fc, ["item_id", "cate_id"], dnn_hidden_units=hid, att_hidden_size=(16, 8), seed=1)
-    elif model_name.startswith("DIEN_"):
-        model = M.DIEN(fc, ["item_id", "cate_id"], gru_type=model_name.split("_")[1],
-                       dnn_hidden_units=hid, att_hidden_units=(16, 8), seed=1)
-    else:
-        raise ValueError(model_name)
+    model = build_torch_model(model_name, torch_columns(spec))
     init_torch_weights(model, 1234)
     model.eval()
     fi = model.feature_index
@@ -379,16 +409,7 @@ def torch_run(model_name):
         try:
             if os.path.exists(path):
                 os.remove(path)
-            if exporter == "legacy":
-                torch.onnx.export(model, (torch.from_numpy(X1),), path, dynamo=False, opset_version=OPSET,
-                                  input_names=["X"], output_names=["y"],
-                                  dynamic_axes={"X": {0: "batch"}, "y": {0: "batch"}})
-            else:
-                batch = torch.export.Dim("batch", min=1, max=65536)
-                prog = torch.onnx.export(model, (torch.from_numpy(X1),), dynamo=True, opset_version=DYNAMO_OPSET,
-                                         input_names=["X"], output_names=["y"],
-                                         dynamic_shapes={"X": {0: batch}}, verbose=False)
-                prog.save(path)
+            export_torch(model, torch.from_numpy(X1), path, exporter)
             res["export_s"] = round(time.time() - t0, 2)
             res["orig_ir_version"] = finalize_onnx(path)
         except Exception as e:  # noqa
@@ -490,69 +511,54 @@ def patch_rnn_where():
     return "deepctr.contrib.rnn_v2.array_ops.where -> broadcasting tf.where with cond[B,1]"
 
 
-def tf_run(model_name):
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # DeepCTR 0.9.4 is Keras-2 code
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-    tf.random.set_seed(0)
+def tf_columns(spec, emb=EMB, maxlen=MAXLEN):
+    """DeepCTR feature columns of a (name, kind, vocab/dim, embedding_name) spec."""
     from deepctr.feature_column import SparseFeat, DenseFeat, VarLenSparseFeat
-    from deepctr import models as M
-
-    seq = model_name.startswith("DI") or model_name == "BST"
-    spec = BASE_FEATS + (SEQ_FEATS if seq else [])
     fc = []
     for name, kind, v, emb_name in spec:
         if kind == "sparse":
-            fc.append(SparseFeat(name, v, embedding_dim=EMB))
+            fc.append(SparseFeat(name, v, embedding_dim=emb))
         elif kind == "dense":
             fc.append(DenseFeat(name, v))
         elif kind == "seq":
-            fc.append(VarLenSparseFeat(SparseFeat(name, v, embedding_dim=EMB, embedding_name=emb_name),
-                                       maxlen=MAXLEN, length_name=LENGTH_NAME))
-    hid = (32, 16)
-    res = {}
-    if model_name.startswith("DIEN"):
-        res["tf_patches"] = patch_deepctr_tf()
-    if model_name.endswith("_where"):
-        res["tf_patches"].append(patch_rnn_where())
-    t0 = time.time()
-    try:
-        if model_name == "WDL":
-            model = M.WDL(fc, fc, dnn_hidden_units=hid, seed=1)
-        elif model_name == "DeepFM":
-            model = M.DeepFM(fc, fc, dnn_hidden_units=hid, seed=1)
-        elif model_name == "DCN":
-            model = M.DCN(fc, fc, cross_num=2, dnn_hidden_units=hid, seed=1)
-        elif model_name == "MMOE":
-            from deepctr.models.multitask import MMOE
-            model = MMOE(fc, num_experts=3, expert_dnn_hidden_units=hid, gate_dnn_hidden_units=(16,),
-                         tower_dnn_hidden_units=(8,), seed=1)
-        elif model_name == "DIN":
-            model = M.DIN(fc, ["item_id", "cate_id"], dnn_hidden_units=hid, att_hidden_size=(16, 8), seed=1)
-        elif model_name.startswith("DIEN_"):
-            model = M.DIEN(fc, ["item_id", "cate_id"], gru_type=model_name.split("_")[1],
-                           dnn_hidden_units=hid, att_hidden_units=(16, 8), seed=1)
-        elif model_name == "BST":
-            # history = concat(hist_item_id, hist_cate_id) embeddings -> 2*EMB = 16 wide; 2 heads of 8.
-            # BST reads features["seq_length"] (LENGTH_NAME) for both of its masks.
-            model = M.BST(fc, ["item_id", "cate_id"], transformer_num=1, att_head_num=2,
-                          dnn_hidden_units=hid, seed=1)
-        else:
-            raise ValueError(model_name)
-    except Exception as e:  # noqa
-        res["export_error"] = f"model build failed: {type(e).__name__}: {str(e)[:1500]}"
-        res["export_traceback_tail"] = traceback.format_exc()[-3000:]
-        write_result("deepctr", model_name, "tf2onnx", res)
-        return
-    res["build_s"] = round(time.time() - t0, 2)
-    if model_name.startswith("DIEN"):
-        # dien.py calls tf.compat.v1.experimental.output_all_intermediates(True); with it the
-        # while-loops keep gradient intermediates in TensorLists that tf2onnx emits as
-        # unconvertible EmptyTensorList/TensorListPushBack ops -> switch it back off.
-        tf.compat.v1.experimental.output_all_intermediates(False)
-        res["tf_patches"].append("output_all_intermediates(False) after DIEN()")
-    # seeded, larger-than-default weights
-    rng_w = np.random.default_rng(1234)
+            fc.append(VarLenSparseFeat(SparseFeat(name, v, embedding_dim=emb, embedding_name=emb_name),
+                                       maxlen=maxlen, length_name=LENGTH_NAME))
+    return fc
+
+
+def build_tf_model(model_name, fc, sizes=TOY_SIZES, history=("item_id", "cate_id")):
+    """A DeepCTR (TF) model of the given name on feature columns `fc` (the toy layer sizes by default)."""
+    from deepctr import models as M
+    z = sizes
+    hid = z["hid"]
+    if model_name == "WDL":
+        return M.WDL(fc, fc, dnn_hidden_units=hid, seed=1)
+    if model_name == "DeepFM":
+        return M.DeepFM(fc, fc, dnn_hidden_units=hid, seed=1)
+    if model_name == "DCN":
+        return M.DCN(fc, fc, cross_num=z["cross_num"], dnn_hidden_units=hid, seed=1)
+    if model_name == "xDeepFM":
+        return M.xDeepFM(fc, fc, dnn_hidden_units=hid, cin_layer_size=z["cin"], seed=1)
+    if model_name == "MMOE":
+        from deepctr.models.multitask import MMOE
+        return MMOE(fc, num_experts=z["experts"], expert_dnn_hidden_units=z["expert_hid"] or hid,
+                    gate_dnn_hidden_units=z["gate"], tower_dnn_hidden_units=z["tower"], seed=1)
+    if model_name == "DIN":
+        return M.DIN(fc, list(history), dnn_hidden_units=hid, att_hidden_size=z["att"], seed=1)
+    if model_name.startswith("DIEN_"):
+        return M.DIEN(fc, list(history), gru_type=model_name.split("_")[1],
+                      dnn_hidden_units=hid, att_hidden_units=z["att"], seed=1)
+    if model_name == "BST":
+        # history = concat(hist_item_id, hist_cate_id) embeddings -> 2*EMB = 16 wide; 2 heads of 8.
+        # BST reads features["seq_length"] (LENGTH_NAME) for both of its masks.
+        return M.BST(fc, list(history), transformer_num=z["transformer_num"], att_head_num=z["heads"],
+                     dnn_hidden_units=hid, seed=1)
+    raise ValueError(model_name)
+
+
+def init_tf_weights(model, seed, emb_std=0.3):
+    """Seeded, larger-than-default weights (see init_torch_weights); BatchNorm statistics made non-trivial."""
+    rng_w = np.random.default_rng(seed)
     new_w = []
     for w in model.weights:
         shp = tuple(w.shape)
@@ -562,7 +568,7 @@ def tf_run(model_name):
         elif "moving_mean" in nm:
             a = rng_w.normal(size=shp) * 0.1
         elif len(shp) >= 2:
-            std = 0.3 if "emb" in nm else 1.0 / np.sqrt(shp[0])
+            std = emb_std if "emb" in nm else 1.0 / np.sqrt(shp[0])
             a = rng_w.normal(size=shp) * std
         else:
             a = rng_w.normal(size=shp) * 0.1
@@ -570,9 +576,12 @@ def tf_run(model_name):
     for w, a in zip(model.weights, new_w):
         w.assign(a)
 
-    # Keras input name -> (shape without batch, dtype)
+
+def tf_serving(model):
+    """The Keras model served with a dynamic batch: (input signature, the serving tf.function, feed(raw) -> inputs
+    named and shaped as the signature, framework(inputs) -> list of numpy outputs)."""
+    import tensorflow as tf
     kin = list(model.inputs)
-    res["keras_inputs"] = [(i.name, list(i.shape), str(i.dtype.name)) for i in kin]
 
     def feed(raw):
         d = {}
@@ -584,8 +593,6 @@ def tf_run(model_name):
             d[nm] = a.astype(i.dtype.as_numpy_dtype)
         return d
 
-    raw1 = feed(gen_data(spec, B, np.random.default_rng(42)))
-    raw2 = feed(gen_data(spec, B2, np.random.default_rng(7)))
     in_sig = [tf.TensorSpec((None,) + tuple(i.shape[1:]), i.dtype, name=i.name.split(":")[0]) for i in kin]
 
     @tf.function(input_signature=in_sig)
@@ -598,7 +605,46 @@ def tf_run(model_name):
         if isinstance(out, (list, tuple)):
             return [o.numpy() for o in out]
         return [out.numpy()]
+    return in_sig, serve, feed, framework
 
+
+def tf_run(model_name):
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # DeepCTR 0.9.4 is Keras-2 code
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    tf.random.set_seed(0)
+    import deepctr.models  # noqa: F401  (imported before the DIEN patches, as it always was)
+    seq = model_name.startswith("DI") or model_name == "BST"
+    spec = BASE_FEATS + (SEQ_FEATS if seq else [])
+    fc = tf_columns(spec)
+    res = {}
+    if model_name.startswith("DIEN"):
+        res["tf_patches"] = patch_deepctr_tf()
+    if model_name.endswith("_where"):
+        res["tf_patches"].append(patch_rnn_where())
+    t0 = time.time()
+    try:
+        model = build_tf_model(model_name, fc)
+    except Exception as e:  # noqa
+        res["export_error"] = f"model build failed: {type(e).__name__}: {str(e)[:1500]}"
+        res["export_traceback_tail"] = traceback.format_exc()[-3000:]
+        write_result("deepctr", model_name, "tf2onnx", res)
+        return
+    res["build_s"] = round(time.time() - t0, 2)
+    if model_name.startswith("DIEN"):
+        # dien.py calls tf.compat.v1.experimental.output_all_intermediates(True); with it the
+        # while-loops keep gradient intermediates in TensorLists that tf2onnx emits as
+        # unconvertible EmptyTensorList/TensorListPushBack ops -> switch it back off.
+        tf.compat.v1.experimental.output_all_intermediates(False)
+        res["tf_patches"].append("output_all_intermediates(False) after DIEN()")
+    init_tf_weights(model, 1234)
+
+    # Keras input name -> (shape without batch, dtype)
+    kin = list(model.inputs)
+    res["keras_inputs"] = [(i.name, list(i.shape), str(i.dtype.name)) for i in kin]
+    in_sig, serve, feed, framework = tf_serving(model)
+    raw1 = feed(gen_data(spec, B, np.random.default_rng(42)))
+    raw2 = feed(gen_data(spec, B2, np.random.default_rng(7)))
     ref1 = framework(raw1)
     ref2 = framework(raw2)
     res["framework_out_shape"] = [list(r.shape) for r in ref1]

@@ -95,50 +95,63 @@ VOCAB = {"user_id": 1000, "gender": 3, "target_item": 500, "target_cate": 100}
 SEQS = [("hist_item", "target_item"), ("hist_cate", "target_cate")]
 
 
-def features():
+# Sizes of the toy exports; benchmarks/production_corpus.py passes its own. Context features are the vocab's keys
+# that are not target_*; the targets own the tables that the histories share.
+TOY_SIZES = dict(vocab=VOCAB, emb=EMB, emb_tf=EMB_TF, mlp=[32, 16], att=[16], heads=2, bst_layers=1, bst_max_len=51,
+                 sasrec_len=50, sasrec_blocks=2)
+
+
+def features(vocab=VOCAB, emb=EMB):
     from torch_rechub.basic.features import SequenceFeature, SparseFeature
-    ctx = [SparseFeature("user_id", VOCAB["user_id"], EMB), SparseFeature("gender", VOCAB["gender"], EMB)]
-    tgt = [SparseFeature(n, VOCAB[n], EMB, padding_idx=0) for n in ("target_item", "target_cate")]
-    hist = [SequenceFeature(n, VOCAB[s], EMB, pooling="concat", shared_with=s, padding_idx=0) for n, s in SEQS]
-    neg = [SequenceFeature("neg_" + n, VOCAB[s], EMB, pooling="concat", shared_with=s, padding_idx=0)
+    ctx = [SparseFeature(n, v, emb) for n, v in vocab.items() if not n.startswith("target_")]
+    tgt = [SparseFeature(n, vocab[n], emb, padding_idx=0) for n in ("target_item", "target_cate")]
+    hist = [SequenceFeature(n, vocab[s], emb, pooling="concat", shared_with=s, padding_idx=0) for n, s in SEQS]
+    neg = [SequenceFeature("neg_" + n, vocab[s], emb, pooling="concat", shared_with=s, padding_idx=0)
            for n, s in SEQS]
     return ctx, tgt, hist, neg
 
 
-def features_tf(name):
+def features_tf(name, vocab=VOCAB, emb=EMB_TF):
     from torch_rechub.basic.features import DenseFeature, SequenceFeature, SparseFeature
     if name == "BST":
-        ctx = [SparseFeature("user_id", VOCAB["user_id"], EMB_TF), SparseFeature("gender", VOCAB["gender"], EMB_TF)]
-        tgt = [SparseFeature(n, VOCAB[n], EMB_TF, padding_idx=0) for n in ("target_item", "target_cate")]
-        hist = [SequenceFeature(n, VOCAB[s], EMB_TF, pooling="concat", shared_with=s, padding_idx=0) for n, s in SEQS]
+        ctx, tgt, hist, _ = features(vocab, emb)
         return ctx, hist, tgt
     if name == "AutoInt":
-        return [SparseFeature(n, v, EMB_TF) for n, v in VOCAB.items()], [DenseFeature("price"), DenseFeature("age")]
-    seq = SequenceFeature("seq", VOCAB["target_item"], EMB_TF, pooling="concat", padding_idx=0)
-    return [seq] + [SequenceFeature(n, VOCAB["target_item"], EMB_TF, pooling="concat", shared_with="seq",
+        return [SparseFeature(n, v, emb) for n, v in vocab.items()], [DenseFeature("price"), DenseFeature("age")]
+    seq = SequenceFeature("seq", vocab["target_item"], emb, pooling="concat", padding_idx=0)
+    return [seq] + [SequenceFeature(n, vocab["target_item"], emb, pooling="concat", shared_with="seq",
                                     padding_idx=0) for n in ("pos", "neg")]
 
 
-def make_model(name):
+def make_model(name, sizes=TOY_SIZES):
     import torch
     from torch_rechub.models.matching import SASRec
     from torch_rechub.models.ranking import BST, DIEN, DIN, AutoInt
     torch.manual_seed(0)
+    z = sizes
     if name in TF_MODELS:
-        f = features_tf(name)
+        f = features_tf(name, z["vocab"], z["emb_tf"])
     else:
-        ctx, tgt, hist, neg = features()
+        ctx, tgt, hist, neg = features(z["vocab"], z["emb"])
+    mlp = {"dims": list(z["mlp"])}
     if name == "DIN":
-        model = DIN(ctx, hist, tgt, mlp_params={"dims": [32, 16]},
-                    attention_mlp_params={"dims": [16], "activation": "dice", "use_softmax": False})
+        model = DIN(ctx, hist, tgt, mlp_params=mlp,
+                    attention_mlp_params={"dims": list(z["att"]), "activation": "dice", "use_softmax": False})
     elif name == "DIEN":
-        model = DIEN(ctx, hist, neg, tgt, mlp_params={"dims": [32, 16]})
+        model = DIEN(ctx, hist, neg, tgt, mlp_params=mlp)
     elif name == "BST":
-        model = BST(*f, mlp_params={"dims": [32, 16]}, nhead=2, num_layers=1, max_seq_len=51)
+        model = BST(*f, mlp_params=mlp, nhead=z["heads"], num_layers=z["bst_layers"], max_seq_len=z["bst_max_len"])
     elif name == "AutoInt":
-        model = AutoInt(*f, num_layers=2, num_heads=2, mlp_params={"dims": [32, 16]})
+        model = AutoInt(*f, num_layers=2, num_heads=z["heads"], mlp_params=mlp)
     else:
-        model = SASRec(f, max_len=50, num_blocks=2, num_heads=2)
+        model = SASRec(f, max_len=z["sasrec_len"], num_blocks=z["sasrec_blocks"], num_heads=z["heads"])
+    randomize_weights(model)
+    return model.eval()
+
+
+def randomize_weights(model):
+    """Embeddings N(0, 0.5) (padding row kept zero), BatchNorm running statistics randomised (seeded)."""
+    import torch
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for m in model.modules():
@@ -149,7 +162,6 @@ def make_model(name):
             elif isinstance(m, torch.nn.BatchNorm1d):
                 m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-    return model.eval()
 
 
 def gen_data(batch, t, lens, rng):

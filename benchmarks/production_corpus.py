@@ -1,0 +1,564 @@
+"""The production-sized third-party corpus (issue 50): the libraries of tests/data/thirdparty, regenerated at the
+widths that serving sees, written outside the repository.
+
+    python benchmarks/production_corpus.py list
+    python benchmarks/production_corpus.py make --lib deepctr_torch -o /tmp/prodcorpus
+    python benchmarks/production_corpus.py make --lib deepctr_tf --models DeepFM,DIN_h50 -o /tmp/prodcorpus
+    python benchmarks/production_corpus.py make --lib torch_rechub -o /tmp/prodcorpus
+
+Each library runs in its own virtual environment, the one its fixture script's docstring names (make_exports.py for
+deepctr_torch and deepctr_tf, make_torch_rechub.py for torch_rechub), looked up as $CTROPT_VENVS/<venv>/bin/python
+(default /work/venvs: `deepctr` holds torch==2.13.0, tensorflow-cpu 2.21, tf_keras, tf2onnx 1.17, deepctr-torch 0.3.0
+and deepctr 0.9.4; `torch_rechub` holds torch==2.13.0 and torch-rechub 0.9.0; both onnx, onnxscript, onnxruntime),
+or given with --python. Every (library, model, exporter) runs in a subprocess of its own, one at a time.
+
+The models are built by the fixture scripts' own builders (build_torch_model / build_tf_model / make_model), with
+the production sizes below instead of their toy ones, and exported the way the fixtures export them (export_torch,
+tf2onnx.convert.from_function on tf_serving's function, make_torch_rechub.export), with the same seeded weights and
+the same workarounds (deepctr-torch DIEN `_padded`, DeepCTR DIEN `_where`), plus one of this script's:
+SASRec_arange (torch-rechub SASRec's host-side positions, which no exporter can keep dynamic, from torch.arange).
+DeepCTR models are converted from a twin with small tables, the real tables put in after (see deepctr_tf).
+Families:
+  dense   26 sparse fields C1..C26 (vocabularies: Criteo's, clipped to 10^3..10^6, 5.58M rows in all) and 13 dense
+          I1..I13; embedding 16; MLP 400-400-400 or 1024-512-256; DCN 3 cross layers; xDeepFM CIN 200-200-200;
+          MMoE 8 experts of 256.
+  seq     user_id 10^6, user_city 10^4, user_age 10^3, item 10^6 and cate 10^4 (shared by the target and its
+          history), embedding 32 (BST 32 per field: 64 wide, 4 heads; SASRec 64, 2 heads); histories of 50 or 200
+          (`_h50`, `_h200`); MLP 1024-512-256, DIN attention 80-40.
+Per kept export, under -o:
+    <lib>_<Model>_<exporter>_prod.onnx (+ .onnx.data: every tensor of 1 MiB or more, as ONNX external data)
+    <lib>_<Model>_<exporter>_prod.npz       256 rows, keys = graph input names: Zipf-skewed ids (a few hot ids
+                                            scattered over each table), cate ids a function of the item id; in
+                                            sequence models mixed history lengths (0-padded), and rows 0-127 four
+                                            users of 32 candidates each (same user fields and history)
+    <lib>_<Model>_<exporter>_prod.ref.npz   the framework's eager outputs on it, keys = graph output names
+    results/<stem>.json                     sizes, parameters, timings, the max differences, or the failure
+An export is kept only when onnxruntime (CPU) matches the framework within 1e-4 (abs) on that batch and on a batch
+of 7 (rows 0-2 one user); otherwise its files are removed and the failure is recorded. Nothing is downloaded, all
+weights are random (seeded). Toy exports stay the unit-test fixtures; nothing here is a speed measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+THIRD = HERE.parent / "tests" / "data" / "thirdparty"
+VENVS = Path(os.environ.get("CTROPT_VENVS", "/work/venvs"))
+BATCH, BATCH2, TOL = 256, 7, 1e-4
+SHARED = 4, 32                 # rows 0..127: 4 users x 32 candidates
+INLINE_BYTES = 1 << 20
+SEED = 50
+
+# Criteo (Kaggle display advertising) cardinalities of C1..C26, clipped to 10^3..10^6.
+CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
+          10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+DENSE_VOCABS = [min(max(v, 10**3), 10**6) for v in CRITEO]
+USER = {"user_id": 10**6, "user_city": 10**4, "user_age": 10**3}
+ITEM, CATE = 10**6, 10**4
+W400, W1024 = (400, 400, 400), (1024, 512, 256)
+# Embedding std of the fixtures' seeded weights (theirs: 0.3): with 0.3, FM and linear terms over 26 fields saturate
+# half the dense models' outputs; with 0.1 the 1024-512-256 sequence models' outputs stay within 0.52-0.56.
+EMB_STD = {"dense": 0.1, "seq": 0.5}
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: str                  # the library's model, as the fixture's builder names it
+    family: str                 # "dense" | "seq"
+    emb: int
+    hist: int = 0               # padded history length (seq family)
+    sizes: dict = field(default_factory=dict)   # over the fixture's TOY_SIZES
+    patch: str = ""             # an export workaround of this script's (references always from the library's code)
+
+
+SEQ_SIZES = dict(hid=W1024, att=(80, 40), mlp=list(W1024))
+DENSE = {
+    "DeepFM": Spec("DeepFM", "dense", 16, sizes=dict(hid=W400)),
+    "WDL": Spec("WDL", "dense", 16, sizes=dict(hid=W1024)),
+    "DCN": Spec("DCN", "dense", 16, sizes=dict(hid=W1024, cross_num=3)),
+    "xDeepFM": Spec("xDeepFM", "dense", 16, sizes=dict(hid=W400, cin=(200, 200, 200))),
+    "MMOE": Spec("MMOE", "dense", 16, sizes=dict(experts=8, expert_hid=(256,), gate=(64,), tower=(128,))),
+}
+MODELS = {
+    "deepctr_torch": {
+        **DENSE,
+        "DCNMix": Spec("DCNMix", "dense", 16, sizes=dict(hid=W400, cross_num=3, low_rank=64, experts=4)),
+        "DIN_h50": Spec("DIN", "seq", 32, 50, SEQ_SIZES),
+        "DIN_h200": Spec("DIN", "seq", 32, 200, SEQ_SIZES),
+        "DIEN_AUGRU_padded_h50": Spec("DIEN_AUGRU_padded", "seq", 32, 50, SEQ_SIZES),
+    },
+    "deepctr_tf": {
+        **DENSE,
+        "DIN_h50": Spec("DIN", "seq", 32, 50, SEQ_SIZES),
+        "DIN_h200": Spec("DIN", "seq", 32, 200, SEQ_SIZES),
+        "DIEN_AUGRU_where_h50": Spec("DIEN_AUGRU_where", "seq", 32, 50, SEQ_SIZES),
+        "BST_h50": Spec("BST", "seq", 32, 50, dict(hid=W1024, heads=4)),
+    },
+    "torch_rechub": {
+        "DIN_h50": Spec("DIN", "seq", 32, 50, SEQ_SIZES),
+        "DIN_h200": Spec("DIN", "seq", 32, 200, SEQ_SIZES),
+        "DIEN_h50": Spec("DIEN", "seq", 32, 50, SEQ_SIZES),
+        "BST_h50": Spec("BST", "seq", 32, 50, dict(mlp=list(W1024), heads=4, bst_max_len=51)),
+        "SASRec_h50": Spec("SASRec", "seq", 64, 50, dict(heads=2, sasrec_len=50)),
+        "SASRec_arange_h50": Spec("SASRec", "seq", 64, 50, dict(heads=2, sasrec_len=50), patch="sasrec_arange"),
+    },
+}
+LIBS = {  # library -> (venv, fixture module, exporters)
+    "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
+    "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
+    "torch_rechub": ("torch_rechub", "make_torch_rechub", ("legacy", "dynamo")),
+}
+
+
+# ------------------------------------------------------------------------------------------------------ features
+def feature_spec(lib: str, spec: Spec) -> list[tuple]:
+    """The model's features in the fixtures' (name, kind, vocabulary or width, shared table) form."""
+    if spec.family == "dense":
+        return ([(f"C{i + 1}", "sparse", v, None) for i, v in enumerate(DENSE_VOCABS)]
+                + [(f"I{i + 1}", "dense", 1, None) for i in range(13)])
+    if lib == "torch_rechub":
+        if spec.model == "SASRec":
+            return [("seq", "seq", ITEM, None), ("pos", "seq", ITEM, "seq"), ("neg", "seq", ITEM, "seq")]
+        hist = [(p + n, "seq", v, t) for p in ("", "neg_")
+                for n, v, t in (("hist_item", ITEM, "target_item"), ("hist_cate", CATE, "target_cate"))]
+        return [(n, "sparse", v, None) for n, v in rechub_vocab().items()] + hist
+    return ([(n, "sparse", v, None) for n, v in USER.items()]
+            + [("item_id", "sparse", ITEM, None), ("cate_id", "sparse", CATE, None),
+               ("price", "dense", 1, None), ("score", "dense", 1, None),
+               ("hist_item_id", "seq", ITEM, "item_id"), ("hist_cate_id", "seq", CATE, "cate_id")])
+
+
+def rechub_vocab() -> dict[str, int]:
+    return {**USER, "target_item": ITEM, "target_cate": CATE}
+
+
+def user_side(name: str) -> bool:
+    return name.startswith(("user", "hist", "neg_hist", "seq")) or name == "seq_length"
+
+
+def make_batch(feats: list[tuple], rows: int, hist: int, seed: int, min_len: int = 1) -> dict:
+    """Raw feature values: ids int64 (Zipf-skewed, 1..vocab-1; a cate id is a function of its item id), dense
+    float32 [rows, d] (log1p of skewed counts, min-max scaled), histories int64 [rows, hist] 0-padded past each
+    row's length (`seq_length`); the first rows come in groups that share every user-side feature."""
+    import numpy as np
+    zipf_ids = load_module("scale", HERE / "scale.py").zipf_ids
+    rng = np.random.default_rng(seed)
+    lens = np.zeros(rows, np.int64)
+    if hist:    # a long tail of short histories, a quarter full, some of the shortest length
+        lens = np.clip(rng.geometric(3.0 / hist, rows), min_len, hist)
+        lens[rng.random(rows) < 0.25] = hist
+        lens[rng.random(rows) < 0.05] = min_len
+    pad = np.arange(hist)[None, :] >= lens[:, None]
+    d = {}
+    for name, kind, v, _ in feats:
+        if kind == "dense":
+            counts = np.minimum(rng.zipf(1.5, (rows, v)) - 1, 10**5)
+            d[name] = (np.log1p(counts) / np.log1p(10**5)).astype(np.float32)
+            continue
+        shape = (rows, hist) if kind == "seq" else rows
+        source = name.replace("cate", "item")
+        if source != name and source in d:
+            ids = (d[source] * 2654435761 % (v - 1) + 1)
+        else:
+            ids = zipf_ids(rng, v, shape, 1)
+        d[name] = np.where(pad, 0, ids) if kind == "seq" else ids
+    if hist:
+        d["seq_length"] = lens.astype(np.int64)
+    groups, size = SHARED if rows >= SHARED[0] * SHARED[1] else (1, 3)
+    for g in range(groups):
+        first = g * size
+        for name in d:
+            if user_side(name):
+                d[name][first:first + size] = d[name][first]
+    return d
+
+
+# ------------------------------------------------------------------------------------------------------ saving
+def save_external(path: Path) -> None:
+    """Rewrite the export as <path> + <path>.data (every tensor of 1 MiB or more), ir_version <= 10."""
+    import onnx
+    m = onnx.load(str(path))
+    m.ir_version = min(m.ir_version, 10)
+    for stale in (path, Path(str(path) + ".data")):
+        if stale.exists():
+            stale.unlink()
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=INLINE_BYTES)
+
+
+def ort_diffs(path: Path, batches: list[tuple[dict, list]]) -> tuple[list[float], list[str], list[str]]:
+    """Max |onnxruntime - framework| over every output, per (inputs, framework outputs) batch."""
+    import numpy as np
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = [i.name for i in sess.get_inputs()]
+    outputs = [o.name for o in sess.get_outputs()]
+    diffs = []
+    for feeds, refs in batches:
+        got = sess.run(None, {k: feeds[k] for k in inputs})
+        if len(got) != len(refs):
+            raise ValueError(f"{len(got)} ONNX outputs vs {len(refs)} framework outputs")
+        diffs.append(max(float(np.abs(g - np.asarray(r).reshape(g.shape)).max()) for g, r in zip(got, refs)))
+    return diffs, inputs, outputs
+
+
+def keep_or_drop(path: Path, batches: list[tuple[dict, list]], res: dict) -> dict:
+    """Check the export on both batches; keep it with its .npz/.ref.npz, or remove its files."""
+    import numpy as np
+    save_external(path)
+    first = np.asarray(batches[0][1][0], dtype=np.float64)
+    res["output0_quantiles_0_10_50_90_100"] = [round(float(q), 4) for q in np.percentile(first, [0, 10, 50, 90, 100])]
+    try:
+        diffs, inputs, outputs = ort_diffs(path, batches)
+        res.update(max_diff_b256=diffs[0], max_diff_b7=diffs[1], keep=max(diffs) <= TOL)
+    except Exception as e:  # noqa: BLE001  (a failure is recorded, not raised)
+        res.update(keep=False, error=f"onnxruntime: {type(e).__name__}: {str(e)[:600]}")
+    if res["keep"]:
+        stem = str(path)[:-len(".onnx")]
+        np.savez(stem + ".npz", **{k: batches[0][0][k] for k in inputs})
+        np.savez(stem + ".ref.npz", **dict(zip(outputs, batches[0][1])))
+        data = Path(str(path) + ".data")
+        res["bytes"] = path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+    else:
+        remove(path)
+    return res
+
+
+def remove(path: Path) -> None:
+    stem = str(path)[:-len(".onnx")]
+    for f in (str(path), str(path) + ".data", stem + ".npz", stem + ".ref.npz"):
+        if os.path.exists(f):
+            os.remove(f)
+
+
+# ------------------------------------------------------------------------------------------------------ libraries
+def sizes(fx, spec: Spec) -> dict:
+    return {**fx.TOY_SIZES, **spec.sizes}
+
+
+def deepctr_torch(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """deepctr-torch: the fixture's builder at production sizes; model(X) with X the flattened feature matrix."""
+    import numpy as np
+    import torch
+    torch.manual_seed(0)
+    use_impl = fx.patch_dien_torch_padded() if spec.model.endswith("_padded") else None
+    feats = feature_spec("deepctr_torch", spec)
+    fc = fx.torch_columns(feats, emb=spec.emb, maxlen=spec.hist or fx.MAXLEN)
+    model = fx.build_torch_model(spec.model, fc, sizes(fx, spec))
+    fx.init_torch_weights(model, 1234, EMB_STD[spec.family])
+    model.eval()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    fi = model.feature_index
+    width = max(e for _, e in fi.values())
+
+    def to_x(raw):
+        x = np.zeros((len(next(iter(raw.values()))), width), np.float32)
+        for name, (s, e) in fi.items():
+            x[:, s:e] = raw[name].reshape(len(x), -1).astype(np.float32)
+        return x
+    xs = [to_x(make_batch(feats, n, spec.hist, SEED + i)) for i, n in enumerate((BATCH, BATCH2))]
+
+    def eager():
+        with torch.no_grad():
+            return [[model(torch.from_numpy(x)).numpy()] for x in xs]
+    if use_impl:          # references come from the library's own code, the export from the padded rewrite
+        use_impl("orig")
+    refs = eager()
+    if use_impl:
+        use_impl("new")
+        res["patched_vs_library_max_diff"] = max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(eager(), refs))
+    t0 = time.time()
+    fx.export_torch(model, torch.from_numpy(xs[0]), str(path), exporter)
+    res["export_s"] = round(time.time() - t0, 1)
+    return [({"X": x}, r) for x, r in zip(xs, refs)]
+
+
+def deepctr_tf(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """DeepCTR (TF/Keras 2): the fixture's builder and serving function at production sizes, through tf2onnx.
+    tf2onnx needs more than 23 GB to convert 380 MB of tables (killed here at any try, large_model too), so the
+    graph is converted from a twin model with small tables (table k: 101 + 2k rows) and every other weight the
+    production model's, and the production tables are then put in its place (`put_tables`). The references are the
+    production model's own outputs."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import tf2onnx
+    tf.random.set_seed(0)
+    import deepctr.models  # noqa: F401  (imported before the DIEN patches, as the fixture does)
+    patches = fx.patch_deepctr_tf() if spec.model.startswith("DIEN") else []
+    if spec.model.endswith("_where"):
+        patches.append(fx.patch_rnn_where())
+    feats = feature_spec("deepctr_tf", spec)
+
+    def build(f):
+        m = fx.build_tf_model(spec.model, fx.tf_columns(f, emb=spec.emb, maxlen=spec.hist or fx.MAXLEN),
+                              sizes(fx, spec))
+        if spec.model.startswith("DIEN"):
+            tf.compat.v1.experimental.output_all_intermediates(False)   # see make_exports.tf_run
+        return m
+    model = build(feats)
+    fx.init_tf_weights(model, 1234, EMB_STD[spec.family])
+    res["params"] = int(sum(w.shape.num_elements() for w in model.weights))
+    res["tf_patches"] = patches
+    _, _, feed, framework = fx.tf_serving(model)
+    feeds = [feed(make_batch(feats, n, spec.hist, SEED + i)) for i, n in enumerate((BATCH, BATCH2))]
+    refs = [framework(f) for f in feeds]
+    twin = build(small_tables(feats))
+    tables = copy_weights(model, twin)
+    in_sig, serve, _, _ = fx.tf_serving(twin)
+    t0 = time.time()
+    tf2onnx.convert.from_function(serve, input_signature=in_sig, opset=fx.OPSET, output_path=str(path))
+    res["tables_put"] = put_tables(path, tables)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(feeds, refs))
+
+
+def small_tables(feats: list[tuple]) -> list[tuple]:
+    """The same features with table k (in order of first use) of 101 + 2k rows: a table's shape names it."""
+    rows: dict[str, int] = {}
+    out = []
+    for name, kind, v, shared in feats:
+        if kind != "dense":
+            v = rows.setdefault(shared or name, 101 + 2 * len(rows))
+        out.append((name, kind, v, shared))
+    return out
+
+
+def copy_weights(model, twin) -> dict:
+    """Give the twin every weight of the model (a table: its first rows); return {twin table shape: table}."""
+    tables = {}
+    for w, t in zip(model.weights, twin.weights):
+        if tuple(w.shape) == tuple(t.shape):
+            t.assign(w)
+        elif tuple(w.shape[1:]) == tuple(t.shape[1:]) and len(w.shape) == 2:
+            t.assign(w[:t.shape[0]])
+            tables[tuple(t.shape)] = w.numpy()
+        else:
+            raise ValueError(f"twin model differs: {w.name} {w.shape} vs {t.name} {t.shape}")
+    return tables
+
+
+def put_tables(path: Path, tables: dict) -> int:
+    """Replace each initializer of a twin table's shape by the production table; return how many were."""
+    import onnx
+    from onnx import numpy_helper
+    m = onnx.load(str(path))
+    put = 0
+    for i, t in enumerate(m.graph.initializer):
+        if tuple(t.dims) in tables:
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(tables[tuple(t.dims)], t.name))
+            put += 1
+    if put < len(tables):
+        raise ValueError(f"only {put} of {len(tables)} tables found among the initializers")
+    path.unlink()
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=INLINE_BYTES)
+    return put
+
+
+def torch_rechub(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """torch-rechub: the fixture's make_model at production sizes, exported through its export() (ONNXExporter)."""
+    import torch
+    torch.set_num_threads(1)
+    z = {**sizes(fx, spec), "vocab": rechub_vocab(), "emb": spec.emb, "emb_tf": spec.emb}
+    model = fx.make_model(spec.model, z)
+    he_linears(model)
+    res["params"] = sum(p.numel() for p in model.parameters())
+    feats = feature_spec("torch_rechub", spec)
+    data = [make_batch(feats, n, spec.hist, SEED + i, min_len=0) for i, n in enumerate((BATCH, BATCH2))]
+    if spec.model == "SASRec":
+        for d in data:   # pos = the next item, 0 past the length (as the fixture's gen_data_tf)
+            d["pos"] = shift(d["seq"])
+
+    def eager(d):
+        with torch.no_grad():
+            out = model({k: torch.from_numpy(v) for k, v in d.items()})
+        if isinstance(out, tuple) and len(out) == 2 and out[1].dim() == 0:
+            out = out[0]   # DIEN's (output, aux loss): the export's wrapper keeps the output
+        return [o.numpy().copy() for o in (out if isinstance(out, tuple) else (out,))]
+    refs = [eager(d) for d in data]
+    if spec.patch == "sasrec_arange":
+        patch_sasrec_positions()
+        res["patched_vs_library_max_diff"] = max(float(abs(a - b).max()) for d, r in zip(data, refs)
+                                                 for a, b in zip(eager(d), r))
+    t0 = time.time()
+    fx.export(model, spec.model, exporter, str(path), data[0])
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
+def he_linears(model) -> None:
+    """Linear weights N(0, 2/fan_in), seeded: with torch's default init (which the fixture keeps) the outputs of a
+    1024-512-256 MLP vary by 3e-4 over the batch, too little for a 1e-4 check to mean much."""
+    import torch
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / m.weight.shape[1]) ** 0.5)
+
+
+def patch_sasrec_positions() -> None:
+    """WORKAROUND (SASRec_arange): torch-rechub's SASRec.seq_forward makes its positions on the host,
+    `np.tile(np.array(range(x.shape[1])), [x.shape[0], 1])`, so both exporters bake the example's [B, T] in (see
+    make_torch_rechub.py). The same computation with the positions from torch.arange expanded to the batch, and
+    out-of-place products; the library's modules and weights are used unchanged. (The library's `.squeeze()` of
+    the [B, T, D] embeddings is left out: a no-op for B, T > 1, as in every batch here.)"""
+    import torch
+    from torch_rechub.models.matching.sasrec import SASRec
+
+    def seq_forward(self, x, emb):
+        seq = x["seq"]
+        emb = emb * self.features[0].embed_dim ** 0.5
+        positions = torch.arange(seq.shape[1], device=seq.device).unsqueeze(0).expand(seq.shape[0], -1)
+        emb = self.emb_dropout(emb + self.position_emb(positions))
+        keep = (seq != 0).unsqueeze(-1).to(emb.dtype)
+        emb = emb * keep
+        t = emb.shape[1]
+        attention_mask = ~torch.tril(torch.ones((t, t), dtype=torch.bool, device=emb.device))
+        for i in range(len(self.attention_layers)):
+            emb = torch.transpose(emb, 0, 1)
+            q = self.attention_layernorms[i](emb)
+            mha, _ = self.attention_layers[i](q, emb, emb, attn_mask=attention_mask)
+            emb = torch.transpose(q + mha, 0, 1)
+            emb = self.forward_layers[i](self.forward_layernorms[i](emb)) * keep
+        return self.last_layernorm(emb)
+    SASRec.seq_forward = seq_forward
+
+
+def shift(seq):
+    """The next item of each position of a right-padded history, 0 at and past its last item."""
+    import numpy as np
+    nxt = np.zeros_like(seq)
+    nxt[:, :-1] = seq[:, 1:]
+    return np.where(seq > 0, nxt, 0)
+
+
+RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub}
+
+
+# ------------------------------------------------------------------------------------------------------ driving
+def load_module(name: str, path: Path):
+    """Import a script by path (benchmarks/ is never put on sys.path: its requests.py would shadow the package)."""
+    import importlib.util
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def stem(lib: str, name: str, exporter: str) -> str:
+    return f"{lib}_{name}_{exporter}_prod"
+
+
+def run_one(lib: str, name: str, exporter: str, out: Path) -> dict:
+    """In the library's venv: build, export, check, keep or drop one export; write and return its record."""
+    fx = load_module(LIBS[lib][1], THIRD / f"{LIBS[lib][1]}.py")
+    spec = MODELS[lib][name]
+    path = out / (stem(lib, name, exporter) + ".onnx")
+    remove(path)
+    res = {"lib": lib, "model": name, "exporter": exporter, "emb": spec.emb, "hist": spec.hist,
+           "sizes": spec.sizes}
+    t0 = time.time()
+    try:
+        batches = RUNNERS[lib](fx, spec, exporter, path, res)
+        keep_or_drop(path, batches, res)
+    except Exception as e:  # noqa: BLE001
+        remove(path)
+        msg = " ".join(str(e).split())
+        res.update(keep=False, error=f"{type(e).__name__}: {msg[:400]} ... {msg[-600:]}" if len(msg) > 1000
+                   else f"{type(e).__name__}: {msg}", traceback=traceback.format_exc()[-2000:])
+    res["total_s"] = round(time.time() - t0, 1)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "results" / f"{stem(lib, name, exporter)}.json").write_text(json.dumps(res, indent=1, default=str))
+    print(summary(res), flush=True)
+    return res
+
+
+def summary(r: dict) -> str:
+    head = f"{stem(r['lib'], r['model'], r['exporter'])}: "
+    if not r.get("keep"):
+        diffs = f" diffs b256={r.get('max_diff_b256')} b7={r.get('max_diff_b7')}" if "max_diff_b256" in r else ""
+        return head + f"FAILED{diffs} {r.get('error', '')}"[:1500]
+    return head + (f"kept, {r['bytes'] / 2**20:.0f} MiB, {r['params'] / 1e6:.2f}M params, max diff "
+                   f"{r['max_diff_b256']:.1e} (B=256) {r['max_diff_b7']:.1e} (B=7), export {r['export_s']}s, "
+                   f"total {r['total_s']}s")
+
+
+def venv_python(lib: str, given: str | None) -> str:
+    if given:
+        return given
+    py = VENVS / LIBS[lib][0] / "bin" / "python"
+    if not py.exists():
+        sys.exit(f"no venv for {lib}: {py} (see this script's docstring) - or pass --python")
+    return str(py)
+
+
+def make(lib: str, names: list[str], out: Path, python: str | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    py = venv_python(lib, python)
+    t_lib = time.time()
+    for name in names:
+        for exporter in LIBS[lib][2]:
+            t0 = time.time()
+            cmd = [py, str(Path(__file__).resolve()), "_one", lib, name, exporter, "-o", str(out)]
+            rc = subprocess.run(cmd, cwd=str(HERE)).returncode
+            if rc != 0:   # a hard crash (killed, segfault): record it
+                res = {"lib": lib, "model": name, "exporter": exporter, "keep": False,
+                       "error": f"subprocess exited rc={rc}", "total_s": round(time.time() - t0, 1)}
+                (out / "results").mkdir(exist_ok=True)
+                (out / "results" / f"{stem(lib, name, exporter)}.json").write_text(json.dumps(res, indent=1))
+                print(summary(res), flush=True)
+    print(f"== {lib}: {len(names)} models in {time.time() - t_lib:.0f}s", flush=True)
+
+
+def list_models() -> None:
+    for lib, models in MODELS.items():
+        venv, fixture, exporters = LIBS[lib]
+        print(f"{lib}  (venv {VENVS / venv}, builders of {fixture}.py, exporters {', '.join(exporters)})")
+        for name, s in models.items():
+            hist = f", history {s.hist}" if s.hist else ""
+            print(f"  {name:24s} {s.model} [{s.family}] embedding {s.emb}{hist}, {s.sizes}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the libraries and models")
+    mk = sub.add_parser("make", help="export, check and keep the models of one library")
+    mk.add_argument("--lib", required=True, choices=sorted(MODELS))
+    mk.add_argument("--models", help="comma-separated names (default: all of the library's)")
+    mk.add_argument("-o", "--out", type=Path, default=Path("/tmp/prodcorpus"))
+    mk.add_argument("--python", help="the library venv's python (default: $CTROPT_VENVS/<venv>/bin/python)")
+    one = sub.add_parser("_one")      # internal: one export, in the library's venv
+    one.add_argument("lib")
+    one.add_argument("model")
+    one.add_argument("exporter")
+    one.add_argument("-o", "--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "list":
+        list_models()
+    elif a.cmd == "_one":
+        sys.dont_write_bytecode = True     # nothing written next to the fixture scripts
+        sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+        run_one(a.lib, a.model, a.exporter, a.out)
+    else:
+        names = a.models.split(",") if a.models else list(MODELS[a.lib])
+        unknown = [n for n in names if n not in MODELS[a.lib]]
+        if unknown:
+            sys.exit(f"unknown models for {a.lib}: {unknown}; known: {list(MODELS[a.lib])}")
+        make(a.lib, names, a.out, a.python)
+
+
+if __name__ == "__main__":
+    main()
