@@ -88,7 +88,7 @@ def test_ort_backends_refuse_a_precision_they_do_not_run():
     (["--precision", "f16"], "--precision f16 is for --device cuda"),
     (["--device", "tpu"], "--device must be one of cpu, cuda"),
     (["--device", "cuda", "--int8"], "--int8 is for --device cpu"),
-    (["--precision", "f8"], "--precision must be f32 or f16"),
+    (["--precision", "f8"], "--precision must be one of f32, f16, int8, auto, bf16"),
 ])
 def test_cli_device_errors(tmp_path, args, message):
     path = tmp_path / "mlp.onnx"
