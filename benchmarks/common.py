@@ -2,7 +2,6 @@
 
 import os
 import pathlib
-import platform
 import sys
 import time
 
@@ -14,11 +13,9 @@ THIRD = ROOT / "tests/data/thirdparty"
 
 def machine() -> str:
     """The CPU the numbers come from, as /proc/cpuinfo names it, and its cores: every table in RESULTS.md says it."""
-    try:
-        name = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
+    from ctropt.runtime.cpu import cpu_info
+
+    return f"{cpu_info().name}, {os.cpu_count()} cores"
 
 
 def today() -> str:

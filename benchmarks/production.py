@@ -35,6 +35,7 @@ from common import ROOT, write_section  # noqa: E402  (puts the checkout on sys.
 from ctropt.graph import load  # noqa: E402
 from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
 from ctropt.runtime.bench import compare_speed  # noqa: E402
+from ctropt.runtime.cpu import cpu_info  # noqa: E402
 
 MARKS = ("<!-- production table: benchmarks/production.py writes it -->", "<!-- end of production table -->")
 FAMILIES = [("dien", r"DIEN"), ("din", r"DIN"), ("bst", r"BST|SASRec|TransAct"), ("dlrm", r"DLRM"),
@@ -52,11 +53,7 @@ def npz(path: Path) -> dict:
 
 
 def cpu() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    name = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
-    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
-    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(shown)}), {os.cpu_count()} cores"
+    return f"{cpu_info().summary()}, {os.cpu_count()} cores"
 
 
 def optimize(raw: Path, out: Path) -> dict:

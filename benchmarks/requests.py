@@ -752,10 +752,9 @@ def totals(rows: list[dict]) -> list[str]:
 
 
 def cpu_name() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
+    from ctropt.runtime.cpu import cpu_info
+
+    return cpu_info().name
 
 
 def main() -> None:

@@ -348,7 +348,9 @@ def table(rows: list[dict]) -> str:
     import os
     import platform
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    from ctropt.runtime.cpu import cpu_info
+
+    cpu = cpu_info().name
     head = (f"Command: `python benchmarks/scale.py run --write` ({time.strftime('%Y-%m-%d')}, {cpu}, "
             f"{os.cpu_count()} cores, {platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the "
             "end). `ctropt optimize MODEL --inputs MODEL.npz` with the defaults (speed guard on) under "
