@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import numpy_helper
 from helpers import F, I64, assert_same_outputs, init, make_model, node, ops, run_pass, vi
 
 import ctropt
@@ -182,6 +183,49 @@ def test_masked_select_of_a_mask_that_is_not_per_row_is_kept():
     model = masked_select(mask_shape=(-1, 4, 1))
     model.graph.node[0].input[0] = "lens_bt"
     model.graph.input[1].CopyFrom(vi("lens_bt", I64, ["batch", 4]))
+    once, ctx = run_pass(model, "select-masked-rows")
+    assert ctx.rewrites == 0 and "GatherND" in ops(once)
+
+
+def dlrm_interaction(dialect="legacy", mask=None):
+    """FuxiCTR's DLRM: the [B, F, F] dot products of F feature vectors, masked_select by a constant upper-triangle
+    mask (an initializer [F, F]), as the legacy exporter writes it (GatherND at the NonZero of the mask expanded to
+    the products) or the dynamo exporter does (Compress of both flattened); viewed [-1, K]."""
+    f, e = 5, 3
+    mask = np.triu(np.ones((f, f), bool), 1) if mask is None else mask
+    select = ([node("NonZero", ["full"], ["nz"]), node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+               node("GatherND", ["dots", "idx"], ["flat"])] if dialect == "legacy" else
+              [node("Reshape", ["dots", "minus1"], ["dots_flat"]), node("Reshape", ["full", "minus1"], ["mask_flat"]),
+               node("Compress", ["dots_flat", "mask_flat"], ["flat"], axis=0)])
+    nodes = [node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]), node("MatMul", ["x", "xt"], ["dots"]),
+             node("Shape", ["dots"], ["s"]), node("Expand", ["triu_mask", "s"], ["full"]), *select,
+             node("Reshape", ["flat", "view_shape"], ["pairs"])]
+    inits = [init("triu_mask", mask), init("minus1", np.array([-1], np.int64)),
+             init("view_shape", np.array([-1, int(mask.sum()) // (len(mask) if mask.ndim == 3 else 1)], np.int64))]
+    return make_model(nodes, [vi("x", F, ["batch", f, e])], [vi("pairs", F, ["batch", None])], inits)
+
+
+def test_masked_select_by_a_constant_mask_becomes_one_gather():
+    for dialect in ("legacy", "dynamo"):
+        model = dlrm_interaction(dialect)
+        once, ctx = run_pass(model, "select-masked-rows")
+        assert ctx.rewrites == 1, dialect
+        assert not {"NonZero", "GatherND", "Compress", "Expand"} & set(ops(once)) and "Gather" in ops(once)
+        gather = next(n for n in once.graph.node if n.op_type == "Gather")
+        indices = next(i for i in once.graph.initializer if i.name == gather.input[1])
+        assert numpy_helper.to_array(indices).tolist() == np.flatnonzero(np.triu(np.ones((5, 5)), 1)).tolist()
+        for batch in (0, 1, 7):
+            feeds = {"x": np.random.default_rng(batch).normal(size=(batch, 5, 3)).astype(np.float32)}
+            assert_same_outputs(model, once, feeds, atol=0, rtol=0)
+        twice, ctx2 = run_pass(once, "select-masked-rows")
+        assert ctx2.rewrites == 0 and ops(twice) == ops(once)
+
+
+def test_a_constant_mask_that_varies_along_the_batch_axis_is_kept():
+    """A mask [2, F, F] selects different elements in each of two rows (only batch 2 runs): not one Gather."""
+    mask = np.stack([np.triu(np.ones((5, 5), bool), 1), np.tril(np.ones((5, 5), bool), -1)])
+    model = dlrm_interaction(mask=mask)
+    model.graph.input[0].CopyFrom(vi("x", F, [2, 5, 3]))
     once, ctx = run_pass(model, "select-masked-rows")
     assert ctx.rewrites == 0 and "GatherND" in ops(once)
 

@@ -303,14 +303,62 @@ MASKED_ROWS_RULES = (
 )
 
 
-@register_pass("select-masked-rows", group="cleanup", speed=True, rules=MASKED_ROWS_RULES)
+def _mask_over_rows(m: Match) -> np.ndarray | str:
+    """A constant mask, broadcast over the data's first axis only, as one flag per element of a row (flat)."""
+    mask, dims = const_value(m["mask"]), shape_of(m["data"])
+    if dims is None or len(dims) < 2 or not all(isinstance(d, int) for d in dims[1:]):
+        return "the data's dims after the first are not known numbers"
+    if mask.ndim > len(dims) or (mask.ndim == len(dims) and mask.shape[0] != 1):
+        return "the mask varies along the data's first axis"
+    if m.root.op == "Compress" and mask.dtype != np.bool_:
+        return "Compress's condition is not bool"
+    try:
+        return np.broadcast_to(mask[0] if mask.ndim == len(dims) else mask, tuple(dims[1:])).reshape(-1)
+    except ValueError:
+        return "the mask does not broadcast to a row of the data"
+
+
+def _constant_mask(m: Match) -> bool | str:
+    flags = _mask_over_rows(m)
+    return flags if isinstance(flags, str) else True
+
+
+def _gather_masked(m: Match) -> list:
+    """The elements a constant mask selects in each row (a row: all but the first axis): one Gather of constant
+    indices over the rows viewed flat, then flattened as masked_select gives them."""
+    data, out, name = m["data"], m.root.outputs[0], m.root.name
+    flags = _mask_over_rows(m)
+    (rows,) = m.op("Reshape", [data, m.constant(f"{name}/rows_shape", np.array([-1, flags.size], np.int64))],
+                   name=f"{name}/rows", dtype=data.dtype)
+    (picked,) = m.op("Gather", [rows, m.constant(f"{name}/selected", np.flatnonzero(flags).astype(np.int64))],
+                     {"axis": 1}, name=f"{name}/selected", dtype=data.dtype)
+    return m.op("Reshape", [picked, m.constant(f"{name}/flatten_shape", np.array([-1], np.int64))],
+                name=f"{name}/flatten", dtype=out.dtype, shape=out.shape)
+
+
+_FLAT = Const(value=np.array([-1], np.int64))
+# masked_select by a constant mask (FuxiCTR's DLRM keeps the upper triangle of its [B, F, F] dot products this way):
+# GatherND at the mask's NonZero (the legacy exporter) or a Compress of both flattened (the dynamo exporter)
+CONSTANT_MASK_RULES = (
+    Rewrite("constant-mask-as-gather", P.GatherND(Var("data"), P.Transpose(P.NonZero(P.Expand(
+        Const("mask"), _DATA_SHAPE)), perm=lambda p: p is None or list(p) == [1, 0]), batch_dims=lambda v: not v),
+        _gather_masked, _constant_mask, subgraphs=False),
+    Rewrite("constant-mask-compress-as-gather", P.Compress(P.Reshape(Var("data"), _FLAT), P.Reshape(P.Expand(
+        Const("mask"), _DATA_SHAPE), _FLAT), axis=lambda v: v in (None, 0)),
+        _gather_masked, _constant_mask, subgraphs=False),
+)
+
+
+@register_pass("select-masked-rows", group="cleanup", speed=True, rules=MASKED_ROWS_RULES + CONSTANT_MASK_RULES)
 def select_masked_rows(ctx: PassContext) -> None:
     """torch's masked_select and masked_scatter over whole rows (GatherND / ScatterND at the NonZero of a row mask
     expanded to the data: one index per element) → the rows Compressed, flattened, or written a row at a time
-    (deepctr-torch DIEN packs histories this way, torch-rechub's DIEN unpacks its GRU outputs)."""
-    if any(n.op == "NonZero" for n in ctx.graph.nodes):
+    (deepctr-torch DIEN packs histories this way, torch-rechub's DIEN unpacks its GRU outputs); masked_select by a
+    constant mask over each row → one Gather of the constant indices (FuxiCTR's DLRM interaction: onnxruntime's
+    NonZero + GatherND over [B, F, F] took over half its time)."""
+    if any(n.op in ("NonZero", "Compress") for n in ctx.graph.nodes):
         annotate_shapes(ctx.graph)  # the mask's rank and unit dims are read from shapes
-    ctx.apply(*MASKED_ROWS_RULES)
+    ctx.apply(*MASKED_ROWS_RULES, *CONSTANT_MASK_RULES)
 
 
 def _matmul_of(equation: str) -> tuple[bool, int] | None:
