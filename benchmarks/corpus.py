@@ -1,12 +1,17 @@
 """Never slower, never broken: every export of the corpus (the zoo and tests/data/thirdparty) through
 `ctropt optimize` as a user runs it, checked and timed against its raw export.
 
-    python benchmarks/corpus.py                      # everything; rewrites the corpus table in RESULTS.md
-    python benchmarks/corpus.py --only fuxictr,paddle # stems containing one of these (table printed, not written)
+    python benchmarks/corpus.py                      # everything; prints the table of every export
+    python benchmarks/corpus.py --only fuxictr,paddle # stems containing one of these
     python benchmarks/corpus.py --twice              # optimize twice: do the speed guard's decisions repeat?
     python benchmarks/corpus.py --log run.jsonl      # also keep each export's measurements, a JSON line each
     python benchmarks/corpus.py --from-log run.jsonl # the table from a kept run (each export's last line), without
                                                      # measuring: `--only X --log run.jsonl` re-measures X into it
+    python benchmarks/corpus.py --from-log benchmarks/corpus-run.jsonl --write   # RESULTS' corpus section
+
+RESULTS.md holds the summary per library (`render`) of the committed log, benchmarks/corpus-run.jsonl; the row of
+every export is in that log (`--from-log` prints them all). A full run with `--log benchmarks/corpus-run.jsonl`
+rewrites the section.
 
 Per export: `ctropt optimize RAW -o OPT --json` (exit code, wall time, the guard's keep/rollback decisions),
 `ctropt optimize RAW --target openvino`; both saved models through onnx's full checker; the interface against
@@ -31,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import ROOT, THIRD, ZOO, machine
+from common import THIRD, ZOO, provenance, read_log, stamp, write_section
 
 from ctropt.graph import CtroptError, interface, load, node_count, save  # noqa: E402
 from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
@@ -39,7 +44,8 @@ from ctropt.runtime.bench import bench  # noqa: E402
 from ctropt.string_front import split_strings  # noqa: E402
 
 CTROPT = [sys.executable, "-m", "ctropt"]
-BEGIN, END = "<!-- corpus table: benchmarks/corpus.py writes it -->", "<!-- end of corpus table -->"
+MARKS = BEGIN, END = "<!-- corpus table: benchmarks/corpus.py writes it -->", "<!-- end of corpus table -->"
+LOG = Path(__file__).resolve().parent / "corpus-run.jsonl"
 LIBRARIES = {"deepctr_torch": "deepctr-torch", "deepctr": "DeepCTR", "fuxictr": "FuxiCTR", "paddlerec": "PaddleRec",
              "deeprec": "DeepRec", "torchrec": "torchrec", "recbole": "RecBole", "torch_rechub": "torch-rechub"}
 
@@ -192,14 +198,48 @@ def summary(rows: list[dict]) -> str:
             f"{sum(x < 0.97 for x in ratios)} below 0.97×.")
 
 
-def write_results(text: str) -> None:
-    path = ROOT / "benchmarks/RESULTS.md"
-    results = path.read_text()
-    if BEGIN in results:
-        results = results[:results.index(BEGIN)] + text + results[results.index(END) + len(END):]
-    else:
-        results = results.rstrip() + "\n\n" + text + "\n"
-    path.write_text(results)
+def _ratio(row: dict) -> float | None:
+    m = re.match(r"^([0-9.]+) ", row.get("speed", ""))
+    return float(m.group(1)) if m else None
+
+
+def by_library(rows: list[dict]) -> str:
+    """One line per library: exports, how many pass every check, how many had a pass rolled back by the speed
+    guard, nodes before and after (all exports summed), and raw/optimized on onnxruntime (1 thread, batch 256)."""
+    lines = ["| library | exports | pass every check | a pass rolled back | nodes raw → opt (sum) | "
+             "raw/opt: geometric mean | lowest | highest |", "|---|---|---|---|---|---|---|---|"]
+    names = sorted({r["library"] for r in rows}, key=str.lower)
+    for name in names + ["all"]:
+        group = [r for r in rows if name in ("all", r["library"])]
+        ratios = [x for x in map(_ratio, group) if x is not None]
+        rolled = sum(any(d.endswith(":slower") for d in r["decisions"]) or bool(r["ort"].get("kept_input"))
+                     for r in group)
+        geo = f"{float(np.exp(np.mean(np.log(ratios)))):.2f}×" if ratios else "·"
+        lines.append(f"| {name} | {len(group)} | {sum(cell_ok(r) == 'ok' for r in group)} | {rolled} | "
+                     f"{sum(r['nodes'] for r in group)} → {sum(r.get('nodes_opt') or 0 for r in group)} | {geo} | "
+                     f"{min(ratios, default=float('nan')):.2f}× | {max(ratios, default=float('nan')):.2f}× |")
+    failing = [f"{r['model']} ({cell_ok(r)})" for r in rows if cell_ok(r) != "ok"]
+    if failing:
+        lines += ["", "Failing a check: " + "; ".join(failing) + "."]
+    return "\n".join(lines)
+
+
+def last_rows(log: Path) -> list[dict]:
+    """Each export's last row in a log (re-measure some with --only and --log into the same file)."""
+    kept = {}
+    for row in read_log(log):
+        kept.pop(row["model"], None)
+        kept[row["model"]] = row
+    return sorted(kept.values(), key=lambda r: (r["library"].lower(), r["model"]))
+
+
+def render(log: Path = LOG) -> str:
+    """RESULTS' corpus section from a log: the summary per library of each export's last row."""
+    rows = last_rows(log)
+    name = f"benchmarks/{log.name}" if log.resolve() == LOG else log.name
+    return (f"Command: `python benchmarks/corpus.py --log {name}` (subsets again with `--only`), then `python "
+            f"benchmarks/corpus.py --from-log {name} --write` ({stamp(rows)}). {summary(rows)} Each export's row: "
+            f"`python benchmarks/corpus.py --from-log {name}`.\n\n" + by_library(rows))
 
 
 def main() -> None:
@@ -208,37 +248,27 @@ def main() -> None:
     ap.add_argument("--twice", action="store_true", help="optimize each export twice and compare the decisions")
     ap.add_argument("--seconds", type=float, default=3.0, help="time per raw/optimized comparison")
     ap.add_argument("--log", type=Path, help="append each export's measurements to this file (JSON lines)")
-    ap.add_argument("--from-log", type=Path, help="write the table from a --log file instead of measuring")
+    ap.add_argument("--from-log", type=Path, help="the table from a --log file instead of measuring")
+    ap.add_argument("--write", action="store_true", help="put the log's summary in RESULTS.md")
     args = ap.parse_args()
     only = [o for o in args.only.split(",") if o]
     if args.from_log:
-        kept = {}  # the last measurement of each export: re-measure with --only and --log into the same file
-        for line in args.from_log.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                kept.pop(row["model"], None)
-                kept[row["model"]] = row
-        order = {p.stem: i for i, p in enumerate(exports([]))}
-        rows = sorted(kept.values(), key=lambda r: order.get(r["model"], len(order)))
-        cmd = f"python benchmarks/corpus.py{' --twice' if 'decisions_again' in rows[0] else ''} --log {args.from_log.name}"
+        rows = last_rows(args.from_log)
         args.twice = "decisions_again" in rows[0]
     else:
         rows = []
         for raw in exports(only):
             with tempfile.TemporaryDirectory(prefix="ctropt-corpus-") as tmp:
-                rows.append(measure(raw, Path(tmp), args))
-            rows[-1]["cpu"] = machine()
+                rows.append({**measure(raw, Path(tmp), args), **provenance()})
             if args.log:
                 with args.log.open("a") as log:
                     log.write(json.dumps(rows[-1]) + "\n")
-        cmd = "python benchmarks/corpus.py" + (" --twice" if args.twice else "") + (f" --only {args.only}" if only else "")
-    cpus = "; ".join(sorted({r["cpu"] for r in rows if "cpu" in r})) or "CPU not in the log"
-    text = "\n".join([BEGIN, f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}; {cpus}). {summary(rows)}", "",
-                      table(rows, args.twice), END])
-    print(text)
-    if not only:
-        write_results(text)
-
+    print(f"{stamp(rows)}. {summary(rows)}\n\n{table(rows, args.twice)}\n\n{by_library(rows)}")
+    log = args.from_log or args.log
+    if log and (args.write or (not only and not args.from_log and log.resolve() == LOG)):
+        text = render(log)
+        write_section(MARKS, text, heading="The corpus through `ctropt optimize` with the speed guard")
+        print(f"\nRESULTS.md's corpus section rewritten from {log}")
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,9 @@ raw and through ctropt, one table and one chart of speed-up over the framework.
 
     python benchmarks/frameworks.py                        # every zoo model, batch 256, 1 thread
     python benchmarks/frameworks.py --only wdl,din --rounds 20
-    python benchmarks/frameworks.py --write                # also rewrite RESULTS' opening table and frameworks.svg
+    python benchmarks/frameworks.py --write                # also keep the run in frameworks-run.json (the log
+                                                           # RESULTS renders), rewrite its table and frameworks.svg
+    python benchmarks/frameworks.py --from-log benchmarks/frameworks-run.json [--write]   # the table from a log
 
 Per zoo model and framework (each in a process of its own: TensorFlow and PyTorch are never loaded together), the
 model is built with its seeded weights and exported fresh (so every form computes the same function), and these
@@ -26,15 +28,17 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from common import ROOT, machine, write_section
+from common import ROOT, provenance, read_log, write_log, write_section
 
 FORMS = ("framework compiled", "ORT raw", "ORT ctropt", "OpenVINO raw", "OpenVINO ctropt")
 COMPILED = {"tf": "XLA", "torch": "torch.compile"}
 BASE = {"tf": "TF graph", "torch": "PyTorch eager"}
-MARK = ("<!-- cross-runtime table: benchmarks/frameworks.py writes it -->", "<!-- end of cross-runtime table -->")
+MARKS = ("<!-- cross-runtime table: benchmarks/frameworks.py writes it -->", "<!-- end of cross-runtime table -->")
+LOG = Path(__file__).resolve().parent / "frameworks-run.json"
 
 
 def _tf_forms(spec, threads: int):
@@ -139,9 +143,10 @@ def _cell(value) -> str:
     return value if isinstance(value, str) else f"{value[0]:.2f}× ({value[1]:.2f}–{value[2]:.2f})"
 
 
-def table(rows: list[dict], args) -> str:
-    lines = [f"Command: `python benchmarks/frameworks.py --batch {args.batch} --rounds {args.rounds} --threads "
-             f"{args.threads}` ({time.strftime('%Y-%m-%d')}, {machine()}). Speed-up over the framework as served "
+def table(data: dict) -> str:
+    """The section from a run's log: {date, cpu, command, rows}."""
+    rows = data["rows"]
+    lines = [f"Command: `{data['command']}` ({data['date']}; {data['cpu']}). Speed-up over the framework as served "
              f"(TF graph function, PyTorch eager), median of paired rounds (10th–90th percentile); > 1 is faster.", "",
              "| model | framework (median per batch) | " + " | ".join(FORMS) + " |",
              "|---|---|" + "---|" * len(FORMS)]
@@ -152,6 +157,10 @@ def table(rows: list[dict], args) -> str:
     lines.append(f"\n\"framework compiled\" is {COMPILED['tf']} for the TF models and {COMPILED['torch']} for the "
                  "PyTorch ones. Chart: ![speed-up over the framework](frameworks.svg)")
     return "\n".join(lines)
+
+
+def render(log: Path = LOG) -> str:
+    return table(read_log(log))
 
 
 def chart(rows: list[dict]) -> str:
@@ -192,12 +201,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--write", action="store_true", help="rewrite RESULTS' opening table and frameworks.svg")
+    ap.add_argument("--write", action="store_true", help="keep the run in frameworks-run.json, rewrite RESULTS' "
+                    "table and frameworks.svg (with --from-log: the table only)")
+    ap.add_argument("--from-log", type=Path, help="the table from a kept run's log, without measuring")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # name:framework, measured in this process
     args = ap.parse_args()
     if args.one:
         name, framework = args.one.split(":")
         print(json.dumps(measure(name, framework, args.batch, args.rounds, args.threads)))
+        return
+    if args.from_log:
+        text = render(args.from_log)
+        print(text)
+        if args.write:
+            write_section(MARKS, text)
         return
     from ctropt.exporters.zoo import ENTRIES
 
@@ -215,11 +232,13 @@ def main() -> None:
                 continue
             rows.append(json.loads(lines[-1]))
             print(f"{name}_{framework}: done", file=sys.stderr, flush=True)
-    text = table(rows, args)
+    data = {**provenance(), "rows": rows}
+    text = table(data)
     print(text)
     if args.write:
+        write_log(LOG, data)
         (ROOT / "benchmarks/frameworks.svg").write_text(chart(rows))
-        write_section(MARK, text)
+        write_section(MARKS, text)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ FP16 vs FP32 with its worst-row error, the CPU/GPU threshold, a serving mix spli
     python benchmarks/gpu.py --run gpu.json [--seconds 0.4] [--budget 420]   # on the GPU machine
     python benchmarks/gpu.py --write gpu.json                              # here: RESULTS' GPU section
 
+RESULTS.md's GPU section is rendered from the committed run, benchmarks/gpu-run.json (copy a kept run there, then
+`--write benchmarks/gpu-run.json`, or `python benchmarks/results.py`).
+
 Every ratio is the median of paired, interleaved runs (time(A) / time(B), > 1: B is faster), inputs fed from host
 memory as a server gets them (the host→device copies are in the time). The CPU side of the threshold is
 `ctropt optimize` for the CPU (kernels included) on onnxruntime's CPU provider with --cpu-threads threads, the
@@ -16,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 
-from common import ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import ZOO, machine as cpu_machine, read_log, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
@@ -37,7 +40,8 @@ from serving import request_mix  # noqa: E402
 
 MODELS = ("wdl_tf", "deepfm_tf", "din_torch", "dien_torch", "mmoe_tf", "dlrm_tf", "din_tf", "dien_tf")
 BATCHES = (1, 16, 64, 256, 1024, 4096)
-MARK = ("<!-- GPU run: benchmarks/gpu.py writes it -->", "<!-- end of GPU run -->")
+MARKS = ("<!-- GPU run: benchmarks/gpu.py writes it -->", "<!-- end of GPU run -->")
+LOG = Path(__file__).resolve().parent / "gpu-run.json"
 
 
 def optimized(raw: onnx.ModelProto, device: str, passes: str = "all", seconds: float = 0.4) -> tuple:
@@ -122,7 +126,7 @@ def machine() -> dict:
     except FileNotFoundError:
         smi = "no NVIDIA GPU"
     return {"gpu": smi, "onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
-            "backends": available_backends(), "cpu": platform.processor() or platform.machine(),
+            "backends": available_backends(), "cpu": cpu_machine(),
             "date": time.strftime("%Y-%m-%d")}
 
 
@@ -151,7 +155,8 @@ def table(data: dict) -> str:
     m, a = data["machine"], data["args"]
     lines = [f"Command: `python benchmarks/gpu.py --run gpu-run.json --seconds {a['seconds']} --cpu-threads "
              f"{a['cpu_threads']}`, then `python benchmarks/gpu.py --write benchmarks/gpu-run.json` ({m['date']}; "
-             f"{m['gpu']}; onnxruntime-gpu {m['onnxruntime']}; 16-core host). TensorRT: {m['backends']['ort-trt']}.",
+             f"{m['gpu']}; onnxruntime-gpu {m['onnxruntime']}; host CPU: {m['cpu']}). TensorRT: "
+             f"{m['backends']['ort-trt']}.",
              "", "| model | batch | CUDA: ctropt vs raw | FP16 vs FP32 (CUDA) | FP16 worst err | GPU vs CPU ctropt "
              "| GPU p50 |", "|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
@@ -177,9 +182,13 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def render(log: Path = LOG) -> str:
+    return table(read_log(log))
+
+
 def write(path: str) -> None:
-    text = table(json.load(open(path)))
-    write_section(MARK, text, "GPU: onnxruntime CUDA provider (#28)")
+    text = render(Path(path))
+    write_section(MARKS, text, "GPU: onnxruntime CUDA provider (#28)")
     print(text)
 
 

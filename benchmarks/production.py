@@ -5,6 +5,9 @@ user runs it, timed against the raw export on the traffic shapes a CTR server se
     python benchmarks/production.py run --only deepctr_tf_DIN --log /tmp/prod.jsonl       # some exports again
     python benchmarks/production.py table --log /tmp/prod.jsonl [--write]                 # the table (into RESULTS)
 
+RESULTS' headline is rendered from the committed log, benchmarks/production-run.jsonl (copy a kept run's log there,
+then `table --write`, or `python benchmarks/results.py`).
+
 Per export X.onnx (with X.npz, a batch of 256 rows with skewed ids, and X.ref.npz, the framework's outputs on it):
 `ctropt optimize X.onnx -o OPT --inputs X.npz` (the defaults: target ort, the speed guard deciding on the user's
 rows), the outputs against the framework's (max abs error), then raw vs optimized on onnxruntime CPU, interleaved
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ROOT, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import ROOT, read_log, write_section  # noqa: E402  (puts the checkout on sys.path)
 
 from ctropt.graph import load  # noqa: E402
 from ctropt.runtime import Runner, compare_outputs, generate_inputs  # noqa: E402
@@ -41,6 +44,7 @@ MARKS = ("<!-- production table: benchmarks/production.py writes it -->", "<!-- 
 FAMILIES = [("dien", r"DIEN"), ("din", r"DIN"), ("bst", r"BST|SASRec|TransAct"), ("dlrm", r"DLRM"),
             ("dense", r"DeepFM|WDL|WideDeep|DCN|xDeepFM|MMOE|MMoE|PLE|AutoInt|FiBiNET|NFM|AFM|FinalMLP|ESMM")]
 BUSY = 1.5
+LOG = Path(__file__).resolve().parent / "production-run.jsonl"
 
 
 def family(stem: str) -> str:
@@ -157,10 +161,22 @@ def table(rows: list[dict]) -> str:
 
 def last_rows(log: Path) -> list[dict]:
     rows = {}
-    for line in log.read_text().splitlines():
-        row = json.loads(line)
+    for row in read_log(log):
         rows[row["export"]] = row
     return sorted(rows.values(), key=lambda r: (r["family"], r["export"]))
+
+
+def render(log: Path = LOG) -> str:
+    """RESULTS' headline section from a log: the command, dates and CPUs the rows carry, then the tables."""
+    rows = last_rows(log)
+    cpus = sorted({r["cpu"] for r in rows if "cpu" in r})
+    name = f"benchmarks/{log.name}" if log.resolve() == LOG else log.name
+    head = (f"Command: `python benchmarks/production.py run --log {name}`, then `python benchmarks/production.py "
+            f"table --log {name} --write` ({', '.join(sorted({r['date'] for r in rows if 'date' in r}))}; "
+            f"{'; '.join(cpus)}). Raw export vs "
+            "`ctropt optimize --inputs X.npz` (defaults), onnxruntime CPU, paired and interleaved, median of "
+            "time(raw)/time(optimized) (10th–90th percentile); load: the 1-minute load average before/after.")
+    return head + "\n\n" + table(rows)
 
 
 def main() -> None:
@@ -173,22 +189,16 @@ def main() -> None:
     r.add_argument("--log", type=Path, required=True)
     r.add_argument("--work", default=None, help="folder for the optimized models (default: the system's temp)")
     t = sub.add_parser("table")
-    t.add_argument("--log", type=Path, required=True)
+    t.add_argument("--log", type=Path, default=LOG, help="default: the committed log RESULTS is rendered from")
     t.add_argument("--write", action="store_true")
     args = ap.parse_args()
     if args.cmd == "run":
         run(args)
         return
-    rows = last_rows(args.log)
-    text = table(rows)
-    cpus = sorted({r["cpu"] for r in rows if "cpu" in r})
-    head = (f"Command: `python benchmarks/production.py table --log {args.log.name}` after `... run` "
-            f"({', '.join(sorted({r['date'] for r in rows if 'date' in r}))}; {'; '.join(cpus)}). Raw export vs "
-            "`ctropt optimize --inputs X.npz` (defaults), onnxruntime CPU, paired and interleaved, median of "
-            "time(raw)/time(optimized) (10th–90th percentile); load: the 1-minute load average before/after.")
-    print(head + "\n\n" + text)
+    text = render(args.log)
+    print(text)
     if args.write:
-        write_section(MARKS, head + "\n\n" + text, heading="Headline: production-sized exports")
+        write_section(MARKS, text, heading="Headline: production-sized exports")
 
 
 if __name__ == "__main__":

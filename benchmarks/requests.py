@@ -5,7 +5,12 @@ on adversarial variants of the export's real batch.
     python benchmarks/requests.py --only fuxictr_DIN,deepfm_tf   # stems containing one of these
     python benchmarks/requests.py --variants default,openvino    # some of: default, no_kernels, openvino, user_inputs
     python benchmarks/requests.py --log run.jsonl                # also keep every case's result, a JSON line each
-    python benchmarks/requests.py --write                        # put the table in benchmarks/RESULTS.md (all exports)
+    python benchmarks/requests.py --from-log A.jsonl B.jsonl     # the table of every (export, variant) from kept runs
+    python benchmarks/requests.py --from-log benchmarks/requests-run.jsonl.gz --write   # RESULTS' summary
+
+RESULTS.md holds the summary (`render`: counts per request family and per optimized form, where the unusual
+outcomes come from, every finding) of the committed log, benchmarks/requests-run.jsonl.gz, which keeps every case's
+result; a full run's logs (shards joined, gzipped) go there before `--write`.
 
 Per export (the zoo and tests/data/thirdparty, those with a .ref.npz; X.npz beside X.onnx is its real batch), the
 variants are made by `ctropt optimize RAW -o OPT --no-speed-check` in a subprocess (into a temporary folder):
@@ -61,7 +66,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from common import ROOT, THIRD, ZOO, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import ROOT, THIRD, ZOO, append_log, commands, provenance, read_log, stamp, write_section  # noqa: E402
 
 from ctropt.graph import iter_proto_graphs, load, to_graph, weights  # noqa: E402
 from ctropt.runtime import Runner, analyze_inputs, compare_outputs, summary  # noqa: E402
@@ -69,6 +74,9 @@ from ctropt.runtime.inputs import user_input_columns, user_input_names  # noqa: 
 
 CTROPT = [sys.executable, "-m", "ctropt"]
 MARKS = ("<!-- requests table: benchmarks/requests.py writes it -->", "<!-- end of requests table -->")
+LOG = Path(__file__).resolve().parent / "requests-run.jsonl.gz"
+FAMILIES = ("real", "ids", "floats", "batch", "history", "length", "strings", "user", "interface")  # build_cases'
+
 VARIANTS = {"default": [], "no_kernels": ["--option", "ort_kernels=off"], "openvino": ["--target", "openvino"],
             "user_inputs": None}   # --user-inputs VALUE from one_user.CASES
 # raw_crash: the raw export takes onnxruntime down (some abort at batch 0) after the optimized model answered or
@@ -751,10 +759,66 @@ def totals(rows: list[dict]) -> list[str]:
     return [line, ""]
 
 
-def cpu_name() -> str:
-    from ctropt.runtime.cpu import cpu_info
+def _count_cells(counts: collections.Counter) -> str:
+    return " | ".join(str(counts[k]) if counts[k] else "·" for k in CLASSES + ("nondeterministic",))
 
-    return cpu_info().name
+
+def overview(rows: list[dict], listed: int = 12) -> str:
+    """The compact table RESULTS holds: cases per request family and per optimized form by outcome, the totals,
+    which exports the unusual outcomes come from, and every finding (up to `listed`); the log keeps each case."""
+    head = " | ".join(CLASSES) + " | nondeterministic |"
+    by_family = collections.defaultdict(collections.Counter)
+    for row in rows:
+        for r in row["results"]:
+            by_family[r["family"]][r["class"]] += 1
+            by_family[r["family"]]["nondeterministic"] += bool(r["nondet"])
+    families = [f for f in FAMILIES if f in by_family] + sorted(set(by_family) - set(FAMILIES))
+    lines = ["| request family | cases | " + head, "|" + "---|" * (head.count("|") + 2)]
+    for f in families:
+        c = by_family[f]
+        lines.append(f"| {f} | {sum(c[k] for k in CLASSES)} | {_count_cells(c)} |")
+    lines += ["", "| optimized form | exports | cases | " + head + " largest size | largest weights |",
+              "|" + "---|" * (head.count("|") + 5)]
+    for variant in [v for v in VARIANTS if any(r["variant"] == v for r in rows)]:
+        group = [r for r in rows if r["variant"] == variant]
+        c = collections.Counter()
+        for row in group:
+            c.update(_counts(row))
+        size = max((r["size"] for r in group if r.get("size")), default=None)
+        kept = max((r["weights"] for r in group if r.get("weights")), default=None)
+        lines.append(f"| {variant} | {len(group)} | {sum(r['cases'] for r in group)} | {_count_cells(c)} | "
+                     f"{f'{size:.3f}×' if size else '·'} | {f'{kept:.3f}×' if kept else '·'} |")
+    lines += [""] + totals(rows)
+    for cls in ("repaired", "raw_crash", "both_crash"):
+        where = collections.Counter(row["export"] for row in rows for r in row["results"] if r["class"] == cls)
+        if where:
+            lines.append(f"- `{cls}`: {sum(where.values())} cases, by export (all forms together): "
+                         + ", ".join(f"{e} {n}" for e, n in sorted(where.items())) + ".")
+    errors = [f"{r['export']} / {r['variant']}: {r['error']}" for r in rows if r["error"]]
+    if errors:
+        lines.append(f"- errors ({len(errors)}): " + "; ".join(errors) + ".")
+    found = [(row, r) for row in rows for r in findings(row)]
+    lines.append(f"- findings (crash, hang, silent, differ, opt_raises, nondeterministic): {len(found) or 'none'}.")
+    for row, r in found[:listed]:
+        what = r["class"] if r["class"] in BAD else ""
+        if r["nondet"]:
+            what += (", " if what else "") + f"nondeterministic: {r['nondet']}"
+        lines.append(f"  - {row['export']} / {row['variant']}, `{r['case']}`: {what}"
+                     f"{' — ' + r['msg'] if r['msg'] and r['class'] in BAD else ''}")
+    if len(found) > listed:
+        lines.append(f"  - … {len(found) - listed} more (the log keeps them all)")
+    return "\n".join(lines).rstrip()
+
+
+def render(log: Path = LOG) -> str:
+    """RESULTS' bad-requests section from a log: its commands, dates and CPUs, then the summary."""
+    rows = from_logs([log])
+    name = f"benchmarks/{log.name}" if log.resolve() == LOG else log.name
+    return (f"Command: {commands(rows)}, then `python benchmarks/requests.py --from-log {name} --write` "
+            f"({stamp(rows)}). Raw export vs each optimized form on adversarial variants of its real batch, "
+            f"onnxruntime CPU; the case counts by outcome. Every case's result: the log "
+            f"(`python benchmarks/requests.py --from-log {name}` prints the table per export and form).\n\n"
+            + overview(rows))
 
 
 def main() -> None:
@@ -777,39 +841,36 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.from_log:
-        return report(from_logs(args.from_log), args, "the kept runs' logs")
+        rows = from_logs(args.from_log)
+        print(table(rows))
+        if args.write:
+            write_section(MARKS, render(args.from_log[0]) if len(args.from_log) == 1 else
+                          overview(rows), heading="Bad requests: raw export vs optimized")
+        return
     load_before, t0, rows = os.getloadavg(), time.time(), []
     for raw in exports(only):
-        done = measure(raw, variants, args)
+        done = [{**r, **provenance()} for r in measure(raw, variants, args)]
         rows += done
         if args.log:
-            with args.log.open("a") as log:
-                log.writelines(json.dumps(r) + "\n" for r in done)
+            append_log(args.log, done)
     load_after = os.getloadavg()
-    report(rows, args, f"{(time.time() - t0) / 60:.0f} min, load average {load_before[0]:.2f} before, "
-                       f"{load_after[0]:.2f} after")
+    print(f"{(time.time() - t0) / 60:.0f} min, load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
+    print(table(rows))
+    if args.write:
+        if not args.log or args.log.resolve() != LOG or only:
+            print("--write renders RESULTS from the committed log: a full run with --log benchmarks/"
+                  "requests-run.jsonl.gz (or join the shards' logs there, then --from-log it --write)")
+            return
+        write_section(MARKS, render(LOG), heading="Bad requests: raw export vs optimized")
 
 
 def from_logs(paths: list[Path]) -> list[dict]:
-    """Each (export, variant)'s last row in the logs, in corpus order."""
+    """Each (export, variant)'s last row in the logs, sorted by export and variant."""
     last = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in read_log(path):
             last[(row["export"], row["variant"])] = row
-    order = {p.stem: i for i, p in enumerate(exports([]))}
-    return sorted(last.values(), key=lambda r: (order.get(r["export"], len(order)), list(VARIANTS).index(r["variant"])))
-
-
-def report(rows: list[dict], args, how: str) -> None:
-    cmd = "python benchmarks/requests.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--write")
-    text = (f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {how}), {cpu_name()}. Raw export vs each optimized "
-            f"form on adversarial variants of its real batch, onnxruntime CPU; a finding per case beneath.\n\n"
-            + table(rows))
-    print(text)
-    if args.write:
-        write_section(MARKS, text, heading="Bad requests: raw export vs optimized")
-
+    return sorted(last.values(), key=lambda r: (r["export"], list(VARIANTS).index(r["variant"])))
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,10 @@
     python benchmarks/scale.py make --kind dlrm --rows 1000000 --width 16 -o /tmp/scale     # ~1.8 GB
     python benchmarks/scale.py make --kind din --rows 10000000 --width 16 -o /tmp/scale     # item table 640 MB
     python benchmarks/scale.py check /tmp/scale/dlrm_r100000_w16.onnx
+    python benchmarks/scale.py run [--write]      # make (if missing), optimize and measure the four cases
+    python benchmarks/scale.py table [--log benchmarks/scale-run.json] [--write]   # the table from a kept run
+
+`run --write` keeps the run in benchmarks/scale-run.json, the log RESULTS' Scale section is rendered from.
 
 Kinds:
   dlrm  DeepFM/DLRM-style ranker: inputs sparse_0..sparse_25 (int64 [B]) and dense (float [B, 13]); per field a
@@ -291,6 +295,7 @@ def check(path: Path) -> None:
 
 CASES = (("dlrm", 100_000, 16), ("dlrm", 1_000_000, 16), ("dlrm", 2_000_000, 32), ("din", 10_000_000, 16))
 MARKS = ("<!-- scale table: benchmarks/scale.py writes it -->", "<!-- end of scale table -->")
+LOG = Path(__file__).resolve().parent / "scale-run.json"
 
 
 def optimize_measured(path: Path, out: Path) -> dict:
@@ -344,23 +349,27 @@ def measure(kind: str, rows: int, width: int, folder: Path) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
-    import os
-    import platform
+def _cell(v) -> str:
+    return v if isinstance(v, str) else f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})"
 
-    from ctropt.runtime.cpu import cpu_info
 
-    cpu = cpu_info().name
-    head = (f"Command: `python benchmarks/scale.py run --write` ({time.strftime('%Y-%m-%d')}, {cpu}, "
-            f"{os.cpu_count()} cores, {platform.python_version()}, load average {os.getloadavg()[0]:.2f} at the "
-            "end). `ctropt optimize MODEL --inputs MODEL.npz` with the defaults (speed guard on) under "
-            "`/usr/bin/time -v`; outputs: max abs difference, raw vs optimized, on the made batch; speed: raw / "
-            "optimized time, paired and interleaved, onnxruntime CPU, 1 thread (10th–90th percentile).\n\n"
+def table(data: dict) -> str:
+    """The section from a run's log: {date, cpu, command, python, load_after, rows}."""
+    head = (f"Command: `{data['command']}` ({data['date']}, {data['cpu']}, {data['python']}, load average "
+            f"{data['load_after']:.2f} at the end). `ctropt optimize MODEL --inputs MODEL.npz` with the defaults (speed "
+            "guard on) under `/usr/bin/time -v`; outputs: max abs difference, raw vs optimized, on the made batch; "
+            "speed: raw / optimized time, paired and interleaved, onnxruntime CPU, 1 thread (10th–90th percentile).\n\n"
             "| model | size MB | optimize s | peak RSS MB | RSS / size | output MB | outputs | batch 256 | batch 2048 |\n"
             "|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(
         f"| {r['model']} | {r['size_mb']:.0f} | {r['wall']:.1f} | {r['rss_mb']:.0f} | {r['rss_mb'] / r['size_mb']:.2f} | "
-        f"{r['out_mb']:.0f} | {r['checked']} | {r['b256']} | {r['b2048']} |" for r in rows)
+        f"{r['out_mb']:.0f} | {r['checked']} | {_cell(r['b256'])} | {_cell(r['b2048'])} |" for r in data["rows"])
+
+
+def render(log: Path = LOG) -> str:
+    from common import read_log
+
+    return table(read_log(log))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -377,18 +386,34 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("run", help="make (if missing), optimize and measure each case; print the table")
     r.add_argument("--only", default="", help="comma list of case numbers (0-3: 178 MB, 1.8 GB, 6.6 GB, DIN)")
     r.add_argument("-o", "--out-dir", type=Path, default=Path("/tmp/scale"))
-    r.add_argument("--write", action="store_true", help="put the table in benchmarks/RESULTS.md")
+    r.add_argument("--write", action="store_true", help="keep the run in benchmarks/scale-run.json and put the "
+                   "table in benchmarks/RESULTS.md")
+    t = sub.add_parser("table", help="the table from a kept run's log")
+    t.add_argument("--log", type=Path, default=LOG)
+    t.add_argument("--write", action="store_true", help="put the table in benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    if args.command == "run":
-        picked = [CASES[int(i)] for i in args.only.split(",")] if args.only else list(CASES)
-        rows = []
-        for case in picked:
-            rows.append(measure(*case, args.out_dir))
-            print(rows[-1], flush=True)
-        print(table(rows))
+    if args.command in ("run", "table"):
+        import os
+        import platform
+
+        from common import provenance, write_log, write_section
+
+        if args.command == "run":
+            picked = [CASES[int(i)] for i in args.only.split(",")] if args.only else list(CASES)
+            rows = []
+            for case in picked:
+                rows.append(measure(*case, args.out_dir))
+                print(rows[-1], flush=True)
+            data = {**provenance(), "python": platform.python_version(), "load_after": os.getloadavg()[0],
+                    "rows": rows}
+            text = table(data)
+            if args.write:
+                write_log(LOG, data)
+        else:
+            text = render(args.log)
+        print(text)
         if args.write:
-            from common import write_section
-            write_section(MARKS, table(rows), heading="Scale: gigabyte tables optimized in bounded memory and time")
+            write_section(MARKS, text, heading="Scale: gigabyte tables optimized in bounded memory and time")
     elif args.command == "make":
         path = make(args.kind, args.rows, args.width, args.out_dir)
         if args.check:

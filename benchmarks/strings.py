@@ -13,14 +13,16 @@ Rows, each the median of paired, interleaved runs (time(A) / time(B), > 1: B is 
 - OpenVINO, which cannot load the raw export: the id model optimized with --target openvino (optimized on the
   front's ids of generated strings) vs the raw id model, both on OpenVINO, and end to end with the front on
   onnxruntime against the raw export on onnxruntime.
-`--write` puts the table into RESULTS' string section.
+`--write` keeps the run in benchmarks/strings-run.json, the log RESULTS' string section is rendered from, and
+rewrites that section; `--from-log benchmarks/strings-run.json [--write]` renders a kept run.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from common import THIRD, ZOO, machine, today, write_section  # noqa: E402  (puts the checkout on sys.path)
+from common import THIRD, ZOO, provenance, read_log, write_log, write_section  # noqa: E402  (the checkout on sys.path)
 
 import ctropt  # noqa: E402
 from ctropt.passes.speed import SpeedCheck  # noqa: E402
@@ -30,7 +32,8 @@ from ctropt.string_front import split_strings  # noqa: E402
 
 MODELS = {"wdl_strings_tf": ZOO, "din_strings_tf": ZOO, "deeprec_WDL_strings_tf2onnx": THIRD,
           "deeprec_DIN_strings_tf2onnx": THIRD}
-MARK = ("<!-- string features: benchmarks/strings.py writes it -->", "<!-- end of string features -->")
+MARKS = ("<!-- string features: benchmarks/strings.py writes it -->", "<!-- end of string features -->")
+LOG = Path(__file__).resolve().parent / "strings-run.json"
 
 
 class Split:
@@ -44,18 +47,20 @@ class Split:
 
 
 def _cell(r) -> str:
-    return f"{r.ratio:.2f}× ({r.ratio_p10:.2f}–{r.ratio_p90:.2f})"
+    return r if isinstance(r, str) else f"{r[0]:.2f}× ({r[1]:.2f}–{r[2]:.2f})"
 
 
 def _timed(runners, feeds, batch: int, seconds: float):
-    """The paired ratio, or why a side does not run (OpenVINO and a raw id model with a dynamic-rank Squeeze)."""
+    """The paired ratio [median, p10, p90], or why a side does not run (OpenVINO and a raw id model with a
+    dynamic-rank Squeeze)."""
     try:
-        return _cell(bench(runners(), feeds, batch, seconds=seconds))
+        r = bench(runners(), feeds, batch, seconds=seconds)
+        return [round(r.ratio, 3), round(r.ratio_p10, 3), round(r.ratio_p90, 3)]
     except ctropt.CtroptError as e:
         return f"fails: {str(e).splitlines()[0][:90]}"
 
 
-def measure(name: str, folder, batch: int, seconds: float) -> list[tuple[str, str]]:
+def measure(name: str, folder, batch: int, seconds: float) -> list[tuple[str, list | str]]:
     raw = ctropt.load(folder / f"{name}.onnx")
     feeds = generate_inputs(raw, batch=batch, seed=7)
     opt = ctropt.optimize(raw).model
@@ -91,23 +96,41 @@ class _Fixed:
         return self.runner.run(self.feeds)
 
 
+def table(data: dict) -> str:
+    """The section from a run's log: {date, cpu, command, rows}."""
+    lines = [f"Command: `{data['command']}` ({data['date']}; {data['cpu']}; 1 thread; "
+             "time(A) / time(B), > 1: B is faster; median, p10–p90).", "",
+             "| model | A → B | ratio |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {r['model']} | {r['what']} | {_cell(r['ratio'])} |" for r in data["rows"]])
+
+
+def render(log: Path = LOG) -> str:
+    return table(read_log(log))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--from-log", type=Path, help="the table from a kept run's log, without measuring")
     args = ap.parse_args()
-    lines = [f"Command: `python benchmarks/strings.py --seconds {args.seconds} --batch {args.batch}` ({today()}, "
-             f"{machine()}; 1 thread; "
-             "time(A) / time(B), > 1: B is faster; median, p10–p90).", "",
-             "| model | A → B | ratio |", "|---|---|---|"]
-    for name, folder in MODELS.items():
-        for what, cell in measure(name, folder, args.batch, args.seconds):
-            lines.append(f"| {name} | {what} | {cell} |")
-            print(lines[-1], flush=True)
-    text = "\n".join(lines)
+    if args.from_log:
+        text = render(args.from_log)
+    else:
+        rows = []
+        for name, folder in MODELS.items():
+            for what, ratio in measure(name, folder, args.batch, args.seconds):
+                rows.append({"model": name, "what": what, "ratio": ratio})
+                print(f"| {name} | {what} | {_cell(ratio)} |", flush=True)
+        data = {**provenance(), "rows": rows}
+        text = table(data)
+        if args.write:
+            write_log(LOG, data)
+    print(text)
     if args.write:
-        write_section(MARK, text, "String features (#29)")
+        write_section(MARKS, text, "String features (#29)")
+
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ Behaviour-sequence transformers (BST, TransAct, SASRec) and AutoInt attend over 
 heads (8–32 wide), so onnxruntime spends their attention in per-head overheads: a batched MatMul per head for Q·Kᵀ
 and for P·V, a Softmax over rows of L, the scale and the mask each a pass over [B, H, L, L]. Its own fused forms do
 not help on CPU (1 thread, B = 256, L = 21, D = 24, two heads: com.microsoft MultiHeadAttention 0.72×, Attention
-1.00×, the ONNX Attention op of opset 23 1.22× the decomposed graph; `benchmarks/RESULTS.md`). The kernel computes
+1.00×, the ONNX Attention op of opset 23 1.22× the decomposed graph; `git show 8b89a5f:benchmarks/RESULTS.md`). The kernel computes
 each head's rows LANES at a time with the softmax in registers.
 
 Found by what it computes, in whichever dialect: a MatMul reading a Softmax over the last axis of

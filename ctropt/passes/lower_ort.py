@@ -3,7 +3,7 @@
 onnxruntime fuses a residual ``Add`` and the LayerNormalization that reads it (also one it first fuses from
 ReduceMean/Sub/Pow/Sqrt/Div) into ``com.microsoft.SkipLayerNormalization``. On onnxruntime 1.32's CPU provider that
 kernel is 3–6× slower than the two ops it replaces (1 thread: [256, 21, 24] 557 µs against 180 µs, [256, 21, 256]
-6.9 ms against 1.1 ms, [64, 128, 768] 31 ms against 6.5 ms; `benchmarks/RESULTS.md`), and the behaviour-sequence
+6.9 ms against 1.1 ms, [64, 128, 768] 31 ms against 6.5 ms; `git show 8b89a5f:benchmarks/RESULTS.md`), and the behaviour-sequence
 transformers (BST, TransAct) spend a third of their time there. `residual-add-as-sum` writes that Add as a ``Sum`` of
 the same two values: the same float addition, which the fusion does not match. The speed guard keeps it only where
 it measures faster.

@@ -3,7 +3,7 @@
 `gather-rows-kernel`: a CTR model reads thousands of ids per batch (fields × batch, histories × batch), and
 onnxruntime's CPU Gather costs about 8 ns per index whatever the row's width, its per-index copy being a function
 call: a [1000, 8] table read at [256, 26] ids takes about 50 µs, a quarter of an optimized PaddleRec DeepFM
-(1 thread). The kernel copies each row inline, 3–5× faster (`benchmarks/RESULTS.md`). Any float table (``GatherRows``), or int64 one
+(1 thread). The kernel copies each row inline, 3–5× faster (`git show 8b89a5f:benchmarks/RESULTS.md`). Any float table (``GatherRows``), or int64 one
 (``GatherRowsInt64``: the positions other passes gather), of rank 1 to 8, constant or computed, with int32 or int64
 indices; an index out of range is an error there as here. A lookup at ``ids + offsets`` (fuse-parallel-embeddings'
 per-field offsets into its concatenated table, Expanded to the ids' shape or not) gives the offsets to the kernel,

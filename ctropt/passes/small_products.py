@@ -6,7 +6,7 @@ FM's sum over fields (``ReduceSum([B, F, E], axis 1)``: deepctr, deepctr-torch, 
 over a history ``[B, L, D]``, PaddleRec's sum of ``[B, F, 1]``, an MMoE gate's ``[B, 1, E] × [B, E, D]`` (after
 weighted-sum-as-matmul), FinalMLP's bilinear heads ``[B, H, 1, d] × [H, d, d]``, DCN's ``[B, D, 1] × [B, 1, 1]``.
 onnxruntime's CPU kernels run one sgemm call per matrix for each of these, so the calls' overhead is their cost:
-40–60 µs each at B = 256 (1 thread), 5–10× the kernels' (`benchmarks/RESULTS.md`). A sum over the last axes stays
+40–60 µs each at B = 256 (1 thread), 5–10× the kernels' (`git show 8b89a5f:benchmarks/RESULTS.md`). A sum over the last axes stays
 (onnxruntime's is fast there), and so does a product of more than 2048 multiply-adds per matrix (DLRM's
 ``[27, 16] × [16, 27]``: sgemm is faster).
 """

@@ -16,7 +16,7 @@ from ...patterns import Match, P, Rewrite
 from ..cleanup import tidy
 from ..registry import PassContext, register_pass
 
-# onnxruntime form per kind (see benchmarks/RESULTS.md, "Recurrent layers on onnxruntime"): auto is the kernel where
+# onnxruntime form per kind (see "Recurrent layers on onnxruntime" in git show 8b89a5f:benchmarks/RESULTS.md): auto is the kernel where
 # ctropt's kernel library loads (1.77-3.42x over raw on the DIEN exports, against 1.28-1.92x), else `standard`.
 ORT_FORMS = ("auto", "standard", "scan", "gru-op", "kernel")
 # onnxruntime's GRU op runs the whole sequence in one kernel but each step slower than the lean Scan's ops:
@@ -288,7 +288,7 @@ def lower_rnn_ort(ctx: PassContext) -> None:
     hoisted, GRU op at small batch); rnn_ort_form picks one (kernel, standard, scan, gru-op).
 
     --device cuda gets the standard form too: the GRU op (cuDNN) at every batch measured 0.26× at batch 4096 on
-    zoo dien_tf (H100, benchmarks/RESULTS.md's GPU section)."""
+    zoo dien_tf (H100; the GPU section of git show 8b89a5f:benchmarks/RESULTS.md)."""
     form = ctx.options.get("rnn_ort_form") or ("auto" if kernels.wanted(ctx.options) else "standard")
     if form not in ORT_FORMS:
         raise CtroptError(f"rnn_ort_form must be one of {', '.join(ORT_FORMS)}, not {form!r}")
