@@ -77,6 +77,11 @@ def optimize(raw: Path, out: Path) -> dict:
     return row
 
 
+def files_bytes(model: Path) -> int:
+    """The model file and its external data (MODEL.data, as ctropt and the exporters write it)."""
+    return sum(p.stat().st_size for p in model.parent.glob(model.name + "*") if p.suffix in (".onnx", ".data"))
+
+
 def paired(raw: Path, opt: Path, feeds: dict, threads: int, seconds: float) -> list[float]:
     v = compare_speed(Runner(str(raw), threads=threads), Runner(str(opt), threads=threads), feeds, threshold=1.0,
                       seconds=seconds, min_pairs=20)
@@ -95,6 +100,7 @@ def measure(raw: Path, work: Path, seconds: float) -> dict:
     row.update(optimize(raw, opt))
     if row["exit"]:
         return row
+    row["size_ratio"] = round(files_bytes(opt) / files_bytes(raw), 4)   # issue 47: none over 1.05
     feeds, ref = npz(raw.with_suffix(".npz")), npz(raw.with_suffix(".ref.npz"))
     got = Runner(str(opt)).run(feeds)
     row["max_err"] = max(d.max_abs for d in compare_outputs(ref, {k: got[k] for k in ref}, atol=1e-4, rtol=1e-4))
@@ -129,20 +135,25 @@ def _cell(v) -> str:
     return f"{v[0]:.2f}× ({v[1]:.2f}–{v[2]:.2f})" if v else "·"
 
 
+def _size(row: dict) -> str:
+    return f"{row['size_ratio']:.3f}" if "size_ratio" in row else "·"
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| export | family | MB | optimize s | rolled back | max err | batch 256, 1 thread | batch 256, 2 threads "
-             "| one user × 100 | one user × 1,000 | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| export | family | MB | size × | optimize s | rolled back | max err | batch 256, 1 thread "
+             "| batch 256, 2 threads | one user × 100 | one user × 1,000 | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("exit") != 0:
-            lines.append(f"| {r['export']} | {r['family']} | {r.get('size_mb', '·')} | fails: {r.get('error', '')} |"
+            lines.append(f"| {r['export']} | {r['family']} | {r.get('size_mb', '·')} | · | fails: {r.get('error', '')} |"
                          " · | · | · | · | · | · | · |")
             continue
         busy = " busy" if max(r["load_before"], r["load_after"]) > BUSY else ""
-        lines.append(f"| {r['export']} | {r['family']} | {r['size_mb']:.0f} | {r['optimize_s']:.0f} | "
+        lines.append(f"| {r['export']} | {r['family']} | {r['size_mb']:.0f} | "
+                     f"{_size(r)} | {r['optimize_s']:.0f} | "
                      f"{len(r['rolled_back'])}{' (input kept)' if r['kept_input'] else ''} | {r['max_err']:.1e} | "
                      f"{_cell(r['b256_t1'])} | {_cell(r['b256_t2'])} | {_cell(r.get('user_x100'))} | "
                      f"{_cell(r.get('user_x1000'))} | {r['load_before']:.1f}/{r['load_after']:.1f}{busy} |")
@@ -175,7 +186,8 @@ def render(log: Path = LOG) -> str:
             f"table --log {name} --write` ({', '.join(sorted({r['date'] for r in rows if 'date' in r}))}; "
             f"{'; '.join(cpus)}). Raw export vs "
             "`ctropt optimize --inputs X.npz` (defaults), onnxruntime CPU, paired and interleaved, median of "
-            "time(raw)/time(optimized) (10th–90th percentile); load: the 1-minute load average before/after.")
+            "time(raw)/time(optimized) (10th–90th percentile); size ×: the optimized model's "
+            "files over the raw export's; load: the 1-minute load average before/after.")
     return head + "\n\n" + table(rows)
 
 
