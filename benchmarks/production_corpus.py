@@ -112,10 +112,47 @@ MODELS = {
         "SASRec_arange_h50": Spec("SASRec", "seq", 64, 50, dict(heads=2, sasrec_len=50), patch="sasrec_arange"),
     },
 }
+# FuxiCTR: Spec.sizes are the zoo model's own keyword arguments (embedding_dim is Spec.emb).
+FUXI_TARGET, FUXI_SEQ = [("item_id", "cate_id")], [("hist_item_id", "hist_cate_id")]
+FUXI_MT = dict(task=["binary_classification"] * 2, num_tasks=2, gate_hidden_units=[64], tower_hidden_units=[128])
+FUXI_DIN = dict(dnn_hidden_units=list(W1024), attention_hidden_units=[80, 40], attention_hidden_activations="Dice",
+                din_target_field=FUXI_TARGET, din_sequence_field=FUXI_SEQ, din_use_softmax=False)
+MODELS["fuxictr"] = {
+    "DLRM": Spec("DLRM", "dense", 16, sizes=dict(bottom_mlp_units=[512, 256, 64], top_mlp_units=[512, 256],
+                                                  interaction_op="dot")),
+    "DCNv2": Spec("DCNv2", "dense", 16, sizes=dict(model_structure="parallel", num_cross_layers=3,
+                                                    parallel_dnn_hidden_units=list(W1024))),
+    "DeepFM": Spec("DeepFM", "dense", 16, sizes=dict(hidden_units=list(W400))),
+    "WideDeep": Spec("WideDeep", "dense", 16, sizes=dict(hidden_units=list(W1024))),
+    "xDeepFM": Spec("xDeepFM", "dense", 16, sizes=dict(dnn_hidden_units=list(W400), cin_hidden_units=[200] * 3)),
+    "FinalMLP": Spec("FinalMLP", "dense", 16, sizes=dict(mlp1_hidden_units=list(W400), mlp2_hidden_units=list(W400),
+                                                          use_fs=True, fs_hidden_units=[800], fs1_context=["C1"],
+                                                          fs2_context=["C2"], num_heads=4)),
+    "AutoInt": Spec("AutoInt", "dense", 16, sizes=dict(dnn_hidden_units=list(W400), attention_layers=3, num_heads=2,
+                                                        attention_dim=64, use_residual=True, use_wide=False,
+                                                        layer_norm=True, use_scale=True)),
+    "MMoE": Spec("MMoE", "dense", 16, sizes=dict(FUXI_MT, num_experts=8, expert_hidden_units=[256])),
+    "PLE": Spec("PLE", "dense", 16, sizes=dict(FUXI_MT, num_layers=2, num_shared_experts=4, num_specific_experts=2,
+                                                expert_hidden_units=[256])),
+    "DIN_h50": Spec("DIN", "seq", 32, 50, FUXI_DIN),
+    "DIN_h200": Spec("DIN", "seq", 32, 200, FUXI_DIN),
+    "DIEN_h50": Spec("DIEN", "seq", 32, 50, dict(
+        dnn_hidden_units=list(W1024), gru_type="AUGRU", attention_type="bilinear_attention",
+        use_attention_softmax=True, batch_norm=True, dien_target_field=FUXI_TARGET, dien_sequence_field=FUXI_SEQ,
+        dien_neg_seq_field=[("neg_hist_item_id", "neg_hist_cate_id")], aux_loss_alpha=0), patch="dien"),
+    "BST_h50": Spec("BST", "seq", 32, 50, dict(
+        dnn_hidden_units=list(W1024), num_heads=4, stacked_transformer_layers=1, bst_target_field=FUXI_TARGET,
+        bst_sequence_field=FUXI_SEQ, seq_pooling_type="mean", use_position_emb=True)),
+    "TransAct_h50": Spec("TransAct", "seq", 32, 50, dict(
+        dcn_cross_layers=3, dcn_hidden_units=list(W1024), mlp_hidden_units=[], num_heads=4, transformer_layers=1,
+        dim_feedforward=256, target_item_field=FUXI_TARGET, sequence_item_field=FUXI_SEQ, first_k_cols=1,
+        concat_max_pool=True)),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
     "torch_rechub": ("torch_rechub", "make_torch_rechub", ("legacy", "dynamo")),
+    "fuxictr": ("fuxictr", "make_fuxictr", ("legacy", "dynamo")),
 }
 
 
@@ -443,7 +480,97 @@ def shift(seq):
     return np.where(seq > 0, nxt, 0)
 
 
-RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub}
+def fuxictr(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """FuxiCTR 2.3.10 model zoo (snapshot at $FUXICTR_SRC): the zoo class built on a FeatureMap made in code (ids
+    with padding 0; histories sharing the target's tables, max_len = the history), the fixture's seeded weights
+    (embeddings rescaled to this script's std), wrapped as make_fuxictr does (positional inputs named after the
+    features -> the input dict -> y_pred, or click_pred and conversion_pred). Both exporters as the fixture
+    exports them (batch dynamic, history length static), with its workarounds: DIEN's padded rewrite (`dien`:
+    references from the library's code), onnxscript's zero tolerance, DLRM's masked_select translation (dynamo)."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    fx.stub_ray()
+    cls, mod = fx.load_zoo_model(spec.model)
+    feats = feature_spec("fuxictr", spec)
+    multitask = spec.model in ("MMoE", "PLE")
+    fm = fuxictr_feature_map(spec, feats, multitask)
+    common = dict(feature_map=fm, gpu=-1, verbose=0, model_root="/tmp/fuxictr_ckpt", metrics=["AUC"],
+                  optimizer="adam", loss="binary_crossentropy", embedding_regularizer=None, net_regularizer=None,
+                  learning_rate=1e-3)
+    torch.manual_seed(2024)
+    model = cls(**common, embedding_dim=spec.emb, **spec.sizes)
+    fx.init_weights(model, 1234)          # embeddings N(0, 0.5), padding rows 0, BN statistics, biases
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                m.weight.mul_(EMB_STD[spec.family] / 0.5)
+    model.eval()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    names = [n for n, _, _, _ in feats]
+    out_keys = ["click_pred", "conversion_pred"] if multitask else ["y_pred"]
+    dense_2d = spec.model == "DLRM"        # DLRM concatenates its numeric inputs on the last axis: [B, 1] each
+
+    def feed(raw):
+        return {n: (raw[n] if k != "dense" or dense_2d else raw[n].reshape(-1)) for n, k, _, _ in feats}
+    data = [feed(make_batch(feats, n, spec.hist, SEED + i, min_len=0)) for i, n in enumerate((BATCH, BATCH2))]
+
+    def eager(d):
+        with torch.no_grad():
+            out = model({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in d.items()})
+        return [out[k].numpy().copy() for k in out_keys]
+    refs = [eager(d) for d in data]
+    if spec.patch == "dien":
+        use = fx.patch_dien(mod)
+        use("patched")
+        res["patched_vs_library_max_diff"] = max(float(abs(a - b).max()) for d, r in zip(data, refs)
+                                                 for a, b in zip(eager(d), r))
+    wrapper = fx.make_wrapper(model, names, out_keys)
+    example = tuple(torch.from_numpy(np.ascontiguousarray(data[0][n])) for n in names)
+    t0 = time.time()
+    if exporter == "legacy":
+        torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=fx.OPSET, input_names=names,
+                          output_names=out_keys, dynamic_axes={n: {0: "batch"} for n in names + out_keys})
+    else:
+        res["onnxscript_zero_tol_patch"] = fx.patch_onnxscript_zero_tolerance(True) is not None
+        batch = torch.export.Dim("batch", min=1, max=65536)
+        extra = {"custom_translation_table": fx.masked_select_translation()} if spec.model == "DLRM" else {}
+        prog = torch.onnx.export(wrapper, example, dynamo=True, opset_version=fx.DYNAMO_OPSET, input_names=names,
+                                 output_names=out_keys, dynamic_shapes=(tuple({0: batch} for _ in names),),
+                                 verbose=False, **extra)
+        prog.save(str(path))
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
+def fuxictr_feature_map(spec: Spec, feats: list[tuple], multitask: bool):
+    from collections import OrderedDict
+    from fuxictr.features import FeatureMap
+    fm = FeatureMap("production_corpus", "/nonexistent")
+    f = OrderedDict()
+    for name, kind, v, shared in feats:
+        source = "user" if user_side(name) else "item"
+        if kind == "sparse":
+            f[name] = {"source": source, "type": "categorical", "padding_idx": 0, "vocab_size": v}
+        elif kind == "dense":
+            f[name] = {"source": "context", "type": "numeric"}
+        else:
+            f[name] = {"source": source, "type": "sequence", "share_embedding": shared, "padding_idx": 0,
+                       "vocab_size": v, "max_len": spec.hist}
+    if spec.model == "DIEN":   # DIEN's DNN width counts the negative histories (read only by the aux loss)
+        for name, kind, _, _ in feats:
+            if kind == "seq":
+                f["neg_" + name] = dict(f[name])
+    fm.features = f
+    fm.labels = ["click", "conversion"] if multitask else ["click"]
+    fm.default_emb_dim = spec.emb
+    fm.num_fields = fm.get_num_fields()
+    fm.set_column_index()
+    return fm
+
+
+RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
+           "fuxictr": fuxictr}
 
 
 # ------------------------------------------------------------------------------------------------------ driving
