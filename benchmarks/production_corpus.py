@@ -148,11 +148,34 @@ MODELS["fuxictr"] = {
         dim_feedforward=256, target_item_field=FUXI_TARGET, sequence_item_field=FUXI_SEQ, first_k_cols=1,
         concat_max_pool=True)),
 }
+MODELS["torchrec"] = {
+    "DLRM": Spec("DLRM", "dense", 16, sizes=dict(bottom=[512, 256, 64], top=[512, 256])),
+}
+# torchfm (rixwew/pytorch-fm, pip torchfm 0.7.0): Spec.model = torchfm.model.<module>.<class>, sizes = its arguments
+# after field_dims (categorical fields only: the 26 C fields, one table with per-field offsets).
+MODELS["torchfm"] = {
+    "DeepFM": Spec("dfm.DeepFactorizationMachineModel", "dense", 16,
+                   sizes=dict(embed_dim=16, mlp_dims=list(W400), dropout=0.0)),
+    "xDeepFM": Spec("xdfm.ExtremeDeepFactorizationMachineModel", "dense", 16,
+                    sizes=dict(embed_dim=16, mlp_dims=list(W400), dropout=0.0, cross_layer_sizes=[200] * 3)),
+    "DCN": Spec("dcn.DeepCrossNetworkModel", "dense", 16,
+                sizes=dict(embed_dim=16, num_layers=3, mlp_dims=list(W1024), dropout=0.0)),
+    "WideDeep": Spec("wd.WideAndDeepModel", "dense", 16, sizes=dict(embed_dim=16, mlp_dims=list(W1024), dropout=0.0)),
+    "AutoInt": Spec("afi.AutomaticFeatureInteractionModel", "dense", 16,
+                    sizes=dict(embed_dim=16, atten_embed_dim=64, num_heads=2, num_layers=3, mlp_dims=list(W400),
+                               dropouts=[0.0, 0.0])),
+    "PNN": Spec("pnn.ProductNeuralNetworkModel", "dense", 16,
+                sizes=dict(embed_dim=16, mlp_dims=list(W400), dropout=0.0, method="inner")),
+    "NFM": Spec("nfm.NeuralFactorizationMachineModel", "dense", 16,
+                sizes=dict(embed_dim=16, mlp_dims=list(W400), dropouts=[0.0, 0.0])),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
     "torch_rechub": ("torch_rechub", "make_torch_rechub", ("legacy", "dynamo")),
     "fuxictr": ("fuxictr", "make_fuxictr", ("legacy", "dynamo")),
+    "torchrec": ("torchrec", "make_torchrec", ("dynamo",)),
+    "torchfm": ("torchfm", None, ("legacy", "dynamo")),
 }
 
 
@@ -569,8 +592,129 @@ def fuxictr_feature_map(spec: Spec, feats: list[tuple], multitask: bool):
     return fm
 
 
+def torchrec(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """torchrec 1.9.2 (fbgemm-gpu-cpu 1.9.0): the fixture's build_dlrm (torchrec.models.dlrm.DLRM over an
+    EmbeddingBagCollection, one table per feature) and DLRMPlain front end (dense [B, 13], values [N], lengths
+    [26 B] feature-major -> KeyedJaggedTensor), with the 26 Criteo tables and the Kaggle DLRM's arch: bottom
+    512-256-64-16, top 512-256-1, embedding 16. Bags: one id per field, 5% empty (missing values), 5% of 2-3 ids.
+    Dynamo only: the fixture found the legacy tracer bakes the traced KJT split sizes in (tests/.../broken)."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    fx.ROWS = list(DENSE_VOCABS)
+    fx.F = len(fx.ROWS)
+    fx.KEYS = [f"f{i}" for i in range(fx.F)]
+    fx.EMB_DIM = spec.emb
+    fx.BOTTOM = [*spec.sizes["bottom"], spec.emb]
+    fx.TOP = [*spec.sizes["top"], 1]
+    w = fx.DLRMPlain(fx.build_dlrm()).eval()
+    res["params"] = sum(p.numel() for p in w.parameters())
+    feats = feature_spec("torchrec", spec)
+    zipf_ids = load_module("scale", HERE / "scale.py").zipf_ids
+    data = []
+    for i, n in enumerate((BATCH, BATCH2)):
+        raw = make_batch(feats, n, 0, SEED + i)
+        rng = np.random.default_rng(SEED + 100 + i)
+        dense = np.concatenate([raw[f"I{k + 1}"] for k in range(13)], axis=1).astype(np.float32)
+        lengths = np.ones((fx.F, n), np.int64)
+        lengths[rng.random((fx.F, n)) < 0.05] = 0
+        multi = rng.random((fx.F, n)) < 0.05
+        lengths[multi] = rng.integers(2, 4, int(multi.sum()))
+        values = []
+        for f, v in enumerate(fx.ROWS):
+            for b in range(n):
+                k = int(lengths[f, b])
+                if k:
+                    values.append(np.concatenate([[raw[f"C{f + 1}"][b]], zipf_ids(rng, v, (k - 1,), 1)]))
+        data.append({"dense": dense, "values": np.concatenate(values).astype(np.int64),
+                     "lengths": lengths.reshape(-1)})
+
+    def eager(d):
+        with torch.no_grad():
+            return [w(*(torch.from_numpy(d[k]) for k in fx.INPUT_NAMES)).numpy().copy()]
+    refs = [eager(d) for d in data]
+    t0 = time.time()
+    example = tuple(torch.from_numpy(data[0][k]) for k in fx.INPUT_NAMES)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    nvals = torch.export.Dim("nvalues", min=0, max=1 << 24)
+    prog = torch.onnx.export(w, example, dynamo=True, opset_version=18, input_names=fx.INPUT_NAMES,
+                             output_names=fx.OUTPUT_NAMES, verbose=False,
+                             dynamic_shapes={"dense": {0: batch}, "values": {0: nvals}, "lengths": {0: fx.F * batch}})
+    prog.save(str(path))
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
+def export_positional(model, example: tuple, names: list[str], out_names: list[str], exporter: str,
+                      path: Path) -> None:
+    """model(*inputs) to ONNX, the batch axis of every input and output dynamic: legacy (opset 17) or dynamo
+    (opset 18), as the fixtures export."""
+    import torch
+    if exporter == "legacy":
+        torch.onnx.export(model, example, str(path), dynamo=False, opset_version=17, input_names=names,
+                          output_names=out_names, dynamic_axes={n: {0: "batch"} for n in names + out_names})
+    else:
+        batch = torch.export.Dim("batch", min=1, max=65536)
+        prog = torch.onnx.export(model, example, dynamo=True, opset_version=18, input_names=names,
+                                 output_names=out_names, dynamic_shapes=tuple({0: batch} for _ in names),
+                                 verbose=False)
+        prog.save(str(path))
+
+
+def seeded_init(model, emb_std: float, seed: int = 1234) -> None:
+    """Seeded weights for the libraries without a fixture: embeddings N(0, emb_std) (padding rows 0), Linear and
+    Conv1d weights N(0, 2/fan_in), biases N(0, 0.01), BatchNorm statistics and affine terms non-trivial."""
+    import torch
+    from torch import nn
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Embedding):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * emb_std)
+                if m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, (nn.Linear, nn.Conv1d)):
+                fan_in = m.weight[0].numel()
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / fan_in) ** 0.5)
+                if m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+            elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 0.5 + 0.75)
+                if m.affine:
+                    m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                    m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+
+
+def torchfm(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """torchfm 0.7.0 (rixwew/pytorch-fm): the library's model class on field_dims = the 26 Criteo vocabularies (it
+    has no dense inputs), x = int64 [B, 26] (per-field ids; the model adds its field offsets), output sigmoid [B]."""
+    import importlib
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    module, cls = spec.model.rsplit(".", 1)
+    torch.manual_seed(0)
+    model = getattr(importlib.import_module(f"torchfm.model.{module}"), cls)(DENSE_VOCABS, **spec.sizes)
+    seeded_init(model, EMB_STD[spec.family])
+    model.eval()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    feats = [f for f in feature_spec("torchfm", spec) if f[1] == "sparse"]
+    data = [{"x": np.stack([b[n] for n, _, _, _ in feats], axis=1).astype(np.int64)}
+            for b in (make_batch(feats, n, 0, SEED + i) for i, n in enumerate((BATCH, BATCH2)))]
+
+    def eager(d):
+        with torch.no_grad():
+            return [model(torch.from_numpy(d["x"])).numpy().copy()]
+    refs = [eager(d) for d in data]
+    t0 = time.time()
+    export_positional(model, (torch.from_numpy(data[0]["x"]),), ["x"], ["y"], exporter, path)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
 RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
-           "fuxictr": fuxictr}
+           "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
 
 
 # ------------------------------------------------------------------------------------------------------ driving
@@ -590,7 +734,7 @@ def stem(lib: str, name: str, exporter: str) -> str:
 
 def run_one(lib: str, name: str, exporter: str, out: Path) -> dict:
     """In the library's venv: build, export, check, keep or drop one export; write and return its record."""
-    fx = load_module(LIBS[lib][1], THIRD / f"{LIBS[lib][1]}.py")
+    fx = load_module(LIBS[lib][1], THIRD / f"{LIBS[lib][1]}.py") if LIBS[lib][1] else None
     spec = MODELS[lib][name]
     path = out / (stem(lib, name, exporter) + ".onnx")
     remove(path)
