@@ -169,6 +169,27 @@ MODELS["torchfm"] = {
     "NFM": Spec("nfm.NeuralFactorizationMachineModel", "dense", 16,
                 sizes=dict(embed_dim=16, mlp_dims=list(W400), dropouts=[0.0, 0.0])),
 }
+# pytorch-widedeep 1.7.0: Spec.model = the class (pytorch_widedeep.models.rec, or TabMlp for WideDeep), sizes = its
+# arguments; every model is the deeptabular (deeptext: Transformer) component of the library's WideDeep.
+WD_DIN = dict(attention_unit_activation="dice", mlp_hidden_dims=list(W1024))
+MODELS["widedeep"] = {
+    "DeepFM": Spec("DeepFactorizationMachine", "dense", 16, sizes=dict(num_factors=16, mlp_hidden_dims=list(W400))),
+    "xDeepFM": Spec("ExtremeDeepFactorizationMachine", "dense", 16,
+                    sizes=dict(input_dim=16, cin_layer_dims=[200] * 3, mlp_hidden_dims=list(W400))),
+    "AutoIntPlus": Spec("AutoIntPlus", "dense", 16, sizes=dict(input_dim=16, num_heads=2, num_layers=3,
+                                                                structure="parallel", gated=True,
+                                                                embed_continuous_method="standard",
+                                                                mlp_hidden_dims=list(W400))),
+    "DCN": Spec("DeepCrossNetwork", "dense", 16, sizes=dict(n_cross_layers=3, mlp_hidden_dims=list(W1024))),
+    "DCNv2": Spec("DeepCrossNetworkV2", "dense", 16, sizes=dict(num_cross_layers=3, low_rank=64, num_experts=4,
+                                                                 structure="parallel", mlp_hidden_dims=list(W1024))),
+    "GDCN": Spec("GatedDeepCrossNetwork", "dense", 16, sizes=dict(num_cross_layers=3, structure="parallel",
+                                                                   mlp_hidden_dims=list(W1024))),
+    "WideDeep": Spec("TabMlp", "dense", 16, sizes=dict(mlp_hidden_dims=list(W1024))),
+    "DIN_h50": Spec("DeepInterestNetwork", "seq", 32, 50, WD_DIN),
+    "DIN_h200": Spec("DeepInterestNetwork", "seq", 32, 200, WD_DIN),
+    "Transformer_h50": Spec("Transformer", "seq", 64, 50, dict(n_heads=2, n_blocks=2, ff_factor=4)),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
@@ -176,6 +197,7 @@ LIBS = {  # library -> (venv, fixture module, exporters)
     "fuxictr": ("fuxictr", "make_fuxictr", ("legacy", "dynamo")),
     "torchrec": ("torchrec", "make_torchrec", ("dynamo",)),
     "torchfm": ("torchfm", None, ("legacy", "dynamo")),
+    "widedeep": ("widedeep", None, ("legacy", "dynamo")),
 }
 
 
@@ -713,7 +735,129 @@ def torchfm(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     return list(zip(data, refs))
 
 
-RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
+WD_STUBS = ("torchvision", "transformers", "gensim", "spacy", "cv2", "sentence_transformers", "fastparquet",
+            "sentencepiece", "tokenizers", "PIL")
+
+
+def stub_modules(names) -> None:
+    """Inert stand-ins for packages a library imports but its models never use (pytorch-widedeep imports its text
+    and image stacks, torchvision, transformers, gensim, spacy, cv2, at package import): any attribute is a class."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    class Meta(type):
+        def __getattr__(cls, k):
+            return Meta(k, (), {})
+
+        def __getitem__(cls, k):
+            return cls
+
+        def __call__(cls, *a, **k):
+            return super().__call__()
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, k):
+            if k.startswith("__"):
+                raise AttributeError(k)
+            return Meta(k, (), {})
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] in names else None
+
+        def create_module(self, spec):
+            m = Stub(spec.name)
+            m.__path__ = []
+            return m
+
+        def exec_module(self, module):
+            pass
+    sys.meta_path.insert(0, Finder())
+
+
+def widedeep(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """pytorch-widedeep 1.7.0: the library's rec models (DeepFM, xDeepFM, AutoInt+, DCN, DCNv2, GDCN, DIN) as the
+    deeptabular component of its WideDeep (which adds the prediction layer); WideDeep = Wide (one weight per id,
+    ids offset per field as WidePreprocessor codes them) + TabMlp; Transformer (its basic_transformer: embedding,
+    positional encoding, encoder blocks, flattened) as WideDeep's deeptext over the item history. Inputs: the
+    dict WideDeep.forward takes, one positional input per key: deeptabular float32 [B, columns] (ids as floats,
+    the library's convention), wide int64 [B, 26], deeptext int64 [B, T]. Unused packages stubbed (stub_modules)."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    stub_modules(WD_STUBS)
+    from pytorch_widedeep.models import WideDeep, Wide, TabMlp, rec
+    from pytorch_widedeep.models.rec.basic_transformer import Transformer
+    feats = feature_spec("widedeep", spec)
+    torch.manual_seed(0)
+    z = dict(spec.sizes)
+    if spec.model == "Transformer":
+        cols = [("hist_item_id", "deeptext")]
+        model = WideDeep(deeptext=Transformer(vocab_size=ITEM, seq_length=spec.hist, input_dim=spec.emb,
+                                              with_pos_encoding=True, **z))
+    else:
+        tab = []              # (column name, raw feature, position)
+        for name, kind, v, _ in feats:
+            tab += [(f"{name}_{t}", name, t) for t in range(spec.hist)] if kind == "seq" else [(name, name, None)]
+        column_idx = {c: i for i, (c, _, _) in enumerate(tab)}
+        sparse = [(n, v) for n, k, v, _ in feats if k == "sparse"]
+        cont = [n for n, k, _, _ in feats if k == "dense"]
+        pairs = "input_dim" in z or "num_factors" in z
+        if spec.model == "DeepInterestNetwork":
+            hist = {n: [c for c, f, _ in tab if f == n] for n, k, _, _ in feats if k == "seq"}
+            z.update(target_item_col="item_id", user_behavior_confiq=(hist["hist_item_id"], ITEM, spec.emb),
+                     other_seq_cols_confiq=[(hist["hist_cate_id"], CATE, spec.emb)],
+                     cat_embed_input=[(n, v, spec.emb) for n, v in sparse if n != "item_id"])
+        else:
+            z["cat_embed_input"] = [(n, v) if pairs else (n, v, spec.emb) for n, v in sparse]
+        deep = (TabMlp if spec.model == "TabMlp" else getattr(rec, spec.model))(
+            column_idx=column_idx, continuous_cols=cont, **z)
+        cols = [(tab, "deeptabular")]
+        if spec.model == "TabMlp":
+            cols = [("C", "wide")] + cols
+            model = WideDeep(wide=Wide(input_dim=sum(v for _, v in sparse), pred_dim=1), deeptabular=deep)
+        else:
+            model = WideDeep(deeptabular=deep)
+    seeded_init(model, EMB_STD[spec.family])
+    model.eval()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    offsets = np.cumsum([0] + [v for _, k, v, _ in feats if k == "sparse"])[:-1]
+
+    def inputs(raw):
+        d = {}
+        for src, key in cols:
+            if key == "deeptext":
+                d[key] = raw[src].astype(np.int64)
+            elif key == "wide":    # WidePreprocessor: ids coded 1.. over all fields (0 = unseen)
+                d[key] = np.stack([raw[f"C{i + 1}"] for i in range(26)], axis=1).astype(np.int64) + offsets
+            else:
+                d[key] = np.stack([raw[f].reshape(len(raw[f]), -1)[:, t or 0] for _, f, t in src],
+                                  axis=1).astype(np.float32)
+        return d
+    data = [inputs(make_batch(feats, n, spec.hist, SEED + i, min_len=1)) for i, n in enumerate((BATCH, BATCH2))]
+    keys = [k for _, k in cols]
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wd = model
+
+        def forward(self, *xs):
+            return self.wd(dict(zip(keys, xs)))
+    wrap = Wrap().eval()
+
+    def eager(d):
+        with torch.no_grad():
+            return [wrap(*(torch.from_numpy(d[k]) for k in keys)).numpy().copy()]
+    refs = [eager(d) for d in data]
+    t0 = time.time()
+    export_positional(wrap, tuple(torch.from_numpy(data[0][k]) for k in keys), keys, ["y"], exporter, path)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
+RUNNERS = {"widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
            "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
 
 
@@ -737,6 +881,7 @@ def run_one(lib: str, name: str, exporter: str, out: Path) -> dict:
     fx = load_module(LIBS[lib][1], THIRD / f"{LIBS[lib][1]}.py") if LIBS[lib][1] else None
     spec = MODELS[lib][name]
     path = out / (stem(lib, name, exporter) + ".onnx")
+    out.mkdir(parents=True, exist_ok=True)
     remove(path)
     res = {"lib": lib, "model": name, "exporter": exporter, "emb": spec.emb, "hist": spec.hist,
            "sizes": spec.sizes}
