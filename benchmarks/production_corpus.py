@@ -190,6 +190,15 @@ MODELS["widedeep"] = {
     "DIN_h200": Spec("DeepInterestNetwork", "seq", 32, 200, WD_DIN),
     "Transformer_h50": Spec("Transformer", "seq", 64, 50, dict(n_heads=2, n_blocks=2, ff_factor=4)),
 }
+# RecBole 1.2.1: Spec.sizes = its config (model yaml keys); the dataset is synthetic, 10^6 users and items.
+RB_CTR = dict(embedding_size=32, mlp_hidden_size=[256, 256, 256])       # DIN.yaml / DIEN.yaml widths
+RB_TF = dict(hidden_size=64, inner_size=256, n_layers=2, n_heads=2)   # SASRec.yaml
+MODELS["recbole"] = {
+    "DIN_h50": Spec("DIN", "seq", 32, 50, RB_CTR),
+    "DIN_h200": Spec("DIN", "seq", 32, 200, RB_CTR),
+    "DIEN_GRU_h50": Spec("DIEN", "seq", 32, 50, dict(RB_CTR, gru_type="GRU", alpha=1.0)),
+    "SASRec_h50": Spec("SASRec", "seq", 64, 50, RB_TF),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
@@ -198,6 +207,7 @@ LIBS = {  # library -> (venv, fixture module, exporters)
     "torchrec": ("torchrec", "make_torchrec", ("dynamo",)),
     "torchfm": ("torchfm", None, ("legacy", "dynamo")),
     "widedeep": ("widedeep", None, ("legacy", "dynamo")),
+    "recbole": ("recbole", "make_recbole", ("legacy", "dynamo")),
 }
 
 
@@ -857,7 +867,95 @@ def widedeep(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     return list(zip(data, refs))
 
 
-RUNNERS = {"widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
+def recbole_dataset(nu: int, ni: int, nc: int, hist: int) -> str:
+    """A synthetic RecBole atomic dataset: every user (user_id, gender) and item (item_id, cate_id) listed in the
+    feature files (so the tables have nu + 1 and ni + 1 rows), interactions for a few thousand users."""
+    import tempfile
+    import numpy as np
+    d = tempfile.mkdtemp(prefix="recbole_prod_")
+    ds = os.path.join(d, "prod")
+    os.makedirs(ds)
+    rng = np.random.default_rng(0)
+    n = 4000
+    users, items = rng.integers(1, nu + 1, n), rng.integers(1, ni + 1, n)
+    with open(os.path.join(ds, "prod.inter"), "w") as f:
+        f.write("user_id:token\titem_id:token\trating:float\ttimestamp:float\n")
+        f.write("".join(f"u{u}\ti{i}\t{r}\t{k}\n" for k, (u, i, r) in
+                        enumerate(zip(users, items, rng.integers(1, 6, n)))))
+    with open(os.path.join(ds, "prod.item"), "w") as f:
+        f.write("item_id:token\tcate_id:token\n")
+        f.write("".join(f"i{i}\tc{c}\n" for i, c in zip(range(1, ni + 1), rng.integers(1, nc + 1, ni))))
+    with open(os.path.join(ds, "prod.user"), "w") as f:
+        f.write("user_id:token\tgender:token\n")
+        f.write("".join(f"u{u}\tg{g}\n" for u, g in zip(range(1, nu + 1), rng.integers(1, 3, nu))))
+    return d
+
+
+def recbole(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """RecBole 1.2.1: the model built the RecBole way (Config + create_dataset + dataset.build, as make_recbole.py
+    does) on a synthetic dataset of 10^6 users and items and 10^4 categories, MAX_ITEM_LIST_LENGTH = the history,
+    the fixture's BatchNorm / LayerNorm randomisation, exported as the fixture exports `predict(interaction)`
+    (make_wrapper: positional inputs named after RecBole's fields). Histories 0 past item_length; DIEN and SASRec
+    need item_length >= 1, DIN takes empty histories. DIEN: gru_type GRU (the fixture: AUGRU exports with neither
+    exporter, GRU with the legacy one)."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    np.float_, np.complex_, np.unicode_ = np.float64, np.complex128, np.str_   # RecBole 1.2.1 on NumPy 2
+    from recbole.config import Config
+    from recbole.data import create_dataset
+    from recbole.data.transform import construct_transform
+    from recbole.utils import get_model
+    d = recbole_dataset(USER["user_id"], ITEM, CATE, spec.hist)
+    cfg = dict(data_path=d, load_col={"inter": ["user_id", "item_id", "rating", "timestamp"],
+                                       "item": ["item_id", "cate_id"], "user": ["user_id", "gender"]},
+               MAX_ITEM_LIST_LENGTH=spec.hist, threshold={"rating": 4}, device="cpu", use_gpu=False,
+               train_neg_sample_args=None,
+               eval_args={"split": {"RS": [0.8, 0.1, 0.1]}, "order": "TO", "group_by": "user", "mode": "labeled"},
+               metrics=["AUC", "LogLoss"], valid_metric="AUC", show_progress=False, state="ERROR",
+               checkpoint_dir=d, reproducibility=True, seed=0, **spec.sizes)
+    t0 = time.time()
+    config = Config(model=spec.model, dataset="prod", config_dict=cfg)
+    dataset = create_dataset(config)
+    dataset.build()
+    construct_transform(config)
+    res["dataset_s"] = round(time.time() - t0, 1)
+    res["tables"] = {"user_num": int(dataset.user_num), "item_num": int(dataset.item_num)}
+    torch.manual_seed(0)
+    model = get_model(spec.model)(config, dataset)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():   # as make_recbole.make_model
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+            if spec.model in fx.TRANSFORMERS and isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    model.eval()
+    res["params"] = sum(p.numel() for p in model.parameters())
+    names = fx.input_names(spec.model)
+    wrapper = fx.make_wrapper(model, names)
+    feats = [("user_id", "sparse", int(dataset.user_num), None), ("item_id", "sparse", int(dataset.item_num), None),
+             ("hist_item_id", "seq", int(dataset.item_num), "item_id"),
+             ("neg_hist_item_id", "seq", int(dataset.item_num), "item_id")]
+    rename = {"hist_item_id": "item_id_list", "neg_hist_item_id": "neg_item_id_list", "seq_length": "item_length"}
+    data = [{rename.get(k, k): v for k, v in make_batch(feats, n, spec.hist, SEED + i,
+                                                         min_len=0 if spec.model == "DIN" else 1).items()}
+            for i, n in enumerate((BATCH, BATCH2))]
+    data = [{k: d[k] for k in names} for d in data]
+
+    def eager(d):
+        with torch.no_grad():
+            return [wrapper(*[torch.from_numpy(d[n]) for n in names]).numpy().copy()]
+    refs = [eager(d) for d in data]
+    t0 = time.time()
+    export_positional(wrapper, tuple(torch.from_numpy(data[0][n]) for n in names), names, ["score"], exporter, path)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(data, refs))
+
+
+RUNNERS = {"recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
            "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
 
 
