@@ -199,6 +199,14 @@ MODELS["recbole"] = {
     "DIEN_GRU_h50": Spec("DIEN", "seq", 32, 50, dict(RB_CTR, gru_type="GRU", alpha=1.0)),
     "SASRec_h50": Spec("SASRec", "seq", 64, 50, RB_TF),
 }
+# TensorFlow Recommenders 0.7.7: its Ranking model (tfrs.experimental.models) with the feature interaction of each
+# family member; sizes: bottom / top stacks (tfrs.layers.blocks.MLP), cross layers (tfrs.layers.dcn.Cross).
+MODELS["tfrs"] = {
+    "DLRM": Spec("DLRM", "dense", 16, sizes=dict(bottom=[512, 256, 64, 16], top=[512, 256, 1])),
+    "DCN": Spec("DCN", "dense", 16, sizes=dict(bottom=[512, 256, 64, 16], top=[1024, 512, 256, 1], cross=3)),
+    "DCNv2_lowrank": Spec("DCN", "dense", 16, sizes=dict(bottom=[512, 256, 64, 16], top=[1024, 512, 256, 1],
+                                                          cross=3, projection_dim=64)),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
@@ -208,6 +216,7 @@ LIBS = {  # library -> (venv, fixture module, exporters)
     "torchfm": ("torchfm", None, ("legacy", "dynamo")),
     "widedeep": ("widedeep", None, ("legacy", "dynamo")),
     "recbole": ("recbole", "make_recbole", ("legacy", "dynamo")),
+    "tfrs": ("tfrs", "make_exports", ("tf2onnx",)),
 }
 
 
@@ -955,7 +964,72 @@ def recbole(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     return list(zip(data, refs))
 
 
-RUNNERS = {"recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
+def tfrs(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """TensorFlow Recommenders 0.7.7 (tf_keras, TF 2.21): tfrs.experimental.models.Ranking, whose call takes
+    {"dense_features": [B, 13], "sparse_features": {name: ids}}: bottom_stack and top_stack tfrs.layers.blocks.MLP,
+    feature_interaction DotInteraction (DLRM) or Concatenate + 3 tfrs.layers.dcn.Cross (DCN; projection_dim 64:
+    DCN-v2's low-rank cross). The embedding layer, which Ranking leaves to the user, is one Keras Embedding per
+    field (ids [B, 1]). Served as a tf.function over named inputs (dense_features, C1..C26) and converted with
+    tf2onnx from a small-table twin, the production tables put in after (as deepctr_tf); the fixture's seeded
+    weights (make_exports.init_tf_weights)."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+    import tf2onnx
+    import tensorflow_recommenders as tfrs_lib
+    from tensorflow_recommenders.experimental.models import Ranking
+    tf.random.set_seed(0)
+    feats = feature_spec("tfrs", spec)
+    sparse = [(n, v) for n, k, v, _ in feats if k == "sparse"]
+    z = spec.sizes
+
+    class Embeddings(tf.keras.layers.Layer):
+        def __init__(self, vocabs):
+            super().__init__()
+            self.tables = {n: tf.keras.layers.Embedding(v, spec.emb, name=f"emb_{n}") for n, v in vocabs}
+
+        def call(self, x):
+            return {n: t(x[n]) for n, t in self.tables.items()}
+
+    def build(vocabs):
+        if spec.model == "DLRM":
+            inter = tfrs_lib.layers.feature_interaction.DotInteraction()
+        else:
+            inter = tf.keras.Sequential([tf.keras.layers.Concatenate()] + [
+                tfrs_lib.layers.dcn.Cross(projection_dim=z.get("projection_dim")) for _ in range(z["cross"])])
+        m = Ranking(embedding_layer=Embeddings(vocabs),
+                    bottom_stack=tfrs_lib.layers.blocks.MLP(units=z["bottom"], final_activation="relu"),
+                    feature_interaction=inter,
+                    top_stack=tfrs_lib.layers.blocks.MLP(units=z["top"], final_activation="sigmoid"))
+        in_sig = [tf.TensorSpec((None, 13), tf.float32, name="dense_features")] + [
+            tf.TensorSpec((None, 1), tf.int64, name=n) for n, _ in sparse]
+
+        @tf.function(input_signature=in_sig)
+        def serve(dense, *ids):
+            return m({"dense_features": dense, "sparse_features": dict(zip([n for n, _ in sparse], ids))})
+        serve.get_concrete_function()     # builds the weights
+        return m, in_sig, serve
+    model, in_sig, serve = build(sparse)
+    fx.init_tf_weights(model, 1234, EMB_STD[spec.family])
+    res["params"] = int(sum(w.shape.num_elements() for w in model.weights))
+
+    def feed(raw):
+        d = {"dense_features": np.concatenate([raw[f"I{k + 1}"] for k in range(13)], axis=1).astype(np.float32)}
+        d.update({n: raw[n].reshape(-1, 1).astype(np.int64) for n, _ in sparse})
+        return d
+    feeds = [feed(make_batch(feats, n, 0, SEED + i)) for i, n in enumerate((BATCH, BATCH2))]
+    refs = [[serve(*[tf.constant(f[s.name]) for s in in_sig]).numpy()] for f in feeds]
+    twin, twin_sig, twin_serve = build([(n, 101 + 2 * k) for k, (n, _) in enumerate(sparse)])
+    tables = copy_weights(model, twin)
+    t0 = time.time()
+    tf2onnx.convert.from_function(twin_serve, input_signature=twin_sig, opset=fx.OPSET, output_path=str(path))
+    res["tables_put"] = put_tables(path, tables)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(feeds, refs))
+
+
+RUNNERS = {"tfrs": tfrs, "recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
            "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
 
 
