@@ -695,10 +695,13 @@ def export_positional(model, example: tuple, names: list[str], out_names: list[s
         torch.onnx.export(model, example, str(path), dynamo=False, opset_version=17, input_names=names,
                           output_names=out_names, dynamic_axes={n: {0: "batch"} for n in names + out_names})
     else:
+        import inspect
         batch = torch.export.Dim("batch", min=1, max=65536)
+        shapes = tuple({0: batch} for _ in names)
+        if any(p.kind == p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()):
+            shapes = (shapes,)      # forward(*inputs): one entry, the tuple
         prog = torch.onnx.export(model, example, dynamo=True, opset_version=18, input_names=names,
-                                 output_names=out_names, dynamic_shapes=tuple({0: batch} for _ in names),
-                                 verbose=False)
+                                 output_names=out_names, dynamic_shapes=shapes, verbose=False)
         prog.save(str(path))
 
 
