@@ -207,6 +207,19 @@ MODELS["tfrs"] = {
     "DCNv2_lowrank": Spec("DCN", "dense", 16, sizes=dict(bottom=[512, 256, 64, 16], top=[1024, 512, 256, 1],
                                                           cross=3, projection_dim=64)),
 }
+# PaddleRec (models/ at 656326a): Spec.sizes = the hyper_parameters over make_paddlerec.HP's. The Criteo models
+# share one table of sparse_feature_number rows (PaddleRec's hashed slots): the 26 vocabularies laid end to end.
+PR_CRITEO = dict(sparse_feature_number=sum(DENSE_VOCABS), sparse_feature_dim=16)
+MODELS["paddlerec"] = {
+    "DLRM": Spec("DLRM", "dense", 16, sizes=dict(PR_CRITEO, bot_layer_sizes=[512, 256, 64, 16],
+                                                  top_layer_sizes=[512, 256, 2])),
+    "DCN": Spec("DCN", "dense", 16, sizes=dict(PR_CRITEO, fc_sizes=list(W1024), cross_num=3)),
+    "DeepFM": Spec("DeepFM", "dense", 16, sizes=dict(PR_CRITEO, fc_sizes=list(W400))),
+    "WideDeep": Spec("WideDeep", "dense", 16, sizes=dict(PR_CRITEO, fc_sizes=list(W1024))),
+    "MMoE": Spec("MMoE", "dense", 0, sizes=dict(feature_size=512, expert_num=8, expert_size=256, tower_size=128)),
+    "PLE": Spec("PLE", "dense", 0, sizes=dict(feature_size=512, exp_per_task=2, shared_num=4, expert_size=256,
+                                               tower_size=128, level_number=2)),
+}
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
     "deepctr_tf": ("deepctr", "make_exports", ("tf2onnx",)),
@@ -217,6 +230,7 @@ LIBS = {  # library -> (venv, fixture module, exporters)
     "widedeep": ("widedeep", None, ("legacy", "dynamo")),
     "recbole": ("recbole", "make_recbole", ("legacy", "dynamo")),
     "tfrs": ("tfrs", "make_exports", ("tf2onnx",)),
+    "paddlerec": ("paddle3", "make_paddlerec", ("paddle2onnx",)),
 }
 
 
@@ -1032,7 +1046,60 @@ def tfrs(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     return list(zip(feeds, refs))
 
 
-RUNNERS = {"tfrs": tfrs, "recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
+def paddlerec(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
+    """PaddleRec (paddlepaddle 3.1.1, paddle2onnx 2.1.0): make_paddlerec.build (DygraphModel().create_model, its
+    seeded reinit, the output-picking wrapper) with production hyper-parameters, exported as the fixture does:
+    paddle.jit.to_static(full_graph=True) -> jit.save -> paddle2onnx.export(opset 13). Criteo models: C1..C26
+    int64 [B, 1] ids into the shared table (field k's ids offset by the vocabularies before it), dense_input
+    [B, 13]; MMoE / PLE (no tables: PaddleRec's census models) input_data [B, 512]."""
+    import shutil
+    import tempfile
+    import numpy as np
+    import paddle
+    import paddle2onnx
+    import onnx
+    paddle.seed(fx.SEED)
+    fx.HP[spec.model] = {**fx.HP[spec.model], **spec.sizes}
+    fx.FEAT = spec.sizes.get("feature_size", fx.FEAT)
+    w, in_spec, names, _, call = fx.build(spec.model)
+    w.eval()
+    res["params"] = int(sum(int(np.prod(p.shape)) for p in w.parameters()))
+    feats = feature_spec("paddlerec", spec)
+    offsets = np.cumsum([0] + DENSE_VOCABS)[:-1]
+
+    def data(i, n):
+        raw = make_batch(feats, n, 0, SEED + i)
+        if spec.model in ("MMoE", "PLE"):
+            rng = np.random.default_rng(SEED + i)
+            return {"input_data": rng.normal(size=(n, fx.FEAT)).astype(np.float32)}
+        d = {f"C{k + 1}": (raw[f"C{k + 1}"] + offsets[k]).reshape(n, 1).astype(np.int64) for k in range(26)}
+        d["dense_input"] = np.concatenate([raw[f"I{k + 1}"] for k in range(13)], axis=1).astype(np.float32)
+        return d
+    batches = [data(i, n) for i, n in enumerate((BATCH, BATCH2))]
+    with paddle.no_grad():
+        refs = [[np.asarray(o).copy() for o in fx.to_list(call(w, d))] for d in batches]
+    work = tempfile.mkdtemp(prefix="paddlerec_prod_")
+    prefix = os.path.join(work, "inference")
+    t0 = time.time()
+    try:
+        st = paddle.jit.to_static(w, input_spec=in_spec, full_graph=True)
+        paddle.jit.save(st, prefix)
+        model_file = prefix + (".json" if os.path.exists(prefix + ".json") else ".pdmodel")
+        tmp = os.path.join(work, "raw.onnx")
+        paddle2onnx.export(model_file, prefix + ".pdiparams", save_file=tmp, opset_version=fx.OPSET,
+                           enable_onnx_checker=True)
+        if not os.path.exists(tmp):
+            raise RuntimeError("paddle2onnx wrote no file (see its log)")
+        m = onnx.load(tmp)
+        onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=INLINE_BYTES)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["export_s"] = round(time.time() - t0, 1)
+    return list(zip(batches, refs))
+
+
+RUNNERS = {"paddlerec": paddlerec, "tfrs": tfrs, "recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
            "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
 
 
