@@ -5,12 +5,33 @@ widths that serving sees, written outside the repository.
     python benchmarks/production_corpus.py make --lib deepctr_torch -o /tmp/prodcorpus
     python benchmarks/production_corpus.py make --lib deepctr_tf --models DeepFM,DIN_h50 -o /tmp/prodcorpus
     python benchmarks/production_corpus.py make --lib torch_rechub -o /tmp/prodcorpus
+    python benchmarks/production_corpus.py make --lib fuxictr --models DLRM -o /tmp/prodcorpus
+    (libraries: deepctr_torch deepctr_tf torch_rechub fuxictr recbole paddlerec torchfm widedeep tfrs torchrec)
 
 Each library runs in its own virtual environment, the one its fixture script's docstring names (make_exports.py for
 deepctr_torch and deepctr_tf, make_torch_rechub.py for torch_rechub), looked up as $CTROPT_VENVS/<venv>/bin/python
 (default /work/venvs: `deepctr` holds torch==2.13.0, tensorflow-cpu 2.21, tf_keras, tf2onnx 1.17, deepctr-torch 0.3.0
 and deepctr 0.9.4; `torch_rechub` holds torch==2.13.0 and torch-rechub 0.9.0; both onnx, onnxscript, onnxruntime),
 or given with --python. Every (library, model, exporter) runs in a subprocess of its own, one at a time.
+The other libraries' venvs (torch always pinned to 2.13.0: /opt/wheels' CPU build; unpinned, pip pulls CUDA):
+  fuxictr    make_fuxictr.py's: torch==2.13.0 onnx onnxscript onnxruntime numpy pandas pyyaml scikit-learn h5py
+             tqdm pyarrow polars, then `pip install --no-deps fuxictr==2.3.10`; the model zoo from a snapshot of
+             reczoo/FuxiCTR at 0245987 in $FUXICTR_SRC (default /work/thirdparty_src/fuxictr)
+  recbole    make_recbole.py's: torch==2.13.0 recbole==1.2.1 onnx onnxscript onnxruntime numpy "pandas<3"
+  paddle3    make_paddlerec.py's: paddlepaddle==3.1.1 paddle2onnx==2.1.0 onnx==1.17.0 onnxruntime numpy polygraphy
+             onnx_graphsurgeon sympy six; PaddleRec's models/ at 656326a in $PADDLEREC_SRC
+             (default /work/thirdparty_src/paddlerec)
+  torchfm    torch==2.13.0 numpy onnx onnxscript onnxruntime, then `pip install --no-deps torchfm==0.7.0`
+  widedeep   torch==2.13.0 "numpy<2" scipy pandas scikit-learn einops torchmetrics tqdm wrapt pyarrow onnx onnxscript
+             onnxruntime, then `pip install --no-deps pytorch-widedeep==1.7.0` (its text / image / word-vector
+             dependencies, never used by these models, are stubbed at import: stub_modules)
+  tfrs       a copy of `deepctr` plus `pip install --no-deps tensorflow-recommenders==0.7.7`
+  torchrec   torch==2.13.0, torchrec==1.9.2, fbgemm-gpu-cpu==1.9.0 (--no-deps: torchrec's own dependency pulls the
+             CUDA fbgemm-gpu over it). Does not load: fbgemm-gpu-cpu 1.9.0 is built against an older torch
+             (undefined symbols in fbgemm_gpu_*.so under torch 2.13.0), and no fbgemm release matches 2.13; the
+             runner is kept for a venv with a matching pair.
+Libraries without a fixture script here (torchfm, widedeep, tfrs) are built from the library's own model classes
+with this script's seeded weights (seeded_init; tfrs: make_exports.init_tf_weights).
 
 The models are built by the fixture scripts' own builders (build_torch_model / build_tf_model / make_model), with
 the production sizes below instead of their toy ones, and exported the way the fixtures export them (export_torch,
@@ -21,7 +42,8 @@ DeepCTR models are converted from a twin with small tables, the real tables put 
 Families:
   dense   26 sparse fields C1..C26 (vocabularies: Criteo's, clipped to 10^3..10^6, 5.58M rows in all) and 13 dense
           I1..I13; embedding 16; MLP 400-400-400 or 1024-512-256; DCN 3 cross layers; xDeepFM CIN 200-200-200;
-          MMoE 8 experts of 256.
+          MMoE 8 experts of 256, PLE 2 levels of 4 shared + 2 per task; DLRM bottom 512-256-64(-16), top
+          512-256(-1), as the Criteo Kaggle DLRM.
   seq     user_id 10^6, user_city 10^4, user_age 10^3, item 10^6 and cate 10^4 (shared by the target and its
           history), embedding 32 (BST 32 per field: 64 wide, 4 heads; SASRec 64, 2 heads); histories of 50 or 200
           (`_h50`, `_h200`); MLP 1024-512-256, DIN attention 80-40.
@@ -1183,7 +1205,8 @@ def make(lib: str, names: list[str], out: Path, python: str | None) -> None:
 def list_models() -> None:
     for lib, models in MODELS.items():
         venv, fixture, exporters = LIBS[lib]
-        print(f"{lib}  (venv {VENVS / venv}, builders of {fixture}.py, exporters {', '.join(exporters)})")
+        builders = f"builders of {fixture}.py" if fixture else "the library's model classes"
+        print(f"{lib}  (venv {VENVS / venv}, {builders}, exporters {', '.join(exporters)})")
         for name, s in models.items():
             hist = f", history {s.hist}" if s.hist else ""
             print(f"  {name:24s} {s.model} [{s.family}] embedding {s.emb}{hist}, {s.sizes}")
