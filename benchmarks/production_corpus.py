@@ -1006,7 +1006,7 @@ def recbole(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
 def tfrs(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     """TensorFlow Recommenders 0.7.7 (tf_keras, TF 2.21): tfrs.experimental.models.Ranking, whose call takes
     {"dense_features": [B, 13], "sparse_features": {name: ids}}: bottom_stack and top_stack tfrs.layers.blocks.MLP,
-    feature_interaction DotInteraction (DLRM) or Concatenate + 3 tfrs.layers.dcn.Cross (DCN; projection_dim 64:
+    feature_interaction DotInteraction (DLRM) or concatenation + 3 tfrs.layers.dcn.Cross (DCN; projection_dim 64:
     DCN-v2's low-rank cross). The embedding layer, which Ranking leaves to the user, is one Keras Embedding per
     field (ids [B, 1]). Served as a tf.function over named inputs (dense_features, C1..C26) and converted with
     tf2onnx from a small-table twin, the production tables put in after (as deepctr_tf); the fixture's seeded
@@ -1031,11 +1031,18 @@ def tfrs(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
         def call(self, x):
             return {n: t(x[n]) for n, t in self.tables.items()}
 
+    class Fields(tf.keras.layers.Layer):
+        """The docstring's `Concatenate()` before the Cross layers, each vector reshaped to [B, emb] first: Ranking
+        squeezes the [B, 1, emb] embeddings with tf.squeeze, which under a dynamic batch loses the static shape,
+        and Cross needs the concatenation's width."""
+        def call(self, xs):
+            return tf.concat([tf.reshape(x, [-1, spec.emb]) for x in xs], axis=1)
+
     def build(vocabs):
         if spec.model == "DLRM":
             inter = tfrs_lib.layers.feature_interaction.DotInteraction()
         else:
-            inter = tf.keras.Sequential([tf.keras.layers.Concatenate()] + [
+            inter = tf.keras.Sequential([Fields()] + [
                 tfrs_lib.layers.dcn.Cross(projection_dim=z.get("projection_dim")) for _ in range(z["cross"])])
         m = Ranking(embedding_layer=Embeddings(vocabs),
                     bottom_stack=tfrs_lib.layers.blocks.MLP(units=z["bottom"], final_activation="relu"),
