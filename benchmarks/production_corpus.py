@@ -241,6 +241,11 @@ MODELS["paddlerec"] = {
     "MMoE": Spec("MMoE", "dense", 0, sizes=dict(feature_size=512, expert_num=8, expert_size=256, tower_size=128)),
     "PLE": Spec("PLE", "dense", 0, sizes=dict(feature_size=512, exp_per_task=2, shared_num=4, expert_size=256,
                                                tower_size=128, level_number=2)),
+    "DIN_h50": Spec("DIN", "seq", 32, 50, dict(item_emb_size=32, cat_emb_size=32, item_count=ITEM, cat_count=CATE)),
+    "BST_h50": Spec("BST", "seq", 32, 50, dict(item_emb_size=32, cat_emb_size=32, position_emb_size=32, item_count=ITEM,
+                                                user_count=USER["user_id"], cat_count=CATE, position_count=64,
+                                                d_model=96, d_key=24, d_value=24, n_head=4, d_inner_hid=384,
+                                                fc_sizes=list(W1024))),
 }
 LIBS = {  # library -> (venv, fixture module, exporters)
     "deepctr_torch": ("deepctr", "make_exports", ("legacy", "dynamo")),
@@ -1080,7 +1085,9 @@ def paddlerec(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     seeded reinit, the output-picking wrapper) with production hyper-parameters, exported as the fixture does:
     paddle.jit.to_static(full_graph=True) -> jit.save -> paddle2onnx.export(opset 13). Criteo models: C1..C26
     int64 [B, 1] ids into the shared table (field k's ids offset by the vocabularies before it), dense_input
-    [B, 13]; MMoE / PLE (no tables: PaddleRec's census models) input_data [B, 512]."""
+    [B, 13]; MMoE / PLE (no tables: PaddleRec's census models) input_data [B, 512]; DIN / BST the fixture's
+    inputs (histories, targets, DIN's int64 0 / -1e9 mask and tiled targets, BST's positions), the history axis
+    dynamic as in the fixture."""
     import shutil
     import tempfile
     import numpy as np
@@ -1097,7 +1104,21 @@ def paddlerec(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     offsets = np.cumsum([0] + DENSE_VOCABS)[:-1]
 
     def data(i, n):
-        raw = make_batch(feats, n, 0, SEED + i)
+        raw = make_batch(feats, n, spec.hist, SEED + i)
+        if spec.hist:     # DIN: mask int64 0 / -1e9 [B, T, 1] and the targets tiled, as dinReader feeds them
+            t, lens = spec.hist, raw["seq_length"]
+            pad = np.arange(t)[None, :] >= lens[:, None]
+            pos = np.where(pad, 0, np.arange(1, t + 1)[None, :])
+            d = {"hist_item_seq": raw["hist_item_id"], "hist_cat_seq": raw["hist_cate_id"],
+                 "target_item": raw["item_id"], "target_cat": raw["cate_id"],
+                 "mask": np.where(pad, -1e9, 0.0)[:, :, None].astype(np.int64),
+                 "target_item_seq": np.repeat(raw["item_id"][:, None], t, axis=1),
+                 "target_cat_seq": np.repeat(raw["cate_id"][:, None], t, axis=1),
+                 "userid": raw["user_id"][:, None], "position_seq": pos.astype(np.int64),
+                 "target_position": (lens + 1)[:, None].astype(np.int64)}
+            if spec.model == "BST":
+                d["target_item"], d["target_cat"] = d["target_item"][:, None], d["target_cat"][:, None]
+            return {k: d[k].astype(np.int64) for k in names}
         if spec.model in ("MMoE", "PLE"):
             rng = np.random.default_rng(SEED + i)
             return {"input_data": rng.normal(size=(n, fx.FEAT)).astype(np.float32)}
