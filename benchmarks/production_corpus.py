@@ -1149,8 +1149,9 @@ def paddlerec(fx, spec: Spec, exporter: str, path: Path, res: dict) -> list:
     return list(zip(batches, refs))
 
 
-RUNNERS = {"paddlerec": paddlerec, "tfrs": tfrs, "recbole": recbole, "widedeep": widedeep, "deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub,
-           "fuxictr": fuxictr, "torchrec": torchrec, "torchfm": torchfm}
+RUNNERS = {"deepctr_torch": deepctr_torch, "deepctr_tf": deepctr_tf, "torch_rechub": torch_rechub, "fuxictr": fuxictr,
+           "torchrec": torchrec, "torchfm": torchfm, "widedeep": widedeep, "recbole": recbole, "tfrs": tfrs,
+           "paddlerec": paddlerec}
 
 
 # ------------------------------------------------------------------------------------------------------ driving
