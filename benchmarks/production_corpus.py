@@ -748,7 +748,7 @@ def export_positional(model, example: tuple, names: list[str], out_names: list[s
 
 def seeded_init(model, emb_std: float, seed: int = 1234) -> None:
     """Seeded weights for the libraries without a fixture: embeddings N(0, emb_std) (padding rows 0), Linear and
-    Conv1d weights N(0, 2/fan_in), biases N(0, 0.01), BatchNorm statistics and affine terms non-trivial."""
+    Conv1d weights N(0, 2/fan_in), biases N(0, 0.1), BatchNorm statistics and affine terms non-trivial."""
     import torch
     from torch import nn
     g = torch.Generator().manual_seed(seed)
