@@ -30,6 +30,11 @@ The other libraries' venvs (torch always pinned to 2.13.0: /opt/wheels' CPU buil
              CUDA fbgemm-gpu over it). Does not load: fbgemm-gpu-cpu 1.9.0 is built against an older torch
              (undefined symbols in fbgemm_gpu_*.so under torch 2.13.0), and no fbgemm release matches 2.13; the
              runner is kept for a venv with a matching pair.
+Dropped by the 1e-4 check or the exporter (2026-12, results/*.json say why): widedeep xDeepFM (both exporters: its
+logits sit near 395, where float32's spacing is 3e-5, off by 1.2e-4); fuxictr TransAct_h50 legacy (0.06 at B=256, 3e-7
+at B=7: eager nn.TransformerEncoder takes its nested-tensor fast path, padded positions 0, the traced slow path
+computes them, and the max-pool over the history sees them); recbole DIEN_GRU_h50 dynamo (torch.export refuses
+pack_padded_sequence, as in the fixture); torch_rechub DIEN_h50 dynamo, SASRec_h50 (both; SASRec_arange is kept).
 Libraries without a fixture script here (torchfm, widedeep, tfrs) are built from the library's own model classes
 with this script's seeded weights (seeded_init; tfrs: make_exports.init_tf_weights).
 
