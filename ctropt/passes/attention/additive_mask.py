@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes
-from ..graph.edit import Builder, const_value
+from ...graph import annotate_shapes
+from ...graph.edit import Builder, const_value
 from .query_once import layer_weights
 
 LAYOUT = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"}  # ops that move values unchanged

@@ -26,17 +26,17 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import topological_order
-from ..graph.edit import Builder, const_value, unique_name
-from ..runtime.inputs import analyze_inputs
-from ..runtime.probe import Probe, try_probe
-from ..runtime.subgraph import Subgraph
+from ...graph import topological_order
+from ...graph.edit import Builder, const_value, unique_name
+from ...runtime.inputs import analyze_inputs
+from ...runtime.probe import Probe, try_probe
+from ...runtime.subgraph import Subgraph
 from .additive_mask import LAYOUT, additive_masks, valid_flags
-from .cleanup import tidy
+from ..cleanup import tidy
 from .padding_rows import insert_padding_masks, padding_candidates, undo
 from .query_once import bias_after, layer_weights, replicated, weights_by_term
 from .valid_pooling import pool_valid_positions, position_rows, zero_at_padding
-from .registry import PassContext, register_pass
+from ..registry import PassContext, register_pass
 
 LAYOUT_OPS = LAYOUT  # ops that move values without changing them
 HEAVY_OPS = {"MatMul", "Gemm", "Conv", "MatMulInteger", "QLinearMatMul"}

@@ -33,11 +33,11 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import CtroptError, annotate_shapes_if_bare
-from ..graph.edit import add_constant, axes_of, const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
-from ..patterns import Match, P, Rewrite, Var
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph import CtroptError, annotate_shapes_if_bare
+from ...graph.edit import add_constant, axes_of, const_value, is_all_zeros, rank_of, read_once, replace_outputs, shape_of
+from ...patterns import Match, P, Rewrite, Var
+from ..registry import PassContext, register_pass
 
 FORMS = ("auto", "kernel", "standard")
 

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph.edit import Builder, axes_of, const_value, stacked_part
-from ..runtime.probe import Probe
+from ...graph.edit import Builder, axes_of, const_value, stacked_part
+from ...runtime.probe import Probe
 
 MOVES = {"Identity", "Unsqueeze", "Squeeze", "Reshape"}
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import annotate_shapes
-from ..graph.edit import Builder, axes_of, const_value, shape_of
-from ..patterns import P, Rewrite, Var
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes
+from ...graph.edit import Builder, axes_of, const_value, shape_of
+from ...patterns import P, Rewrite, Var
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 
 
 def _roles(m) -> tuple | str:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph.edit import Builder, const_value
-from ..runtime.probe import Probe, try_probe
-from .cleanup import tidy
-from .fc import per_column
-from .registry import PassContext, register_pass
+from ...graph.edit import Builder, const_value
+from ...runtime.probe import Probe, try_probe
+from ..cleanup import tidy
+from ..dense.fc import per_column
+from ..registry import PassContext, register_pass
 
 MOVES = {"Expand", "Tile", "Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten"}
 

@@ -28,14 +28,14 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import annotate_shapes_if_bare
-from ..graph.edit import add_constant, add_node, const_value, replace_outputs, shape_of
-from ..runtime.subgraph import Subgraph
+from ... import kernels
+from ...graph import annotate_shapes_if_bare
+from ...graph.edit import add_constant, add_node, const_value, replace_outputs, shape_of
+from ...runtime.subgraph import Subgraph
 from .additive_mask import LAYOUT
-from .fc import per_column
+from ..dense.fc import per_column
 from .query_once import layer_weights
-from .registry import PassContext, register_pass
+from ..registry import PassContext, register_pass
 
 PROBE_ROWS, PROBE_TOKENS = 2, 7
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph.edit import Builder, is_all_zeros
-from ..runtime.probe import Probe
+from ...graph.edit import Builder, is_all_zeros
+from ...runtime.probe import Probe
 from .padding_rows import MOVES, poolings
 
 def zero_at_padding(mask_op: gs.Node, cond: gs.Tensor, negate: bool) -> bool:

@@ -14,12 +14,12 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.logger import G_LOGGER
 
-from ..graph import annotate_shapes, iter_graphs, loop_varying_values, weights
-from ..graph.dims import BROADCASTING, is_own_shape, same_size, shape_entries, source_dim
-from ..patterns import Const, P, Rewrite, Var
-from ..graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
+from ...graph import annotate_shapes, iter_graphs, loop_varying_values, weights
+from ...graph.dims import BROADCASTING, is_own_shape, same_size, shape_entries, source_dim
+from ...patterns import Const, P, Rewrite, Var
+from ...graph.edit import (axes_of, const_value, dtype_of, rank_of, renameable, replace_outputs, shape_of, stacked_part,
                           unique_name)
-from .registry import PassContext, register_pass
+from ..registry import PassContext, register_pass
 
 FOLD_SIZE_CAP = 16 << 20  # bytes: larger folded constants would bloat the model
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes
-from ..patterns import Const, Match, P, Rewrite, Var
-from ..graph.edit import add_constant, const_value, redirect_consumers, shape_of
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes
+from ...patterns import Const, Match, P, Rewrite, Var
+from ...graph.edit import add_constant, const_value, redirect_consumers, shape_of
+from ..registry import PassContext, register_pass
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "PRelu",
                "Sigmoid", "Tanh", "Relu", "LeakyRelu", "Elu", "Selu", "HardSigmoid", "Softplus", "Softsign",

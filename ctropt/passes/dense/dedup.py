@@ -18,15 +18,15 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..ops.rnn import is_sequence_node
-from ..graph import annotate_shapes_if_bare
-from ..graph.edit import Builder, const_value, unique_name
-from ..runtime.inputs import analyze_inputs, user_input_columns, user_input_names
-from ..runtime.probe import Probe, try_probe
-from ..runtime.subgraph import Subgraph
-from .additive_mask import LAYOUT
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ...ops.rnn import is_sequence_node
+from ...graph import annotate_shapes_if_bare
+from ...graph.edit import Builder, const_value, unique_name
+from ...runtime.inputs import analyze_inputs, user_input_columns, user_input_names
+from ...runtime.probe import Probe, try_probe
+from ...runtime.subgraph import Subgraph
+from ..attention.additive_mask import LAYOUT
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 from .user_layer import column_seeds, is_user_input, split_user_layers
 
 HEAVY_OPS = {"MatMul", "Gemm", "GRU", "LSTM", "RNN", "Conv"}

@@ -20,12 +20,12 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import annotate_shapes_if_bare
-from ..graph.dims import same_size
-from ..graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
-from .cleanup import slice_bounds, tidy
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph import annotate_shapes_if_bare
+from ...graph.dims import same_size
+from ...graph.edit import Builder, const_value, dtype_of, rank_of, replace_outputs, shape_of
+from ..cleanup import slice_bounds, tidy
+from ..registry import PassContext, register_pass
 
 MAX_TERMS = 64   # the kernel's (dot_sum.c)
 MAX_RANK = 8

@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import annotate_shapes_if_bare
-from ..graph.dims import same_size
-from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
-from .cleanup import tidy
+from ... import kernels
+from ...graph import annotate_shapes_if_bare
+from ...graph.dims import same_size
+from ...graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
+from ..cleanup import tidy
 from .fc import per_column
-from .registry import PassContext, register_pass
+from ..registry import PassContext, register_pass
 
 MAX_EXPERTS = 256   # the kernel's (gated_sum.c)
 LANES = 8   # the most experts whose gate's projection the kernel computes (gated_sum.c)

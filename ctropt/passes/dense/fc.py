@@ -22,13 +22,13 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes, annotate_shapes_if_bare, iter_graphs
-from ..graph.dims import same_size, shape_entries
-from ..patterns import Const, Match, P, Rewrite, Var
-from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
-from .layout import cancel_layout_pairs
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes, annotate_shapes_if_bare, iter_graphs
+from ...graph.dims import same_size, shape_entries
+from ...patterns import Const, Match, P, Rewrite, Var
+from ...graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
+from ..cleanup.layout import cancel_layout_pairs
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 
 # Activations onnxruntime folds into FusedGemm (GemmActivationFusion) and OpenVINO into FullyConnected.
 ACTIVATIONS = "Relu|Sigmoid|Tanh|LeakyRelu|Elu|HardSigmoid|Selu|Softsign"

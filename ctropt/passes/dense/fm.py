@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph import annotate_shapes_if_bare
-from ..graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph import annotate_shapes_if_bare
+from ...graph.edit import Builder, axes_of, const_value, dtype_of, rank_of, replace_outputs, shape_of
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 
 F32 = np.dtype(np.float32)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from ..graph.edit import dtype_of, shape_of
-from ..patterns import Match, P, Rewrite, Var
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph.edit import dtype_of, shape_of
+from ...patterns import Match, P, Rewrite, Var
+from ..registry import PassContext, register_pass
 
 MAX_RANK = 8   # the kernel's (mul_add.c)
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
-from ..graph.edit import axes_of, dtype_of, rank_of, shape_of
-from ..patterns import Match, P, Rewrite, Var
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph.edit import axes_of, dtype_of, rank_of, shape_of
+from ...patterns import Match, P, Rewrite, Var
+from ..registry import PassContext, register_pass
 
 MAX_PRODUCT = 2048   # multiply-adds per matrix, beyond which onnxruntime's sgemm per matrix is as fast or faster
 MAX_RANK = 8   # the kernels' (small_products.c)

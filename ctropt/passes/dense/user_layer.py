@@ -25,8 +25,8 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graph.edit import Builder, axes_of, const_value, replace_outputs, shape_of
-from ..runtime.inputs import analyze_inputs
+from ...graph.edit import Builder, axes_of, const_value, replace_outputs, shape_of
+from ...runtime.inputs import analyze_inputs
 from .fc import per_column
 
 

@@ -39,11 +39,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto
 
-from ..graph import annotate_shapes_if_bare, iter_graphs
-from ..graph.edit import Builder, const_value, rank_of
-from ..patterns import Const, Match, P, Rewrite, Var
-from ..runtime.subgraph import Subgraph
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes_if_bare, iter_graphs
+from ...graph.edit import Builder, const_value, rank_of
+from ...patterns import Const, Match, P, Rewrite, Var
+from ...runtime.subgraph import Subgraph
+from ..registry import PassContext, register_pass
 
 CONTRIB = "ai.onnx.contrib"
 ML = "ai.onnx.ml"

@@ -15,10 +15,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes
-from ..graph.edit import const_value, shape_of
-from ..patterns import Const, Match, P, Rewrite, Var
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes
+from ...graph.edit import const_value, shape_of
+from ...patterns import Const, Match, P, Rewrite, Var
+from ..registry import PassContext, register_pass
 
 
 def _axis0(v) -> bool:

@@ -42,10 +42,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes, iter_graphs
-from ..patterns.matcher import Any, P, Match, Rewrite, Var
-from ..graph.edit import Builder, dtype_of, rank_of, redirect_consumers, shape_of, unique_name
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes, iter_graphs
+from ...patterns.matcher import Any, P, Match, Rewrite, Var
+from ...graph.edit import Builder, dtype_of, rank_of, redirect_consumers, shape_of, unique_name
+from ..registry import PassContext, register_pass
 
 TARGETS = ("openvino",)
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph.edit import axes_of, const_value, dtype_of, read_once, shape_of
-from ..patterns import Const, Match, P, Rewrite, Var
-from ..runtime.probe import try_probe
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph.edit import axes_of, const_value, dtype_of, read_once, shape_of
+from ...patterns import Const, Match, P, Rewrite, Var
+from ...runtime.probe import try_probe
+from ..registry import PassContext, register_pass
 
 
 def _normalized(m: Match) -> bool | str:

@@ -19,12 +19,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import annotate_shapes_if_bare
-from ..graph.edit import Builder, const_value, read_once, redirect_consumers, shape_of
-from ..patterns import Match, P, Rewrite, Var
-from ..runtime.probe import PROBE_SIZES, try_probe
-from .cleanup import tidy
-from .registry import PassContext, register_pass
+from ...graph import annotate_shapes_if_bare
+from ...graph.edit import Builder, const_value, read_once, redirect_consumers, shape_of
+from ...patterns import Match, P, Rewrite, Var
+from ...runtime.probe import PROBE_SIZES, try_probe
+from ..cleanup import tidy
+from ..registry import PassContext, register_pass
 
 UNARY = {"Relu", "LeakyRelu", "Gelu", "Erf", "Sigmoid", "Tanh", "Neg", "Sqrt", "Exp", "Log", "Abs", "Elu", "Selu",
          "Softplus", "HardSigmoid", "Cast", "Identity", "Reciprocal", "Clip"}

@@ -25,13 +25,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .. import kernels
-from ..graph.dims import same_size
-from ..graph.edit import Builder, const_value, dtype_of, rank_of, read_once, replace_outputs, shape_of
-from ..patterns import Match, P, Rewrite, Var
-from .cleanup import slice_bounds
-from .embedding.parallel import read_field_rows
-from .registry import PassContext, register_pass
+from ... import kernels
+from ...graph.dims import same_size
+from ...graph.edit import Builder, const_value, dtype_of, rank_of, read_once, replace_outputs, shape_of
+from ...patterns import Match, P, Rewrite, Var
+from ..cleanup import slice_bounds
+from ..embedding.parallel import read_field_rows
+from ..registry import PassContext, register_pass
 
 
 KERNEL_OF = {np.dtype(np.float32): "GatherRows", np.dtype(np.int64): "GatherRowsInt64"}

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import onnx
 
-from ..graph import CtroptError, runnable_model
-from ..runtime import Runner, generate_inputs, store_input_facts
-from ..runtime.session import available_backends
+from ...graph import CtroptError, runnable_model
+from ...runtime import Runner, generate_inputs, store_input_facts
+from ...runtime.session import available_backends
 from .quantize import Gate, _gate_failure, _replace_graph, _worst, accuracy_report
-from .registry import PassContext, register_pass
+from ..registry import PassContext, register_pass
 
 # the second try: ops that sum many terms or amplify small differences stay FP32
 ACCUMULATING_OPS = ("ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceLogSumExp", "Softmax", "LogSoftmax",

@@ -42,14 +42,14 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graph import CtroptError, runnable_model
-from ..graph.edit import const_value
-from ..runtime import Runner, generate_inputs, store_input_facts
-from ..runtime.cpu import cpu_info
-from ..runtime.bench import bench
-from ..runtime.inputs import read_npz
-from ..runtime.probe import all_values
-from .registry import PassContext, register_pass
+from ...graph import CtroptError, runnable_model
+from ...graph.edit import const_value
+from ...runtime import Runner, generate_inputs, store_input_facts
+from ...runtime.cpu import cpu_info
+from ...runtime.bench import bench
+from ...runtime.inputs import read_npz
+from ...runtime.probe import all_values
+from ..registry import PassContext, register_pass
 
 BACKEND_OF_TARGET = {"ort": "ort-cpu", "openvino": "openvino-cpu"}
 CALIBRATORS = ("minmax", "percentile", "entropy")
