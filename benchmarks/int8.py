@@ -20,7 +20,7 @@ import numpy as np
 from common import THIRD, ZOO  # noqa: E402  (puts the checkout on sys.path)
 
 import ctropt  # noqa: E402
-from ctropt.passes.quantize import auc, logloss  # noqa: E402
+from ctropt.passes.precision.quantize import auc, logloss  # noqa: E402
 from ctropt.runtime import Runner, generate_inputs  # noqa: E402
 from ctropt.runtime.bench import bench  # noqa: E402
 

@@ -181,7 +181,7 @@ def ctr_structures(graph: gs.Graph) -> list[Recurrent]:
 def attention_structures(graph: gs.Graph) -> list[Recurrent]:
     """Scaled dot-product attention, softmax(s · Q·Kᵀ + bias) · V, as attention-core-kernel reads it (and why it
     would not fuse one), and the AttentionCore nodes it made."""
-    from .passes.attention_core import CORE_RULES, read_core
+    from .passes.attention.attention_core import CORE_RULES, read_core
     from .patterns import find_matches
 
     out = []

@@ -1,4 +1,4 @@
-"""The `--target openvino` lowering passes (ctropt/passes/lower_openvino.py): per pass a tiny graph that OpenVINO
+"""The `--target openvino` lowering passes (ctropt/passes/lowering/lower_openvino.py): per pass a tiny graph that OpenVINO
 2026.4 cannot load or runs wrongly, the expected rewrite, the same outputs on onnxruntime and OpenVINO, and
 idempotence; then end to end on the exported models that OpenVINO could not run as exported.
 

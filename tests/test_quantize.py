@@ -7,7 +7,7 @@ import pytest
 from onnx import numpy_helper
 
 import ctropt
-from ctropt.passes.quantize import auc, logloss
+from ctropt.passes.precision.quantize import auc, logloss
 from ctropt.runtime import Runner, run_model
 from helpers import F, init, make_model, node, ops, vi
 

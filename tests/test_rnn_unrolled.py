@@ -10,7 +10,8 @@ from onnx import TensorProto, helper
 
 from ctropt.graph import check_model, load, to_graph, to_model
 from ctropt.ops.rnn import SequenceAttrs, reference
-from ctropt.passes.rnn.unrolled import fuse_gru_ops, fuse_unrolled_cells
+from ctropt.passes.rnn.gru_op import fuse_gru_ops
+from ctropt.passes.rnn.unrolled import fuse_unrolled_cells
 from ctropt.runtime import Runner
 from helpers import F, init, make_model, node, vi
 

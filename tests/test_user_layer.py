@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import ctropt
 from ctropt.cli import app
 from ctropt.graph import annotate_shapes, save, to_graph, to_model
-from ctropt.passes.user_layer import layer_parts, split_user_layers
+from ctropt.passes.dense.user_layer import layer_parts, split_user_layers
 from ctropt.runtime import generate_inputs
 from ctropt.runtime.inputs import stored_input_facts
 

@@ -9,7 +9,8 @@ OneHot + ReduceSum by a scatter, `rewrite-sparse-columns` replaces TensorFlow fe
 `fuse-parallel-embeddings` turns the lookups of one batch into tables of one width into a single Gather on the
 concatenated table (seed 003: 26 lookups → one gather).
 
-One module per pass: `partitioned.py`, `bags.py`, `sparse_columns.py`, `indicator.py`, `parallel.py`.
+One module per pass: `partitioned.py`, `bags.py`, `sparse_columns.py`, `indicator.py`, `parallel.py`, and
+`strings.py` (`string-embedding`: a string column's hash or lookup, Gather and pooling in cheaper kernels).
 """
 
-from . import bags, indicator, parallel, partitioned, sparse_columns  # noqa: F401  (registers the passes)
+from . import bags, indicator, parallel, partitioned, sparse_columns, strings  # noqa: F401  (registers the passes)

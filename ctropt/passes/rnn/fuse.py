@@ -14,7 +14,8 @@ from ..registry import PassContext, register_pass
 from .loops import fuse_recurrent_loops
 from .prefix import lengths_from_output_masks
 from .scaled import attention_from_scaled_inputs
-from .unrolled import fuse_gru_ops, fuse_unrolled_cells
+from .gru_op import fuse_gru_ops
+from .unrolled import fuse_unrolled_cells
 
 
 def _opset(graph: gs.Graph) -> int:
