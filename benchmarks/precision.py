@@ -60,7 +60,8 @@ def optimize(raw: Path, out: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "ctropt", "optimize", str(raw), "-o", str(out), "--passes", "all", "--json",
            str(report)] + extra
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    env = {**os.environ, "COLUMNS": "1000"}   # no wrapped lines: its notes are read back from the printout
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
     row = {"exit": proc.returncode, "optimize_s": round(time.perf_counter() - t0, 1),
            "command": " ".join(["ctropt"] + cmd[3:])}
     if proc.returncode:
