@@ -37,12 +37,13 @@ import io
 import logging
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from ...graph import CtroptError, runnable_model
+from ...graph import CtroptError, runnable_model, to_graph, weights
 from ...graph.edit import const_value
 from ...runtime import Runner, generate_inputs, store_input_facts
 from ...runtime.cpu import cpu_info
@@ -142,7 +143,13 @@ def quantize(model: onnx.ModelProto, batches: list[dict], layers: list[FCLayer],
                  "entropy": CalibrationMethod.Entropy}[method]
     with tempfile.TemporaryDirectory(prefix="ctropt-int8-") as tmp:
         src, out = os.path.join(tmp, "fp32.onnx"), os.path.join(tmp, "int8.onnx")
-        onnx.save(model, src)  # a path, not the proto: quantize_static moves a proto's weights to external data
+        # a path, not the proto: quantize_static moves a proto's weights to external data. Tensors the running
+        # optimization keeps in its weight store are references into the store's folder: written beside src
+        store = weights.active()
+        if store is not None and weights.stored(model):
+            store.save(model, Path(src))
+        else:
+            onnx.save(model, src)
         with _quiet():
             quantize_static(src, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                             reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -150,7 +157,14 @@ def quantize(model: onnx.ModelProto, batches: list[dict], layers: list[FCLayer],
                             calibrate_method=calibrate,
                             extra_options={"WeightSymmetric": True, "ActivationSymmetric": False,
                                            "MatMulConstBOnly": True, "CalibPercentile": 99.999})
-        return onnx.load(out)
+        quantized = onnx.load(out)
+    # quantize_static's shape inference resolves the export's symbolic dims (the legacy torch exporter's
+    # `Sigmoidy_dim_1` becomes 1): the interface stays the input model's, as the pass manager checks it
+    declared = {v.name: v for v in list(model.graph.input) + list(model.graph.output)}
+    for v in list(quantized.graph.input) + list(quantized.graph.output):
+        if v.name in declared:
+            v.CopyFrom(declared[v.name])
+    return quantized
 
 
 @contextlib.contextmanager
@@ -167,8 +181,8 @@ def _quiet():
 
 
 def _layer_model(model: onnx.ModelProto, layer: FCLayer) -> onnx.ModelProto:
-    """The FC layer alone (with its Relu): x → Gemm/MatMul → (Relu) → y."""
-    graph = gs.import_onnx(model)
+    """The FC layer alone (with its Relu): x → Gemm/MatMul → (Relu) → y (its weights inline)."""
+    graph = to_graph(model)   # a weight in the store: read from it (gs.import_onnx would look beside the cwd)
     nodes = {n.name: n for n in graph.nodes}
     node = nodes[layer.node]
     x = gs.Variable("x", dtype=np.float32, shape=[None, layer.k])
