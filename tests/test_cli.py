@@ -46,6 +46,19 @@ def test_optimize_prints_the_table_and_saves(model_path):
         assert word in result.output
 
 
+def test_quiet_optimize_prints_the_closing_line_and_the_paths_only(model_path, tmp_path):
+    """--quiet (for scripts): no progress lines, no table, no cpu/precision lines; the closing line and the files."""
+    json_path = tmp_path / "r.json"
+    result = invoke("optimize", model_path, "-o", tmp_path / "q.onnx", "--quiet", "--json", json_path)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for word in ("m.onnx:", "(1/", "eliminate-identity", "max err  ", "cpu:", "precision:"):
+        assert word not in out, out
+    assert out.index("verified") < out.index("\nsaved ") < out.index("\njson "), out
+    assert ops(onnx.load(tmp_path / "q.onnx")) == ["GatherRows", "SumAxes"] and json_path.exists()
+    assert "eliminate-identity" in invoke("optimize", model_path, "-o", tmp_path / "l.onnx").output  # not sticky
+
+
 def test_optimize_named_passes_skip_and_inputs(model_path, tmp_path):
     np.savez(tmp_path / "in.npz", ids=np.array([[0, 19, 3]]))
     result = invoke("optimize", model_path, "-o", tmp_path / "o.onnx", "--passes", "eliminate-identity,fold-constants",

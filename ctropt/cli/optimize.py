@@ -136,6 +136,8 @@ def optimize(
 
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write what each pass did (status, "
                                             "rewrites, speed ratio, message) and the whole result's speed as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the closing line and the paths written "
+                               "(for scripts; errors still go to stderr)."),
 ):
     """Run passes on a model, verifying outputs after each one, and save the result."""
     with _user_errors():
@@ -155,7 +157,7 @@ def optimize(
                       batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
                       speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
                       static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report, replacing=replacing, precision=decision)
+                      report=report, replacing=replacing, precision=decision, quiet=quiet)
 
 
 def _precision_kept(result, decision: str) -> str:
@@ -189,8 +191,26 @@ def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]
 
 def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
               verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
-              json_out, report, replacing, precision: str = "f32") -> None:
-    """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report."""
+              json_out, report, replacing, precision: str = "f32", quiet: bool = False) -> None:
+    """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report (with `quiet`,
+    the closing line and the paths only)."""
+    console.quiet = quiet
+    try:
+        _run_and_save(m, model, out, store, external, feeds=feeds, passes=passes, skip=skip, target=target,
+                      batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
+                      speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
+                      static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
+                      report=report, replacing=replacing, precision=precision)
+    finally:
+        console.quiet = False
+
+
+def _run_and_save(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol,
+                  rtol, verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device,
+                  show_diff, json_out, report, replacing, precision: str) -> None:
+    """The passes, the saved model and what is printed of them (console.quiet set by --quiet: up to the
+    closing line)."""
+    quiet = console.quiet
     status = console.status("starting")
     done: list[str] = []
     piped = not console.is_terminal
@@ -223,6 +243,7 @@ def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes
     if show_diff:
         print_pass_diffs(console, result.records)
     timed_rows = len(next(iter(feeds.values()), [])) if feeds else speed_batch
+    console.quiet = False
     console.print(_closing_line(result, node_count(m), verify, target, timed_rows, device))
 
     def replaced(path: Path) -> str:  # an output that was there before: -o, --report and --json replace it
@@ -242,6 +263,6 @@ def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes
     if json_out is not None:
         _write_json(json_out, result, model, out, target)
         console.print(f"json {json_out}{replaced(json_out)}")
-    if target == "openvino":
+    if target == "openvino" and not quiet:
         _print_openvino_check(result.model, feeds or generate_inputs(
             result.model, batch=batch, seq_len=static_seq_len or DEFAULT_SEQ_LEN))
