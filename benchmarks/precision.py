@@ -41,7 +41,7 @@ import numpy as np
 
 from common import ROOT, append_log, commands, provenance, read_log, stamp  # noqa: E402  (the checkout on sys.path)
 
-from ctropt.passes.quantize import auc, logloss  # noqa: E402
+from ctropt.passes.precision.quantize import auc, logloss  # noqa: E402
 from ctropt.runtime import Runner  # noqa: E402
 from ctropt.runtime.bench import compare_speed  # noqa: E402
 from ctropt.runtime.cpu import cpu_info  # noqa: E402
