@@ -28,9 +28,10 @@ class _Console(Console):
     @Console.size.getter
     def size(self) -> ConsoleDimensions:
         size = Console.size.fget(self)
-        if self.is_terminal or os.environ.get("COLUMNS", "").isdigit():
-            return size
-        return ConsoleDimensions(PIPE_COLUMNS, size.height)
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit():   # read now: rich keeps the COLUMNS it saw when the console was made
+            return ConsoleDimensions(int(columns), size.height)
+        return size if self.is_terminal else ConsoleDimensions(PIPE_COLUMNS, size.height)
 
 
 console = _Console(highlight=False)
