@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import List, Optional
 
@@ -153,11 +154,12 @@ def optimize(
         with weights.WeightStore.opened(near=out.parent) as store:
             external = bool(weights.stored(m))
             store.adopt(m, model.parent)  # large tensors stay in files while the passes run (graph/weights.py)
-            _optimize(m, model, out, store, external, feeds=feeds, passes=passes, skip=skip, target=target,
-                      batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
-                      speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
-                      static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report, replacing=replacing, precision=decision, quiet=quiet)
+            with _quiet_console(quiet):
+                _optimize(m, model, out, store, external, feeds=feeds, passes=passes, skip=skip, target=target,
+                          batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
+                          speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
+                          static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
+                          report=report, replacing=replacing, precision=decision)
 
 
 def _precision_kept(result, decision: str) -> str:
@@ -189,27 +191,21 @@ def _check_outputs(model: Path, outputs: dict[str, Optional[Path]]) -> set[Path]
     return {path for path in outputs.values() if path is not None and path.exists()}
 
 
-def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
-              verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
-              json_out, report, replacing, precision: str = "f32", quiet: bool = False) -> None:
-    """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report (with `quiet`,
-    the closing line and the paths only)."""
+@contextlib.contextmanager
+def _quiet_console(quiet: bool):
+    """--quiet: the console prints nothing until `_optimize` turns it back on for the closing line and paths."""
     console.quiet = quiet
     try:
-        _run_and_save(m, model, out, store, external, feeds=feeds, passes=passes, skip=skip, target=target,
-                      batch=batch, atol=atol, rtol=rtol, verify=verify, strict=strict, options=options,
-                      speed_check=speed_check, bench_passes=bench_passes, speed_batch=speed_batch,
-                      static_seq_len=static_seq_len, device=device, show_diff=show_diff, json_out=json_out,
-                      report=report, replacing=replacing, precision=precision)
+        yield
     finally:
         console.quiet = False
 
 
-def _run_and_save(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol,
-                  rtol, verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device,
-                  show_diff, json_out, report, replacing, precision: str) -> None:
-    """The passes, the saved model and what is printed of them (console.quiet set by --quiet: up to the
-    closing line)."""
+def _optimize(m, model: Path, out: Path, store, external: bool, *, feeds, passes, skip, target, batch, atol, rtol,
+              verify, strict, options, speed_check, bench_passes, speed_batch, static_seq_len, device, show_diff,
+              json_out, report, replacing, precision: str = "f32") -> None:
+    """`optimize` once the model is loaded and its large tensors are in `store`: run, save, report (under
+    `_quiet_console`, the closing line and the paths only)."""
     quiet = console.quiet
     status = console.status("starting")
     done: list[str] = []
